@@ -1,0 +1,213 @@
+"""Load, override, validate and write raysc configurations.
+
+``load_config(path, overrides)`` reads a TOML file, applies ``section.key=value``
+overrides and returns a checked ``Config``. Every problem raises ``ConfigError``
+with the key, where it came from (file or ``--set``) and what is allowed, before
+any actor or tensor exists. ``dump_config`` writes the resolved config back as
+TOML (our config is two levels of scalars, so a small writer suffices and saves a
+dependency).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Iterable
+
+from raysc.config.schema import SECTIONS, Config
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: key, origin, what is allowed."""
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def _suggest(name: str, options: Iterable[str]) -> str:
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" Did you mean '{close[0]}'?" if close else ""
+
+
+def _check_value(section: str, key: str, value: Any, spec: dataclasses.Field, origin: str) -> Any:
+    where = f"{origin}: {section}.{key}"
+    want = _TYPES[spec.type] if isinstance(spec.type, str) else spec.type
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if want is not bool and isinstance(value, bool) or not isinstance(value, want):
+        raise ConfigError(
+            f"{where} = {value!r} has type {type(value).__name__}; expected {want.__name__} "
+            f"({spec.metadata['help']})."
+        )
+    if want is float and not math.isfinite(value):
+        raise ConfigError(f"{where} = {value!r} must be a finite number.")
+    rules = spec.metadata
+    if "choices" in rules and value not in rules["choices"]:
+        raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {rules['choices']}.")
+    if "min" in rules and value < rules["min"]:
+        raise ConfigError(f"{where} = {value!r} is too small; it must be >= {rules['min']} ({rules['help']}).")
+    if "max" in rules and value > rules["max"]:
+        raise ConfigError(f"{where} = {value!r} is too large; it must be <= {rules['max']} ({rules['help']}).")
+    if "gt" in rules and not value > rules["gt"]:
+        raise ConfigError(f"{where} = {value!r} must be > {rules['gt']} ({rules['help']}).")
+    return value
+
+
+def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None:
+    if section not in SECTIONS:
+        raise ConfigError(
+            f"{origin}: unknown section '[{section}]'.{_suggest(section, SECTIONS)} "
+            f"Sections are: {', '.join(SECTIONS)}."
+        )
+    sub = getattr(cfg, section)
+    fields = {f.name: f for f in dataclasses.fields(sub)}
+    if key not in fields:
+        raise ConfigError(
+            f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields)} "
+            f"Keys of [{section}] are: {', '.join(fields)}."
+        )
+    setattr(sub, key, _check_value(section, key, value, fields[key], origin))
+
+
+def _parse_override(item: str) -> tuple[str, str, Any]:
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected section.key=value, e.g. --set train.steps=50.")
+    dotted, raw = item.split("=", 1)
+    parts = dotted.strip().split(".")
+    if len(parts) != 2 or not all(parts):
+        raise ConfigError(f"--set {item!r}: the key must be section.key, e.g. optim.lr.")
+    try:
+        value = tomllib.loads(f"v = {raw.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()  # a bare word is a string: --set run.name=demo
+    return parts[0], parts[1], value
+
+
+def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -> Config:
+    """Read ``path`` (optional), apply ``overrides`` and validate the result."""
+    cfg = Config()
+    explicit: set[str] = set()
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist; see jobs/configs/ for examples.")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{p}: not valid TOML: {e}.") from None
+        for section, table in data.items():
+            if not isinstance(table, dict):
+                raise ConfigError(
+                    f"{p}: top-level key '{section}' must be a [section] table; "
+                    f"sections are: {', '.join(SECTIONS)}."
+                )
+            for key, value in table.items():
+                _apply(cfg, section, key, value, str(p))
+                explicit.add(f"{section}.{key}")
+    for item in overrides:
+        section, key, value = _parse_override(item)
+        _apply(cfg, section, key, value, "--set")
+        explicit.add(f"{section}.{key}")
+    if "train.global_batch_tokens" in explicit and "train.global_batch" not in explicit:
+        cfg.train.global_batch = 0  # the token count replaces the default sequence count
+    validate(cfg, origin=str(path) if path else "defaults")
+    return cfg
+
+
+def validate(cfg: Config, origin: str = "config") -> None:
+    """Cross-key checks that a single field's rules cannot express."""
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if m.dim % m.n_heads:
+        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"{origin}: head dim model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings."
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"{origin}: model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+            f"(grouped-query attention shares each KV head among n_heads/n_kv_heads query heads)."
+        )
+    if m.max_seq_len and m.max_seq_len < t.seq_len:
+        raise ConfigError(
+            f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
+            f"raise it or set it to 0 (= train.seq_len)."
+        )
+    if bool(t.global_batch) == bool(t.global_batch_tokens):
+        raise ConfigError(
+            f"{origin}: set exactly one of train.global_batch (sequences) or train.global_batch_tokens "
+            f"(got global_batch={t.global_batch}, global_batch_tokens={t.global_batch_tokens})."
+        )
+    if t.global_batch_tokens and t.global_batch_tokens % t.seq_len:
+        raise ConfigError(
+            f"{origin}: train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+            f"train.seq_len={t.seq_len}; use {max(1, t.global_batch_tokens // t.seq_len) * t.seq_len}."
+        )
+    gb, dp = t.global_batch_sequences, par.dp
+    if gb % dp:
+        raise ConfigError(
+            f"{origin}: the global batch of {gb} sequences is not divisible by the data-parallel size "
+            f"dp_replicate×dp_shard={dp}."
+        )
+    local = gb // dp
+    if t.micro_batch and local % t.micro_batch:
+        raise ConfigError(
+            f"{origin}: train.micro_batch={t.micro_batch} does not divide the {local} sequences each "
+            f"data-parallel rank processes per step (global batch {gb} / dp {dp})."
+        )
+    if cfg.schedule.warmup_steps > t.steps:
+        raise ConfigError(
+            f"{origin}: schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds train.steps={t.steps}."
+        )
+    if cfg.checkpoint.every_steps > t.steps:
+        raise ConfigError(
+            f"{origin}: checkpoint.every_steps={cfg.checkpoint.every_steps} exceeds train.steps={t.steps}; "
+            f"use 0 to save only at the end."
+        )
+    if par.world_size != 1:
+        raise ConfigError(
+            f"{origin}: the layout dp_replicate={par.dp_replicate} dp_shard={par.dp_shard} tp={par.tp} "
+            f"pp={par.pp} cp={par.cp} needs {par.world_size} workers, but this version of raysc trains "
+            f"on one worker only; set every parallel degree to 1."
+        )
+    if t.dtype == "bf16" and par.device == "cpu":
+        raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
+
+
+def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
+    return dataclasses.asdict(cfg)
+
+
+def config_from_dict(data: dict[str, dict[str, Any]], origin: str = "saved config") -> Config:
+    cfg = Config()
+    for section, table in data.items():
+        for key, value in table.items():
+            _apply(cfg, section, key, value, origin)
+    validate(cfg, origin)
+    return cfg
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return '"' + str(v).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def dump_config(cfg: Config) -> str:
+    """The resolved config as TOML; ``load_config`` reads it back to an equal Config."""
+    out = []
+    for section, table in config_to_dict(cfg).items():
+        out.append(f"[{section}]")
+        out.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+        out.append("")
+    return "\n".join(out)
+
+
+def config_hash(cfg: Config) -> str:
+    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]

@@ -1,0 +1,169 @@
+"""Typed configuration sections for a raysc run.
+
+Every key a user can set lives here, with its default, the values it allows and
+a one-line help text (``metadata``). ``raysc.config.load`` checks TOML files and
+``--set`` overrides against these declarations; the key names are the public
+contract of raysc, so rename nothing without a migration note in docs/config.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def opt(default: Any, help: str, **rules: Any) -> Any:
+    """A dataclass field with a default, a help text and validation rules.
+
+    Rules understood by the loader: ``min``, ``max`` (inclusive), ``gt`` (strict
+    lower bound) and ``choices``.
+    """
+    return field(default=default, metadata={"help": help, **rules})
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = opt(2048, "tokenizer and embedding size", min=260)
+    dim: int = opt(128, "hidden size", min=8)
+    n_layers: int = opt(4, "transformer blocks", min=1)
+    n_heads: int = opt(4, "query heads", min=1)
+    n_kv_heads: int = opt(2, "key/value heads (grouped-query attention); must divide n_heads", min=1)
+    ffn_dim: int = opt(0, "SwiGLU hidden size; 0 = 8/3·dim rounded up to ffn_multiple_of", min=0)
+    ffn_multiple_of: int = opt(32, "rounding for the automatic ffn_dim", min=1)
+    norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0.0)
+    rope_theta: float = opt(10000.0, "rotary embedding base", gt=0.0)
+    tie_embeddings: bool = opt(False, "share the input embedding with the output projection")
+    max_seq_len: int = opt(0, "longest sequence the rotary table covers; 0 = train.seq_len", min=0)
+    init_std: float = opt(0.02, "standard deviation of the weight initialisation", gt=0.0)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def hidden_ffn_dim(self) -> int:
+        if self.ffn_dim:
+            return self.ffn_dim
+        raw = int(8 * self.dim / 3)
+        m = self.ffn_multiple_of
+        return m * ((raw + m - 1) // m)
+
+
+@dataclass
+class ParallelConfig:
+    device: str = opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per worker)", choices=["cpu", "cuda"])
+    dp_replicate: int = opt(1, "replicated data-parallel degree", min=1)
+    dp_shard: int = opt(1, "sharded (FSDP) data-parallel degree", min=1)
+    tp: int = opt(1, "tensor-parallel degree", min=1)
+    pp: int = opt(1, "pipeline-parallel degree", min=1)
+    cp: int = opt(1, "context-parallel degree", min=1)
+    sequence_parallel: bool = opt(False, "shard norms and activations along the sequence inside TP groups")
+    pp_schedule: str = opt(
+        "1f1b", "pipeline schedule",
+        choices=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"],
+    )
+    pp_microbatches: int = opt(0, "microbatches per pipeline step; 0 = pp", min=0)
+    pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedules)", min=1)
+    cpus_per_worker: float = opt(1.0, "CPU cores reserved for each worker actor (its torch thread count)", gt=0.0)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+
+@dataclass
+class OptimConfig:
+    lr: float = opt(3e-3, "peak learning rate", gt=0.0)
+    weight_decay: float = opt(0.1, "AdamW decoupled weight decay on matrices", min=0.0)
+    beta1: float = opt(0.9, "AdamW beta1", min=0.0, max=0.999999)
+    beta2: float = opt(0.95, "AdamW beta2", min=0.0, max=0.999999)
+    eps: float = opt(1e-8, "AdamW epsilon", gt=0.0)
+    clip_norm: float = opt(1.0, "clip the global gradient norm to this value; 0 disables", min=0.0)
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = opt(20, "linear warmup from 0 to optim.lr", min=0)
+    decay: str = opt("cosine", "shape after warmup", choices=["cosine", "linear", "constant"])
+    min_lr_ratio: float = opt(0.1, "floor of the decay as a fraction of optim.lr", min=0.0, max=1.0)
+
+
+@dataclass
+class TrainConfig:
+    steps: int = opt(300, "optimizer steps", min=1)
+    seq_len: int = opt(128, "tokens per training sequence", min=2)
+    global_batch: int = opt(16, "sequences per optimizer step (or set global_batch_tokens instead)", min=0)
+    global_batch_tokens: int = opt(0, "tokens per optimizer step; must be a multiple of seq_len", min=0)
+    micro_batch: int = opt(0, "sequences per forward pass on one worker; 0 = whole local batch", min=0)
+    seed: int = opt(1234, "seeds the model init, the data order and every RNG", min=0)
+    dtype: str = opt("auto", "compute precision: auto = fp32 on cpu, bf16 autocast on cuda",
+                     choices=["auto", "fp32", "bf16"])
+    peak_flops: float = opt(0.0, "peak FLOP/s of one device for MFU; 0 = GPU table or measured CPU matmul", min=0.0)
+    log_every: int = opt(10, "print a progress line every N steps", min=1)
+
+    @property
+    def global_batch_sequences(self) -> int:
+        if self.global_batch:
+            return self.global_batch
+        return self.global_batch_tokens // self.seq_len
+
+
+@dataclass
+class DataConfig:
+    source: str = opt("bundled", "'bundled' (Python stdlib corpus) or a JSONL file / directory with a 'text' field")
+    tokenizer: str = opt("", "path to an existing tokenizer.json; empty = train a byte-level BPE on the corpus")
+    tokenizer_sample_mb: float = opt(4.0, "megabytes of corpus text used to train the tokenizer", gt=0.0)
+    max_corpus_mb: float = opt(6.0, "cap on the bundled corpus size in megabytes", gt=0.0)
+    val_fraction: float = opt(0.01, "share of packed sequences held out for validation loss", min=0.0, max=0.5)
+    cache_dir: str = opt(".cache/raysc", "where built corpora, tokenizers and token shards are cached")
+
+
+@dataclass
+class CheckpointConfig:
+    uri: str = opt("", "checkpoint location; empty = <run.dir>/checkpoints")
+    every_steps: int = opt(0, "save every N steps (and always at the end); 0 = only at the end", min=0)
+    keep_last: int = opt(2, "committed checkpoints kept; older ones are deleted", min=1)
+
+
+@dataclass
+class SupervisorConfig:
+    hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
+    start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+
+
+@dataclass
+class RunConfig:
+    name: str = opt("tiny", "run name; the default run directory is runs/<name>")
+    dir: str = opt("", "run directory; empty = runs/<name>")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    @property
+    def run_dir(self) -> str:
+        return self.run.dir or f"runs/{self.run.name}"
+
+    @property
+    def checkpoint_uri(self) -> str:
+        return self.checkpoint.uri or f"{self.run_dir}/checkpoints"
+
+    @property
+    def rope_len(self) -> int:
+        return self.model.max_seq_len or self.train.seq_len
+
+
+SECTIONS: tuple[str, ...] = tuple(Config.__dataclass_fields__)

@@ -1,0 +1,1 @@
+"""Corpus, tokenizer, packing and the deterministic batch loader."""

@@ -1,0 +1,86 @@
+"""Tokenize and pack a corpus into fixed-length training sequences.
+
+Documents are encoded with the run's tokenizer, each followed by ``<|endoftext|>``,
+concatenated in corpus order and cut into rows of ``seq_len + 1`` tokens (inputs
+are ``row[:-1]``, targets ``row[1:]``); consecutive rows share one boundary token
+so no token is lost as a target. Every ``round(1/val_fraction)``-th row is held
+out for validation, which spreads the held-out set over every domain.
+
+The packed arrays are cached as ``.npy`` keyed by (corpus, tokenizer, seq_len),
+so a second run on the same data starts at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+from tokenizers import Tokenizer
+
+from raysc.data.tokenizer import EOS_ID
+
+
+@dataclass
+class PackedData:
+    """Packed token rows (n, seq_len + 1) split into train and validation rows."""
+
+    train: np.ndarray
+    val: np.ndarray
+    info: dict
+
+    @property
+    def seq_len(self) -> int:
+        return self.train.shape[1] - 1
+
+
+def pack_tokens(stream: np.ndarray, seq_len: int) -> np.ndarray:
+    n = (len(stream) - 1) // seq_len
+    if n < 1:
+        raise ValueError(
+            f"the corpus has {len(stream)} tokens, too few for one sequence of train.seq_len={seq_len}; "
+            f"add data or shorten train.seq_len")
+    idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    return stream[idx]
+
+
+def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int) -> np.ndarray:
+    dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    pieces = []
+    for enc in tok.encode_batch(texts, add_special_tokens=False):
+        pieces.append(np.asarray(enc.ids, dtype=dtype))
+        pieces.append(np.asarray([EOS_ID], dtype=dtype))
+    return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
+
+
+def split_rows(rows: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    if val_fraction <= 0 or len(rows) < 2:
+        return rows, rows[:0]
+    every = max(2, round(1 / val_fraction))
+    mask = (np.arange(len(rows)) % every) == every - 1
+    return rows[~mask], rows[mask]
+
+
+def build_packed(texts: list[str], tokenizer_path: str | Path, corpus_sha: str, seq_len: int,
+                 val_fraction: float, cache_dir: str | Path) -> PackedData:
+    """Encode, pack and split ``texts``; cached under ``cache_dir/packed``."""
+    tok_bytes = Path(tokenizer_path).read_bytes()
+    key = hashlib.sha256(
+        f"{corpus_sha}:{hashlib.sha256(tok_bytes).hexdigest()}:{seq_len}:{val_fraction}".encode()
+    ).hexdigest()[:16]
+    base = Path(cache_dir) / "packed" / key
+    if (base / "info.json").is_file():
+        return PackedData(np.load(base / "train.npy"), np.load(base / "val.npy"),
+                          json.loads((base / "info.json").read_text()))
+    tok = Tokenizer.from_str(tok_bytes.decode())
+    stream = encode_corpus(texts, tok, tok.get_vocab_size())
+    train, val = split_rows(pack_tokens(stream, seq_len), val_fraction)
+    info = {"key": key, "tokens": int(len(stream)), "documents": len(texts), "seq_len": seq_len,
+            "train_sequences": int(len(train)), "val_sequences": int(len(val))}
+    base.mkdir(parents=True, exist_ok=True)
+    np.save(base / "train.npy", train)
+    np.save(base / "val.npy", val)
+    (base / "info.json").write_text(json.dumps(info, indent=2))  # written last: marks the cache complete
+    return PackedData(train, val, info)

@@ -1,0 +1,73 @@
+"""Byte-level BPE tokenizer trained locally with Hugging Face ``tokenizers``.
+
+One special token, ``<|endoftext|>`` (id 0), separates documents and serves as
+BOS/EOS. Training reads a seeded sample of the corpus (``data.tokenizer_sample_mb``)
+so the result is a pure function of (corpus, vocab size, seed); the trained
+``tokenizer.json`` is what ``PreTrainedTokenizerFast`` loads on export.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+from typing import Iterable
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+EOS = "<|endoftext|>"
+EOS_ID = 0
+
+
+def sample_texts(texts: list[str], sample_mb: float, seed: int) -> list[str]:
+    """A seeded sample of documents totalling about ``sample_mb`` megabytes."""
+    order = list(range(len(texts)))
+    random.Random(seed).shuffle(order)
+    budget, used, picked = int(sample_mb * 1e6), 0, []
+    for i in order:
+        if used >= budget:
+            break
+        picked.append(i)
+        used += len(texts[i])
+    return [texts[i] for i in sorted(picked)]
+
+
+def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    if tok.token_to_id(EOS) != EOS_ID:
+        raise RuntimeError(f"{EOS} did not receive id {EOS_ID}")
+    return tok
+
+
+def build_tokenizer(texts: list[str], vocab_size: int, sample_mb: float, seed: int,
+                    cache_dir: str | Path, corpus_sha: str) -> Path:
+    """Train (or reuse from the cache) a tokenizer for this corpus; return its tokenizer.json path."""
+    key = hashlib.sha256(f"{corpus_sha}:{vocab_size}:{sample_mb}:{seed}".encode()).hexdigest()[:16]
+    out = Path(cache_dir) / "tokenizers" / key / "tokenizer.json"
+    if out.is_file():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(sample_texts(texts, sample_mb, seed), vocab_size)
+    tmp = out.with_suffix(".tmp")
+    tok.save(str(tmp))
+    tmp.replace(out)
+    return out
+
+
+def load_tokenizer(path: str | Path) -> Tokenizer:
+    p = Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"tokenizer file {str(p)!r} does not exist")
+    tok = Tokenizer.from_file(str(p))
+    if tok.token_to_id(EOS) is None:
+        raise ValueError(f"tokenizer {str(p)!r} has no {EOS} token; raysc needs it to separate documents")
+    return tok

@@ -1,0 +1,91 @@
+"""The driver side of a run: connect to Ray, start the supervisor, show progress, return the summary.
+
+The driver holds no training state. It resolves relative paths against its own
+working directory (actors may run elsewhere), pins the supervisor to its node so
+the run directory is where the user looks, and polls the supervisor for a
+progress bar.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from raysc.config.load import config_to_dict
+from raysc.config.schema import Config
+
+
+def absolutize(cfg: Config) -> Config:
+    """Turn every relative path in the config into an absolute one (in place)."""
+    cwd = Path.cwd()
+    cfg.run.dir = str((cwd / cfg.run_dir).resolve())
+    if not cfg.checkpoint.uri or "://" not in cfg.checkpoint.uri:
+        cfg.checkpoint.uri = str((cwd / cfg.checkpoint_uri).resolve())
+    cfg.data.cache_dir = str((cwd / cfg.data.cache_dir).resolve())
+    if cfg.data.source != "bundled":
+        cfg.data.source = str((cwd / cfg.data.source).resolve())
+    if cfg.data.tokenizer:
+        cfg.data.tokenizer = str((cwd / cfg.data.tokenizer).resolve())
+    return cfg
+
+
+def ensure_ray() -> None:
+    if not ray.is_initialized():
+        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+        ray.init(log_to_driver=True, configure_logging=False)
+
+
+def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dict:
+    """Run a training job to the end and return its summary (raises ``RunFailed`` on failure)."""
+    from raysc.fleet.supervisor import Supervisor
+
+    ensure_ray()
+    cfg = absolutize(cfg)
+    node = ray.get_runtime_context().get_node_id()
+    sup = Supervisor.options(
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+    ).remote(config_to_dict(cfg), resume)
+    done_ref = sup.run.remote()
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.train.steps, desc="starting", unit="step", file=sys.stderr,
+                   dynamic_ncols=True, mininterval=0.5)
+    try:
+        while True:
+            ready, _ = ray.wait([done_ref], timeout=0.5)
+            if bar is not None:
+                _update_bar(bar, ray.get(sup.progress.remote()))
+            if ready:
+                return ray.get(done_ref)
+    except ray.exceptions.RayTaskError as e:
+        raise (e.cause if e.cause is not None else e) from None
+    finally:
+        if bar is not None:
+            bar.close()
+        ray.kill(sup)
+
+
+def _update_bar(bar, prog: dict) -> None:
+    last = prog.get("last")
+    bar.set_description(prog["phase"])
+    if last:
+        bar.n = last["step"]
+        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
+                        lr=f"{last['lr']:.2e}", refresh=False)
+        bar.refresh()
+
+
+def wait_for_file(path: Path, timeout: float = 10.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists():
+            return True
+        time.sleep(0.1)
+    return False

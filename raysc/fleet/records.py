@@ -1,0 +1,71 @@
+"""The run directory's records: ``metrics.jsonl``, ``events.jsonl`` and dashboard gauges.
+
+One JSON object per line, flushed as written, so a crashed run keeps every line
+it produced and ``tail -f`` works. The same figures go to ``ray.util.metrics``
+gauges (Ray dashboard / Prometheus) when Ray is running.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+DASHBOARD_METRICS = {
+    "loss": "training loss of the last optimizer step",
+    "grad_norm": "global gradient norm before clipping",
+    "lr": "learning rate of the last step",
+    "tokens_per_s": "training throughput, tokens per second",
+    "mfu": "model FLOPs utilisation",
+    "step": "last completed optimizer step",
+}
+
+
+class JsonlWriter:
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps(record) + "\n")
+        self._f.flush()
+
+    def close(self) -> None:
+        self._f.close()
+
+
+class RunRecords:
+    def __init__(self, run_dir: Path, run_name: str) -> None:
+        self.metrics = JsonlWriter(run_dir / "metrics.jsonl")
+        self.events = JsonlWriter(run_dir / "events.jsonl")
+        self._gauges = {}
+        try:
+            from ray.util.metrics import Gauge
+
+            for name, desc in DASHBOARD_METRICS.items():
+                self._gauges[name] = Gauge(f"raysc_{name}", description=desc, tag_keys=("run",))
+                self._gauges[name].set_default_tags({"run": run_name})
+        except Exception as e:  # metrics are optional outside a Ray worker; the files are the record
+            self.event("dashboard_metrics_unavailable", error=repr(e))
+
+    def metric(self, m: dict[str, Any]) -> None:
+        self.metrics.write(m)
+        for name, gauge in self._gauges.items():
+            if name in m and m[name] is not None:
+                gauge.set(float(m[name]))
+
+    def event(self, kind: str, **fields: Any) -> dict:
+        rec = {"time": time.time(), "kind": kind, **fields}
+        self.events.write(rec)
+        return rec
+
+    def close(self) -> None:
+        self.metrics.close()
+        self.events.close()
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

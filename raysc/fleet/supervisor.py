@@ -1,0 +1,232 @@
+"""``Supervisor``: the actor that owns a run.
+
+It prepares the data, reserves a placement group (one bundle per rank),
+starts the ``TrainWorker`` actors, forms their process group, drives training
+in chunks that end at checkpoint boundaries, commits checkpoints, writes
+``metrics.jsonl`` / ``events.jsonl`` and answers progress queries from the
+driver. It runs threaded (``max_concurrency``) so that workers' metric reports
+and the driver's polls are served while ``run`` waits on the workers.
+
+Failure handling in this version: a worker that dies, raises, or stops
+reporting for ``supervisor.hang_timeout_s`` ends the run with an event and an
+error naming the rank; the last committed checkpoint stays resumable
+(``raysc train --resume``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raysc.checkpoint import store
+from raysc.config.load import config_from_dict, config_hash, config_to_dict, dump_config
+from raysc.data.prepare import prepare_data
+from raysc.fleet.records import RunRecords
+from raysc.fleet.worker import TrainWorker
+from raysc.model.flops import param_count
+
+
+class RunFailed(RuntimeError):
+    """The run stopped; the message says which rank failed, how, and how to resume."""
+
+
+@ray.remote(num_cpus=0, max_concurrency=8)
+class Supervisor:
+    def __init__(self, cfg_dict: dict, resume: bool | str = False) -> None:
+        self.cfg = config_from_dict(cfg_dict, "driver")
+        self.resume = resume
+        self.run_dir = Path(self.cfg.run_dir).resolve()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.records = RunRecords(self.run_dir, self.cfg.run.name)
+        self._lock = threading.Lock()
+        self._last = None
+        self._last_report = time.monotonic()
+        self._phase = "starting"
+        self._tps: list[float] = []
+        self.workers: list = []
+        self.pg = None
+
+    # ---- called by workers and the driver while run() is busy ----
+    def report(self, metrics: dict) -> None:
+        with self._lock:
+            self._last = metrics
+            self._last_report = time.monotonic()
+            self._tps.append(metrics["tokens_per_s"])
+        self.records.metric(metrics)
+
+    def progress(self) -> dict:
+        with self._lock:
+            return {"phase": self._phase, "last": self._last, "total_steps": self.cfg.train.steps}
+
+    # ---- the run ----
+    def _event(self, kind: str, **fields) -> dict:
+        rec = self.records.event(kind, **fields)
+        print(f"[raysc] {kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+        return rec
+
+    def _start_workers(self, world: int) -> None:
+        par = self.cfg.parallel
+        bundle = {"CPU": par.cpus_per_worker}
+        if par.device == "cuda":
+            bundle["GPU"] = 1
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.cfg.supervisor.start_timeout_s)
+        if not ready:
+            avail = ray.available_resources()
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise RunFailed(
+                f"could not reserve {world} worker(s) with {bundle} each within "
+                f"{self.cfg.supervisor.start_timeout_s:.0f}s; the cluster has {avail} free. "
+                f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
+        me = ray.get_runtime_context().current_actor
+        cfg_dict = config_to_dict(self.cfg)
+        for rank in range(world):
+            self.workers.append(TrainWorker.options(
+                num_cpus=par.cpus_per_worker, num_gpus=1 if par.device == "cuda" else 0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+            ).remote(cfg_dict, rank, world, me))
+
+    def _wait(self, refs: list, what: str) -> list:
+        """ray.get with hang detection: no report and no result for hang_timeout_s fails the run."""
+        pending = list(refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            for ref in done:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    rank = refs.index(ref)
+                    self._event("worker_died", rank=rank, during=what, error=str(e).splitlines()[0])
+                    raise RunFailed(f"worker rank {rank} died during {what}: {str(e).splitlines()[0]}. "
+                                    f"Resume with `raysc train ... --resume`.") from None
+                except ray.exceptions.RayTaskError as e:
+                    rank = refs.index(ref)
+                    cause = str(e.cause) if e.cause is not None else str(e)
+                    self._event("worker_error", rank=rank, during=what, error=cause)
+                    raise RunFailed(f"worker rank {rank} raised during {what}: {cause}") from None
+            with self._lock:
+                silent = time.monotonic() - self._last_report
+            if pending and silent > self.cfg.supervisor.hang_timeout_s:
+                self._event("worker_hang", during=what, silent_s=round(silent, 1))
+                raise RunFailed(f"no progress for {silent:.0f}s during {what} "
+                                f"(supervisor.hang_timeout_s={self.cfg.supervisor.hang_timeout_s}).")
+        return ray.get(refs)
+
+    def _touch(self) -> None:
+        with self._lock:
+            self._last_report = time.monotonic()
+
+    def _save(self, step: int, tokens: int) -> str | None:
+        root = self.cfg.checkpoint_uri
+        path = store.prepare_step_dir(root, step)
+        if path is None:
+            return None
+        t0 = time.perf_counter()
+        self._touch()
+        self._wait([w.save.remote(str(path)) for w in self.workers], f"checkpoint save at step {step}")
+        par = self.cfg.parallel
+        meta = {"tokens": tokens, "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
+                "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp,
+                           "pp": par.pp, "cp": par.cp, "world_size": par.world_size}}
+        manifest = store.commit(path, step, meta)
+        deleted = store.apply_retention(root, self.cfg.checkpoint.keep_last, protect=path)
+        size = sum(f["size"] for f in manifest["files"])
+        self._event("checkpoint_saved", step=step, path=str(path), bytes=size,
+                    seconds=round(time.perf_counter() - t0, 3), deleted=[p.name for p in deleted])
+        return str(path)
+
+    def _resume_path(self) -> str | None:
+        if not self.resume:
+            return None
+        if isinstance(self.resume, str):
+            reason = store.verify(Path(self.resume))
+            if reason:
+                raise RunFailed(f"cannot resume from {self.resume}: {reason}")
+            return self.resume
+        root = self.cfg.checkpoint_uri
+        path = store.latest_checkpoint(
+            root, on_skip=lambda p, why: self._event("checkpoint_skipped", path=str(p), reason=why))
+        if path is None:
+            raise RunFailed(f"--resume: no verified checkpoint under {root}; start without --resume.")
+        return str(path)
+
+    def run(self) -> dict:
+        t_start = time.time()
+        cfg = self.cfg
+        (self.run_dir / "config.toml").write_text(dump_config(cfg))
+        self._event("run_start", run_dir=str(self.run_dir), config_hash=config_hash(cfg),
+                    params=param_count(cfg.model)["total"], resume=bool(self.resume))
+        try:
+            return self._run(t_start)
+        except RunFailed as e:
+            self._event("run_failed", error=str(e))
+            raise
+        finally:
+            self._phase = "stopped"
+            for w in self.workers:
+                ray.kill(w, no_restart=True)
+            self.workers = []
+            if self.pg is not None:
+                remove_placement_group(self.pg)
+            self.records.close()
+
+    def _run(self, t_start: float) -> dict:
+        cfg = self.cfg
+        self._phase = "preparing data"
+        packed, tok_path, data_info = prepare_data(cfg)
+        (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
+        self._event("data_ready", **{k: data_info[k] for k in ("tokens", "documents", "train_sequences",
+                                                               "val_sequences", "corpus_sha256")})
+        resume_from = self._resume_path()
+        data = {"train": ray.put(packed.train), "val": ray.put(packed.val)}
+
+        self._phase = "starting workers"
+        world = cfg.parallel.world_size
+        self._start_workers(world)
+        ip, port, _ = ray.get(self.workers[0].address.remote())
+        self._touch()
+        infos = self._wait([w.setup.remote((ip, port), data, resume_from) for w in self.workers], "setup")
+        self._event("workers_ready", workers=infos, master=f"{ip}:{port}")
+        start_step = infos[0]["restored_step"] or 0
+        if resume_from:
+            self._event("resumed", path=resume_from, step=start_step)
+
+        self._phase = "training"
+        every = cfg.checkpoint.every_steps or cfg.train.steps
+        step, last = start_step, None
+        t_train = time.perf_counter()
+        while step < cfg.train.steps:
+            target = min(cfg.train.steps, (step // every + 1) * every)
+            self._touch()
+            results = self._wait([w.train.remote(target) for w in self.workers], f"steps {step + 1}..{target}")
+            last = results[0] or last
+            step = target
+            self._phase = "checkpointing"
+            self._save(step, last["tokens"] if last else 0)
+            self._phase = "training"
+        train_time = time.perf_counter() - t_train
+
+        self._phase = "evaluating"
+        val = self._wait([w.val_loss.remote() for w in self.workers], "validation")[0]
+        latest = store.latest_checkpoint(cfg.checkpoint_uri)
+        with self._lock:
+            tps = self._tps[len(self._tps) // 10:] or [0.0]  # skip warm-up steps
+        steps_run = cfg.train.steps - start_step
+        summary = {
+            "run_dir": str(self.run_dir), "steps": cfg.train.steps, "steps_run": steps_run,
+            "final_loss": last["loss"] if last else None, "val_loss": val,
+            "tokens": last["tokens"] if last else None,
+            "tokens_per_s": sorted(tps)[len(tps) // 2],
+            "tokens_per_s_wall": (steps_run * cfg.train.global_batch_sequences * cfg.train.seq_len) / train_time
+            if steps_run else 0.0,
+            "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
+            "checkpoint": str(latest) if latest else None, "wall_s": round(time.time() - t_start, 2),
+        }
+        self._event("run_end", **summary)
+        return summary

@@ -1,0 +1,161 @@
+"""A Llama-architecture decoder in plain torch.
+
+Token embedding, RMSNorm, rotary position embeddings (the "rotate half" layout
+Hugging Face uses, so exported weights need no permutation), grouped-query
+attention through ``scaled_dot_product_attention`` and a SwiGLU MLP.
+
+The model knows nothing about parallelism: tensor/sequence/pipeline/context
+parallel plans are applied from outside. To keep that possible:
+- head counts in ``Attention.forward`` come from tensor shapes, so a
+  column-parallel (TP) shard of ``wq/wk/wv`` just works;
+- ``layers`` is a ``ModuleDict`` keyed by the global layer index, so a pipeline
+  stage can drop layers and keep parameter names (and checkpoints) stable;
+- ``embed``, ``norm`` and ``output`` may be ``None`` on middle pipeline stages;
+- ``forward`` takes optional ``positions`` for context-parallel chunks.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from raysc.config.schema import ModelConfig
+
+
+def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    t = torch.arange(max_len, dtype=torch.int64).float()
+    freqs = torch.outer(t, inv_freq)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` (batch, heads, seq, head_dim) by per-position tables (seq, head_dim)."""
+    return (x * cos + _rotate_half(x) * sin).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seqlen, _ = x.shape
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.w_gate = nn.Linear(dim, hidden, bias=False)
+        self.w_up = nn.Linear(dim, hidden, bias=False)
+        self.w_down = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.mlp = FeedForward(cfg.dim, cfg.hidden_ffn_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """Decoder-only transformer; ``forward(tokens) -> logits`` (batch, seq, vocab)."""
+
+    def __init__(self, cfg: ModelConfig, max_seq_len: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.max_seq_len = max_seq_len
+        self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.embed.weight
+        cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @torch.no_grad()
+    def init_weights(self, generator: torch.Generator | None = None) -> None:
+        """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2·layers), unit norms."""
+        std = self.cfg.init_std
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        for name, p in self.named_parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+                p.normal_(0.0, out_std, generator=generator)
+            else:
+                p.normal_(0.0, std, generator=generator)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        h = self.embed(tokens) if self.embed is not None else tokens
+        seqlen = h.shape[1]
+        if positions is None:
+            if seqlen > self.max_seq_len:
+                raise ValueError(
+                    f"sequence of {seqlen} tokens is longer than the model's rotary table "
+                    f"({self.max_seq_len}); raise model.max_seq_len."
+                )
+            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
+        else:
+            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        for layer in self.layers.values():
+            h = layer(h, cos, sin)
+        if self.norm is not None:
+            h = self.norm(h)
+        return self.output(h) if self.output is not None else h
+
+
+def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:
+    """Build and initialise the model deterministically from ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    model = Llama(cfg, max_seq_len)
+    model.init_weights(gen)
+    return model.to(device)

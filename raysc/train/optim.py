@@ -1,0 +1,45 @@
+"""AdamW with decoupled weight decay on matrices only, and the learning-rate schedule.
+
+The schedule is a pure function of the step (linear warmup from 0 to the peak,
+then cosine or linear decay to ``min_lr_ratio``·peak), so resuming needs only the
+step counter; ``LambdaLR`` carries it in its state dict.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from raysc.config.schema import OptimConfig, ScheduleConfig
+
+
+def lr_factor(step: int, total_steps: int, sched: ScheduleConfig) -> float:
+    """Multiplier of the peak LR for 0-based optimizer ``step``."""
+    if step < sched.warmup_steps:
+        return (step + 1) / sched.warmup_steps
+    if sched.decay == "constant":
+        return 1.0
+    span = max(1, total_steps - sched.warmup_steps)
+    progress = min(1.0, (step - sched.warmup_steps) / span)
+    if sched.decay == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    else:
+        shape = 1.0 - progress
+    return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
+
+
+def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    decay, no_decay = [], []
+    for p in model.parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": cfg.weight_decay},
+              {"params": no_decay, "weight_decay": 0.0}]
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, sched: ScheduleConfig
+                    ) -> torch.optim.lr_scheduler.LambdaLR:
+    return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, sched))
