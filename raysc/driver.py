@@ -34,6 +34,16 @@ def absolutize(cfg: Config) -> Config:
     return cfg
 
 
+def preflight(cfg: Config) -> None:
+    """Checks that need no Ray: inputs exist. Raises FileNotFoundError naming the key."""
+    if cfg.data.source != "bundled" and not Path(cfg.data.source).exists():
+        raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; "
+                                f"use 'bundled' or a JSONL file or directory")
+    if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
+        raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
+                                f"leave it empty to train one on the corpus")
+
+
 def ensure_ray() -> None:
     if not ray.is_initialized():
         os.environ.setdefault("RAY_DEDUP_LOGS", "0")

@@ -26,13 +26,10 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 from raysc.checkpoint import store
 from raysc.config.load import config_from_dict, config_hash, config_to_dict, dump_config
 from raysc.data.prepare import prepare_data
+from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import RunRecords
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
-
-
-class RunFailed(RuntimeError):
-    """The run stopped; the message says which rank failed, how, and how to resume."""
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)

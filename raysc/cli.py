@@ -1,0 +1,123 @@
+"""The ``raysc`` command line: train, export, generate, demo.
+
+Errors a user can fix (bad config, missing files, a failed run) print one
+``error:`` line and exit non-zero; the last line ``raysc train`` prints on
+success is a JSON summary.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from raysc.config.load import ConfigError, load_config
+
+
+def _add_train_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set train.steps=50 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
+    p.add_argument("--resume-from", metavar="PATH", help="continue from this checkpoint directory")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+
+
+def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
+                 progress: bool = True) -> dict:
+    from raysc.driver import preflight, train
+
+    cfg = load_config(config, overrides)
+    preflight(cfg)
+    return train(cfg, resume=resume_from or resume, progress=progress)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    summary = run_training(args.config, args.overrides, args.resume, args.resume_from, not args.no_progress)
+    print(json.dumps(summary), flush=True)
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from raysc.checkpoint.restore import load_run
+    from raysc.export.hf import export_hf
+
+    run = load_run(args.run_dir, args.checkpoint)
+    out = export_hf(run.model, run.tokenizer_path, args.out)
+    print(json.dumps({"export": str(out), "step": run.step, "checkpoint": str(run.checkpoint)}))
+    return 0
+
+
+def sample_text(run_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+                seed: int) -> str:
+    from raysc.checkpoint.restore import load_run
+    from raysc.data.tokenizer import EOS_ID, load_tokenizer
+    from raysc.model.generate import generate
+
+    run = load_run(run_dir)
+    tok = load_tokenizer(run.tokenizer_path)
+    ids = generate(run.model, tok.encode(prompt).ids, max_new_tokens, temperature, top_k, seed, EOS_ID)
+    return prompt + tok.decode(ids)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from raysc.demo import run_demo
+
+    run_demo(args.overrides)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="raysc", description="LLM pre-training on Ray")
+    sub = ap.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("train", help="train a model from a TOML config")
+    p.add_argument("config", help="TOML config, e.g. jobs/configs/tiny.toml")
+    _add_train_args(p)
+    p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face Llama folder")
+    p.add_argument("run_dir")
+    p.add_argument("--out", required=True, help="output folder")
+    p.add_argument("--checkpoint", help="a checkpoint directory (default: the newest verified one)")
+    p.set_defaults(func=cmd_export)
+
+    p = sub.add_parser("generate", help="generate text from a run's newest checkpoint")
+    p.add_argument("run_dir")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_demo)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from raysc.fleet.errors import RunFailed
+
+    try:
+        return args.func(args)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except RunFailed as e:
+        print(f"error: run failed: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
