@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import ray
@@ -62,6 +61,8 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dic
     ).remote(config_to_dict(cfg), resume)
     done_ref = sup.run.remote()
     bar = None
+    progress = progress and sys.stderr.isatty()
+    logged = 0
     if progress:
         from tqdm import tqdm
 
@@ -70,8 +71,11 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dic
     try:
         while True:
             ready, _ = ray.wait([done_ref], timeout=0.5)
+            prog = ray.get(sup.progress.remote())
             if bar is not None:
-                _update_bar(bar, ray.get(sup.progress.remote()))
+                _update_bar(bar, prog)
+            else:
+                logged = _log_line(prog, logged, cfg.train.log_every)
             if ready:
                 return ray.get(done_ref)
     except ray.exceptions.RayTaskError as e:
@@ -92,10 +96,15 @@ def _update_bar(bar, prog: dict) -> None:
         bar.refresh()
 
 
-def wait_for_file(path: Path, timeout: float = 10.0) -> bool:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists():
-            return True
-        time.sleep(0.1)
-    return False
+def _log_line(prog: dict, logged: int, every: int) -> int:
+    """Without a terminal: one line every ``every`` steps (and at the last step)."""
+    last = prog.get("last")
+    if not last or last["step"] == logged:
+        return logged
+    if last["step"] // every > logged // every or last["step"] == prog["total_steps"]:
+        print(f"step {last['step']}/{prog['total_steps']} loss {last['loss']:.4f} "
+              f"grad_norm {last['grad_norm']:.3f} lr {last['lr']:.2e} "
+              f"tokens/s {last['tokens_per_s']:.0f} mfu {last['mfu']:.1%}", flush=True)
+        return last["step"]
+    return logged
+

@@ -159,21 +159,22 @@ def validate(cfg: Config, origin: str = "config") -> None:
             f"{origin}: train.micro_batch={t.micro_batch} does not divide the {local} sequences each "
             f"data-parallel rank processes per step (global batch {gb} / dp {dp})."
         )
-    if cfg.schedule.warmup_steps > t.steps:
-        raise ConfigError(
-            f"{origin}: schedule.warmup_steps={cfg.schedule.warmup_steps} exceeds train.steps={t.steps}."
-        )
-    if cfg.checkpoint.every_steps > t.steps:
-        raise ConfigError(
-            f"{origin}: checkpoint.every_steps={cfg.checkpoint.every_steps} exceeds train.steps={t.steps}; "
-            f"use 0 to save only at the end."
-        )
     if par.world_size != 1:
         raise ConfigError(
             f"{origin}: the layout dp_replicate={par.dp_replicate} dp_shard={par.dp_shard} tp={par.tp} "
             f"pp={par.pp} cp={par.cp} needs {par.world_size} workers, but this version of raysc trains "
             f"on one worker only; set every parallel degree to 1."
         )
+    from raysc.fleet.faults import parse_faults
+
+    try:
+        faults = parse_faults(cfg.supervisor.inject)
+    except ValueError as e:
+        raise ConfigError(f"{origin}: supervisor.inject: {e}") from None
+    for f in faults:
+        if f.rank >= par.world_size:
+            raise ConfigError(f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
+                              f"(world size {par.world_size}).")
     if t.dtype == "bf16" and par.device == "cpu":
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
 

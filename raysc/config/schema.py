@@ -125,7 +125,7 @@ class DataConfig:
 @dataclass
 class CheckpointConfig:
     uri: str = opt("", "checkpoint location; empty = <run.dir>/checkpoints")
-    every_steps: int = opt(0, "save every N steps (and always at the end); 0 = only at the end", min=0)
+    every_steps: int = opt(0, "save every N steps and always at the end; 0 (or more than train.steps) = only at the end", min=0)
     keep_last: int = opt(2, "committed checkpoints kept; older ones are deleted", min=1)
 
 
@@ -133,6 +133,8 @@ class CheckpointConfig:
 class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+    inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
+                          "KIND one of raise, kill, hang (e.g. 'kill@50:0')")
 
 
 @dataclass

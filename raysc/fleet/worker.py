@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from raysc.checkpoint import store
 from raysc.config.load import config_from_dict
+from raysc.fleet.faults import fire, parse_faults
 from raysc.train.trainer import Trainer
 
 
@@ -39,6 +40,7 @@ class TrainWorker:
         self.world_size = world_size
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
+        self.faults = {f.step: f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank}
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
         torch.set_num_threads(threads)
 
@@ -70,6 +72,9 @@ class TrainWorker:
         """Run optimizer steps until ``until_step``; report each to the supervisor."""
         last = None
         while self.trainer.step < until_step:
+            fault = self.faults.pop(self.trainer.step + 1, None)
+            if fault is not None:
+                fire(fault)
             last = self.trainer.train_step()
             if self.rank == 0:
                 self.supervisor.report.remote(last)

@@ -1,0 +1,35 @@
+"""Entry point for `ray job submit`: the same as `raysc train`.
+
+    ray job submit --working-dir . -- python jobs/pretrain.py --config jobs/configs/tiny.toml \
+        --set train.steps=100
+
+Connects to the cluster the job runs in (RAY_ADDRESS is set by the job server),
+starts the supervisor and prints the JSON summary as its last line.
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the working dir holds the raysc package
+
+from raysc.cli import main as raysc_main  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="TOML config, e.g. jobs/configs/tiny.toml")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    ap.add_argument("--resume", action="store_true")
+    args = ap.parse_args()
+    argv = ["train", args.config, "--no-progress"]
+    for item in args.overrides:
+        argv += ["--set", item]
+    if args.resume:
+        argv.append("--resume")
+    return raysc_main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

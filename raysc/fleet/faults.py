@@ -1,0 +1,56 @@
+"""Fault injection (``supervisor.inject``): make a worker fail on purpose, for drills and tests.
+
+``KIND@STEP[:RANK]`` makes worker ``RANK`` (default 0) fail just before it runs
+optimizer step ``STEP``:
+- ``raise``: an exception inside the step;
+- ``kill``: the worker process gets SIGKILL (as when the OOM killer or a node dies);
+- ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from dataclasses import dataclass
+
+KINDS = ("raise", "kill", "hang")
+_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+
+
+class InjectedFault(RuntimeError):
+    """The exception the ``raise`` fault throws inside a training step."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    kind: str
+    step: int
+    rank: int
+    spec: str
+
+
+def parse_faults(text: str) -> list[Fault]:
+    faults = []
+    for item in (x.strip() for x in text.split(",")):
+        if not item:
+            continue
+        m = _SPEC.match(item)
+        if not m:
+            raise ValueError(f"{item!r} is not KIND@STEP[:RANK] (e.g. 'kill@50:0')")
+        if m["kind"] not in KINDS:
+            raise ValueError(f"unknown fault kind {m['kind']!r} in {item!r}; kinds are {', '.join(KINDS)}")
+        if int(m["step"]) < 1:
+            raise ValueError(f"step in {item!r} must be >= 1")
+        faults.append(Fault(m["kind"], int(m["step"]), int(m["rank"] or 0), item))
+    return faults
+
+
+def fire(fault: Fault) -> None:
+    """Carry out ``fault`` in the calling process."""
+    if fault.kind == "raise":
+        raise InjectedFault(f"injected fault {fault.spec}")
+    if fault.kind == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    if fault.kind == "hang":
+        os.kill(os.getpid(), signal.SIGSTOP)

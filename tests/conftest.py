@@ -1,0 +1,42 @@
+"""Shared fixtures: one Ray instance per session, one cached tiny corpus, a tiny-config factory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from raysc.config import Config, load_config
+
+TINY = [
+    "model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
+    "train.seq_len=64", "train.global_batch=8", "train.steps=20", "train.log_every=10",
+    "schedule.warmup_steps=5", "data.max_corpus_mb=1.0", "data.tokenizer_sample_mb=0.5",
+    "parallel.cpus_per_worker=1",
+]
+
+
+@pytest.fixture(scope="session")
+def cache_dir(tmp_path_factory) -> str:
+    return str(tmp_path_factory.mktemp("raysc-cache"))
+
+
+@pytest.fixture
+def make_cfg(cache_dir, tmp_path):
+    """A tiny config whose run directory lives in this test's tmp_path."""
+
+    def make(*overrides: str, run: str = "run") -> Config:
+        return load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{tmp_path / run}"',
+                                  *overrides])
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    yield ray
+    ray.shutdown()

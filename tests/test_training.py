@@ -1,0 +1,191 @@
+"""Training: the optimizer step, the supervisor/worker path, exact resume, the CLI summary, failures."""
+
+import json
+import math
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from raysc.checkpoint import store
+from raysc.checkpoint.restore import load_run
+from raysc.data.prepare import prepare_data
+from raysc.fleet.errors import RunFailed
+from raysc.fleet.records import read_jsonl
+from raysc.train.optim import lr_factor
+from raysc.train.trainer import Trainer
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_tiny_model_overfits_one_batch(make_cfg):
+    cfg = make_cfg("train.steps=150", "optim.lr=1e-2", "schedule.warmup_steps=10", 'schedule.decay="constant"',
+                   "optim.weight_decay=0.0")
+    packed, _, _ = prepare_data(cfg)
+    trainer = Trainer(cfg, packed.train[:8], measure_peak=False)  # the same 8 sequences every step
+    losses = [trainer.train_step()["loss"] for _ in range(150)]
+    assert losses[-1] < 0.1 * losses[0], (losses[0], losses[-1])
+
+
+def test_lr_schedule_warmup_cosine_floor(make_cfg):
+    s = make_cfg("schedule.warmup_steps=10", "schedule.min_lr_ratio=0.1").schedule
+    assert lr_factor(0, 100, s) == pytest.approx(0.1)
+    assert lr_factor(9, 100, s) == pytest.approx(1.0)
+    assert lr_factor(55, 100, s) == pytest.approx(0.55)
+    assert lr_factor(100, 100, s) == pytest.approx(0.1)
+    assert all(lr_factor(i, 100, s) >= lr_factor(i + 1, 100, s) for i in range(10, 100))
+
+
+def test_gradient_accumulation_matches_full_batch(make_cfg):
+    packed, _, _ = prepare_data(make_cfg())
+    full = Trainer(make_cfg(), packed.train, measure_peak=False)
+    accum = Trainer(make_cfg("train.micro_batch=2"), packed.train, measure_peak=False)
+    for _ in range(3):
+        a, b = full.train_step(), accum.train_step()
+        assert a["loss"] == pytest.approx(b["loss"], rel=1e-5)
+    for p, q in zip(full.model.parameters(), accum.model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-4, atol=1e-5)
+
+
+def test_supervised_run_lowers_loss_and_writes_records(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("train.steps=40", "checkpoint.every_steps=20", "optim.lr=5e-3")
+    summary = train(cfg, progress=False)
+    run_dir = Path(summary["run_dir"])
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics] == list(range(1, 41))
+    for key in ("step", "loss", "grad_norm", "lr", "tokens", "tokens_per_s", "mfu"):
+        assert all(key in m for m in metrics)
+    first, last = np.mean([m["loss"] for m in metrics[:3]]), np.mean([m["loss"] for m in metrics[-3:]])
+    assert last < first - 1.0, (first, last)
+    assert metrics[-1]["tokens"] == 40 * 8 * 64
+    assert all(0 < m["mfu"] < 1 for m in metrics)
+    kinds = [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end" and kinds.count("checkpoint_saved") == 2
+    assert (run_dir / "config.toml").is_file() and (run_dir / "tokenizer.json").is_file()
+    assert [s for s, _ in store.list_checkpoints(cfg.checkpoint_uri)] == [20, 40]
+    assert summary["steps"] == 40 and math.isfinite(summary["val_loss"])
+
+
+def test_resume_continues_the_same_loss_curve_bit_for_bit(ray_session, make_cfg, tmp_path):
+    from raysc.driver import train
+
+    full = make_cfg("checkpoint.every_steps=10", run="full")
+    train(full, progress=False)
+    ref = {m["step"]: m for m in read_jsonl(Path(full.run_dir) / "metrics.jsonl")}
+
+    # a second run stopped after step 10: it holds only the step-10 checkpoint
+    part = make_cfg("checkpoint.every_steps=10", run="part")
+    shutil.copytree(store.step_dir(full.checkpoint_uri, 10), store.step_dir(part.checkpoint_uri, 10))
+    summary = train(part, resume=True, progress=False)
+    got = read_jsonl(Path(part.run_dir) / "metrics.jsonl")
+    assert [m["step"] for m in got] == list(range(11, 21))
+    for m in got:
+        for key in ("loss", "grad_norm", "lr", "tokens"):
+            assert m[key] == ref[m["step"]][key], (m["step"], key)
+    assert summary["steps_run"] == 10
+    a, b = load_run(full.run_dir).model, load_run(part.run_dir).model
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    events = [e["kind"] for e in read_jsonl(Path(part.run_dir) / "events.jsonl")]
+    assert "resumed" in events
+
+
+def test_resume_skips_a_corrupted_checkpoint(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3")
+    train(cfg, progress=False)
+    newest = store.step_dir(cfg.checkpoint_uri, 10)
+    shard = next(newest.glob("*.distcp"))
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert "sha256 mismatch" in store.verify(newest)
+    assert store.latest_checkpoint(cfg.checkpoint_uri) == store.step_dir(cfg.checkpoint_uri, 5)
+    train(make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3"), resume=True,
+          progress=False)
+    skipped = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_skipped"]
+    assert skipped and "sha256 mismatch" in skipped[0]["reason"]
+
+
+def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
+    from raysc.cli import main
+
+    cfg = make_cfg()
+    args = ["train", str(ROOT / "jobs/configs/tiny.toml"), "--no-progress"]
+    for key in ("model.vocab_size=512", "model.dim=64", "model.n_layers=2", "train.seq_len=64",
+                "train.global_batch=8", "train.steps=6", "schedule.warmup_steps=2", "data.max_corpus_mb=1.0",
+                "data.tokenizer_sample_mb=0.5", "parallel.cpus_per_worker=1", "checkpoint.every_steps=0",
+                f'data.cache_dir="{cfg.data.cache_dir}"', f'run.dir="{cfg.run_dir}"'):
+        args += ["--set", key]
+    assert main(args) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    summary = json.loads(last)
+    assert {"run_dir", "steps", "final_loss", "tokens_per_s"} <= set(summary)
+    assert summary["steps"] == 6 and summary["final_loss"] > 0
+
+    # export and generate from that run through the CLI
+    out = Path(cfg.run_dir) / "hf"
+    assert main(["export", cfg.run_dir, "--out", str(out)]) == 0
+    assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
+    capsys.readouterr()
+    assert main(["generate", cfg.run_dir, "--prompt", "def ", "--max-new-tokens", "5", "--top-k", "5",
+                 "--temperature", "0.8"]) == 0
+    assert capsys.readouterr().out.startswith("def ")
+
+
+def test_cli_config_error_exits_before_starting_anything(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train]\nsteps = -3\n")
+    proc = subprocess.run([sys.executable, "-m", "raysc.cli", "train", str(bad)], capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 2
+    assert "error:" in proc.stderr and "train.steps" in proc.stderr and "bad.toml" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("parallel.cpus_per_worker=64", "supervisor.start_timeout_s=2")
+    with pytest.raises(RunFailed, match=r"could not reserve 1 worker\(s\) with \{'CPU': 64.0\}"):
+        train(cfg, progress=False)
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    assert events[-1]["kind"] == "run_failed"
+
+
+def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("checkpoint.every_steps=5", 'supervisor.inject="raise@8"')
+    with pytest.raises(RunFailed, match="worker rank 0 raised during steps 6..10: injected fault raise@8"):
+        train(cfg, progress=False)
+    assert store.latest_checkpoint(cfg.checkpoint_uri) == store.step_dir(cfg.checkpoint_uri, 5)
+    kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
+    assert kinds[-2:] == ["worker_error", "run_failed"]
+
+
+def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
+    from raysc.driver import train
+
+    with pytest.raises(RunFailed, match="worker rank 0 died during steps 1..20"):
+        train(make_cfg('supervisor.inject="kill@3"', run="kill"), progress=False)
+    cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", run="hang")
+    with pytest.raises(RunFailed, match=r"no progress for \d+s during steps 1..20"):
+        train(cfg, progress=False)
+    hang = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "worker_hang"]
+    assert hang and hang[0]["silent_s"] >= 3
+
+
+def test_bad_fault_spec_is_a_config_error(make_cfg):
+    from raysc.config import ConfigError
+
+    with pytest.raises(ConfigError, match="unknown fault kind 'explode'"):
+        make_cfg('supervisor.inject="explode@3"')
+    with pytest.raises(ConfigError, match="rank 3 in 'kill@3:3' does not exist"):
+        make_cfg('supervisor.inject="kill@3:3"')
