@@ -70,7 +70,7 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dic
                    dynamic_ncols=True, mininterval=0.5)
     try:
         while True:
-            ready, _ = ray.wait([done_ref], timeout=0.5)
+            ready, _ = ray.wait([done_ref], timeout=1.0)
             prog = ray.get(sup.progress.remote())
             if bar is not None:
                 _update_bar(bar, prog)

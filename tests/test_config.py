@@ -96,3 +96,10 @@ def test_malformed_toml_and_missing_file(tmp_path):
         load_config(None, ["train.steps"])
     with pytest.raises(ConfigError, match="must be section.key"):
         load_config(None, ["steps=3"])
+
+
+def test_config_reference_doc_is_current():
+    from raysc.config.reference import render
+
+    assert (ROOT / "docs/config.md").read_text() == render(), \
+        "docs/config.md is stale: run `python -m raysc.config.reference > docs/config.md`"

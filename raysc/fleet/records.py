@@ -28,7 +28,10 @@ class JsonlWriter:
         self._f = open(path, "a", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
-        self._f.write(json.dumps(record) + "\n")
+        self.write_many([record])
+
+    def write_many(self, records: list[dict[str, Any]]) -> None:
+        self._f.write("".join(json.dumps(r) + "\n" for r in records))
         self._f.flush()
 
     def close(self) -> None:
@@ -49,11 +52,13 @@ class RunRecords:
         except Exception as e:  # metrics are optional outside a Ray worker; the files are the record
             self.event("dashboard_metrics_unavailable", error=repr(e))
 
-    def metric(self, m: dict[str, Any]) -> None:
-        self.metrics.write(m)
+    def metrics_batch(self, batch: list[dict[str, Any]]) -> None:
+        """Append every step's metrics; the dashboard gauges show the newest."""
+        self.metrics.write_many(batch)
+        last = batch[-1]
         for name, gauge in self._gauges.items():
-            if name in m and m[name] is not None:
-                gauge.set(float(m[name]))
+            if last.get(name) is not None:
+                gauge.set(float(last[name]))
 
     def event(self, kind: str, **fields: Any) -> dict:
         rec = {"time": time.time(), "kind": kind, **fields}

@@ -49,12 +49,13 @@ class Supervisor:
         self.pg = None
 
     # ---- called by workers and the driver while run() is busy ----
-    def report(self, metrics: dict) -> None:
+    def report(self, batch: list[dict]) -> None:
+        """Per-step metrics from rank 0, a batch at a time (see ``TrainWorker.train``)."""
         with self._lock:
-            self._last = metrics
+            self._last = batch[-1]
             self._last_report = time.monotonic()
-            self._tps.append(metrics["tokens_per_s"])
-        self.records.metric(metrics)
+            self._tps.extend(m["tokens_per_s"] for m in batch)
+        self.records.metrics_batch(batch)
 
     def progress(self) -> dict:
         with self._lock:

@@ -94,7 +94,7 @@ class Trainer:
         mfu = tps * self.flops_per_token / (self.peak_flops * self.world_size) if self.peak_flops else 0.0
         return {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
                 "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
-                "epoch": self.loader.epoch}
+                "epoch": self.loader.epoch, "time": time.time()}
 
     @torch.no_grad()
     def val_loss(self, max_sequences: int = 256) -> float | None:

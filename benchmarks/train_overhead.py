@@ -1,0 +1,86 @@
+"""What does the actor path cost? Plain torch loop vs. supervisor + TrainWorker, side by side.
+
+Both train the same model on the same data for the same steps with the same
+torch thread count: (a) ``Trainer`` in this process, (b) ``raysc.driver.train``
+(supervisor actor, placement group, one TrainWorker, per-step metric reports,
+checkpoint at the end). Throughput is steady-state tokens/s from the wall-clock
+stamps of the steps after warm-up (the first 10%); start-up (Ray, actors, data)
+is reported separately. Runs alternate a, b, a, b and the median of each counts.
+Prints JSON on its last line: tokens/s of both and the ratio b/a (target >= 0.95).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from raysc.config import load_config  # noqa: E402
+from raysc.data.prepare import prepare_data  # noqa: E402
+from raysc.fleet.records import read_jsonl  # noqa: E402
+from raysc.train.trainer import Trainer  # noqa: E402
+
+STEPS = int(os.environ.get("BENCH_STEPS", "150"))
+THREADS = 2
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def steady_tps(metrics: list[dict]) -> float:
+    warm = max(1, len(metrics) // 10)
+    a, b = metrics[warm - 1], metrics[-1]
+    return (b["tokens"] - a["tokens"]) / (b["time"] - a["time"])
+
+
+def plain_loop(cfg) -> dict:
+    torch.set_num_threads(THREADS)
+    t0 = time.time()
+    packed, _, _ = prepare_data(cfg)
+    trainer = Trainer(cfg, packed.train, packed.val)
+    metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
+    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": metrics[-1]["loss"]}
+
+
+def actor_path(cfg) -> dict:
+    from raysc.driver import train
+
+    t0 = time.time()
+    summary = train(cfg, progress=False)
+    metrics = read_jsonl(Path(summary["run_dir"]) / "metrics.jsonl")
+    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": summary["final_loss"]}
+
+
+def main() -> None:
+    import ray
+
+    ray.init(num_cpus=THREADS, include_dashboard=False, configure_logging=False, log_to_driver=False)
+    tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-"))
+    base = [f"train.steps={STEPS}", f"parallel.cpus_per_worker={THREADS}", "checkpoint.every_steps=0",
+            f'data.cache_dir="{ROOT / ".cache/raysc"}"']
+    plain, actor = [], []
+    for rep in range(2):
+        plain.append(plain_loop(load_config(ROOT / "jobs/configs/tiny.toml", base + [f'run.dir="{tmp}/a{rep}"'])))
+        actor.append(actor_path(load_config(ROOT / "jobs/configs/tiny.toml", base + [f'run.dir="{tmp}/b{rep}"'])))
+        print(f"rep {rep}: plain {plain[-1]['tps']:.0f} tok/s, actor {actor[-1]['tps']:.0f} tok/s", flush=True)
+    assert all(p["final_loss"] == a["final_loss"] for p, a in zip(plain, actor)), "paths diverged"
+    a_tps = statistics.median(p["tps"] for p in plain)
+    b_tps = statistics.median(p["tps"] for p in actor)
+    print(json.dumps({
+        "benchmark": "train_overhead", "steps": STEPS, "threads": THREADS,
+        "plain_tokens_per_s": round(a_tps, 1), "actor_tokens_per_s": round(b_tps, 1),
+        "ratio_actor_over_plain": round(b_tps / a_tps, 4), "target_ratio": 0.95,
+        "plain_wall_s": round(statistics.median(p["wall_s"] for p in plain), 2),
+        "actor_wall_s_incl_startup": round(statistics.median(p["wall_s"] for p in actor), 2),
+        "same_final_loss": True,
+    }))
+
+
+if __name__ == "__main__":
+    main()
