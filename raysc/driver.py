@@ -68,10 +68,14 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dic
 
         bar = tqdm(total=cfg.train.steps, desc="starting", unit="step", file=sys.stderr,
                    dynamic_ncols=True, mininterval=0.5)
+    seen = 0
     try:
         while True:
             ready, _ = ray.wait([done_ref], timeout=1.0)
-            prog = ray.get(sup.progress.remote())
+            prog = ray.get(sup.progress.remote(seen))
+            seen += len(prog["events"])
+            for ev in prog["events"]:
+                _print(bar, format_event(ev))
             if bar is not None:
                 _update_bar(bar, prog)
             else:
@@ -84,6 +88,18 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dic
         if bar is not None:
             bar.close()
         ray.kill(sup)
+
+
+def format_event(ev: dict) -> str:
+    fields = ", ".join(f"{k}={v}" for k, v in ev.items() if k not in ("time", "kind"))
+    return f"[raysc] {ev['kind']}: {fields}"
+
+
+def _print(bar, line: str) -> None:
+    if bar is not None:
+        bar.write(line, file=sys.stderr)
+    else:
+        print(line, flush=True)
 
 
 def _update_bar(bar, prog: dict) -> None:

@@ -45,6 +45,7 @@ class Supervisor:
         self._last_report = time.monotonic()
         self._phase = "starting"
         self._tps: list[float] = []
+        self._events: list[dict] = []
         self.workers: list = []
         self.pg = None
 
@@ -57,14 +58,17 @@ class Supervisor:
             self._tps.extend(m["tokens_per_s"] for m in batch)
         self.records.metrics_batch(batch)
 
-    def progress(self) -> dict:
+    def progress(self, events_seen: int = 0) -> dict:
+        """Phase, newest step metrics, and the events after the first ``events_seen``."""
         with self._lock:
-            return {"phase": self._phase, "last": self._last, "total_steps": self.cfg.train.steps}
+            return {"phase": self._phase, "last": self._last, "total_steps": self.cfg.train.steps,
+                    "events": self._events[events_seen:]}
 
     # ---- the run ----
     def _event(self, kind: str, **fields) -> dict:
         rec = self.records.event(kind, **fields)
-        print(f"[raysc] {kind}: " + ", ".join(f"{k}={v}" for k, v in fields.items()), flush=True)
+        with self._lock:
+            self._events.append(rec)  # the driver prints them, in order with its own output
         return rec
 
     def _start_workers(self, world: int) -> None:
