@@ -158,6 +158,13 @@ class Supervisor:
             raise RunFailed(f"--resume: no verified checkpoint under {root}; start without --resume.")
         return str(path)
 
+    def _check_resume_config(self, path: str) -> None:
+        saved = store.read_manifest(Path(path)).get("config_hash")
+        if saved and saved != config_hash(self.cfg):
+            self._event("resume_config_changed", path=path, saved_hash=saved, hash=config_hash(self.cfg),
+                        note="the configuration differs from the one that wrote the checkpoint; "
+                             "the continuation will not match the original run")
+
     def run(self) -> dict:
         t_start = time.time()
         cfg = self.cfg
@@ -198,6 +205,7 @@ class Supervisor:
         start_step = infos[0]["restored_step"] or 0
         if resume_from:
             self._event("resumed", path=resume_from, step=start_step)
+            self._check_resume_config(resume_from)
 
         self._phase = "training"
         every = cfg.checkpoint.every_steps or cfg.train.steps
