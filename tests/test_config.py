@@ -84,8 +84,25 @@ def test_cross_key_rules(tmp_path):
     assert "exactly one of" in _error(tmp_path, overrides=["train.global_batch=8", "train.global_batch_tokens=1024"])
     assert "micro_batch=3" in _error(tmp_path, overrides=["train.global_batch=8", "train.micro_batch=3"])
     assert "needs parallel.device='cuda'" in _error(tmp_path, overrides=['train.dtype="bf16"'])
-    msg = _error(tmp_path, overrides=["parallel.tp=2"])
-    assert "tp=2" in msg and "needs 2 workers" in msg
+
+
+
+def test_layout_rules_name_the_numbers(tmp_path):
+    assert "model.n_kv_heads=2 is not divisible by parallel.tp=4" in _error(tmp_path, overrides=["parallel.tp=4"])
+    assert "n_layers=4 is not divisible by parallel.pp×pp_virtual_stages=2×4" in _error(
+        tmp_path, overrides=["parallel.pp=2", "parallel.pp_virtual_stages=4",
+                             'parallel.pp_schedule="interleaved_1f1b"'])
+    assert "2×parallel.cp=6" in _error(tmp_path, overrides=["parallel.cp=3", "train.seq_len=128"])
+    assert "dp×microbatches=2×3" in _error(
+        tmp_path, overrides=["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=3"])
+    assert "needs at least pp=4 microbatches" in _error(
+        tmp_path, overrides=["parallel.pp=4", "parallel.pp_microbatches=2"])
+    assert "needs an interleaved schedule" in _error(tmp_path, overrides=["parallel.pp_virtual_stages=2"])
+    assert "sequence_parallel needs parallel.tp > 1" in _error(tmp_path, overrides=["parallel.sequence_parallel=true"])
+    assert "tie_embeddings cannot be used" in _error(
+        tmp_path, overrides=["parallel.pp=2", "model.tie_embeddings=true"])
+    cfg = load_config(None, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"])
+    assert cfg.parallel.world_size == 8
 
 
 def test_malformed_toml_and_missing_file(tmp_path):

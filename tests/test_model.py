@@ -51,6 +51,8 @@ def test_attention_matches_reference_softmax():
     m = build_model(small(n_kv_heads=4, n_layers=1), 16, seed=2).eval()
     attn = m.layers["0"].attn
     x = torch.randn(1, 10, 64)
+    from raysc.model.llama import Rope
+    rope = Rope(m.rope_cos, m.rope_sin, None)
     cos, sin = m.rope_cos[:10], m.rope_sin[:10]
     from raysc.model.llama import apply_rope
     q = apply_rope(attn.wq(x).view(1, 10, 4, 16).transpose(1, 2), cos, sin)
@@ -59,7 +61,7 @@ def test_attention_matches_reference_softmax():
     scores = (q @ k.transpose(-1, -2)) / 4.0
     scores = scores.masked_fill(torch.triu(torch.ones(10, 10, dtype=torch.bool), 1), float("-inf"))
     ref = attn.wo((F.softmax(scores, -1) @ v).transpose(1, 2).reshape(1, 10, 64))
-    torch.testing.assert_close(attn(x, cos, sin), ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(attn(x, rope), ref, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -119,6 +119,8 @@ def load_shards(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer |
         dcp.load({"model": msd}, checkpoint_id=str(path))
         model.load_state_dict(msd)
     extra = path / f"extra_rank{rank}.pt"
+    if not extra.is_file():  # resharded to more ranks than saved: the counters and cursor are global
+        extra = path / "extra_rank0.pt"
     return torch.load(extra, weights_only=False) if extra.is_file() else {}
 
 

@@ -159,12 +159,7 @@ def validate(cfg: Config, origin: str = "config") -> None:
             f"{origin}: train.micro_batch={t.micro_batch} does not divide the {local} sequences each "
             f"data-parallel rank processes per step (global batch {gb} / dp {dp})."
         )
-    if par.world_size != 1:
-        raise ConfigError(
-            f"{origin}: the layout dp_replicate={par.dp_replicate} dp_shard={par.dp_shard} tp={par.tp} "
-            f"pp={par.pp} cp={par.cp} needs {par.world_size} workers, but this version of raysc trains "
-            f"on one worker only; set every parallel degree to 1."
-        )
+    _validate_layout(cfg, origin)
     from raysc.fleet.faults import parse_faults
 
     try:
@@ -177,6 +172,54 @@ def validate(cfg: Config, origin: str = "config") -> None:
                               f"(world size {par.world_size}).")
     if t.dtype == "bf16" and par.device == "cpu":
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
+
+
+def _validate_layout(cfg: Config, origin: str) -> None:
+    """Checks of the parallel layout against the model and batch, each naming the numbers and a fix."""
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if par.tp > 1:
+        for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.vocab_size", m.vocab_size), ("the SwiGLU hidden size", m.hidden_ffn_dim)):
+            if n % par.tp:
+                raise ConfigError(f"{origin}: {what}={n} is not divisible by parallel.tp={par.tp}; "
+                                  f"pick a tp that divides it.")
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(f"{origin}: parallel.sequence_parallel needs parallel.tp > 1.")
+    if par.cp > 1 and t.seq_len % (2 * par.cp):
+        raise ConfigError(f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
+                          f"(context parallelism gives each rank an early and a late chunk).")
+    v = par.pp_virtual_stages
+    if v > 1 and par.pp_schedule not in ("interleaved_1f1b", "interleaved_zero_bubble"):
+        raise ConfigError(f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
+                          f"(parallel.pp_schedule = 'interleaved_1f1b' or 'interleaved_zero_bubble').")
+    if par.pp == 1:
+        return
+    if m.n_layers % (par.pp * v):
+        raise ConfigError(f"{origin}: model.n_layers={m.n_layers} is not divisible by parallel.pp×"
+                          f"pp_virtual_stages={par.pp}×{v}={par.pp * v}; change either so each stage gets "
+                          f"the same number of layers.")
+    if m.tie_embeddings:
+        raise ConfigError(f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
+                          f"(the embedding and output live on different stages); set it to false.")
+    if t.micro_batch:
+        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not "
+                          f"train.micro_batch.")
+    if par.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and v < 2:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs "
+                          f"parallel.pp_virtual_stages >= 2.")
+    micro = par.pp_microbatches or par.pp
+    local = t.global_batch_sequences // par.dp
+    if local % micro:
+        raise ConfigError(f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
+                          f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
+                          f"split into parallel.pp_microbatches={micro} equal microbatches.")
+    if par.pp_schedule != "gpipe" and micro < par.pp:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
+                          f"microbatches, got parallel.pp_microbatches={micro}.")
+    rounds = max(1, micro // par.pp)
+    if par.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and micro % rounds:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
+                          f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from raysc.checkpoint import store
@@ -30,6 +30,7 @@ from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import RunRecords
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
+from raysc.parallel.dims import ParallelDims, rank_table
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -88,15 +89,38 @@ class Supervisor:
                 f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
         me = ray.get_runtime_context().current_actor
         cfg_dict = config_to_dict(self.cfg)
+        bundles = self._bundles_in_node_order(world)
         for rank in range(world):
             self.workers.append(TrainWorker.options(
                 num_cpus=par.cpus_per_worker, num_gpus=1 if par.device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.pg, placement_group_bundle_index=bundles[rank]),
             ).remote(cfg_dict, rank, world, me))
 
-    def _wait(self, refs: list, what: str) -> list:
-        """ray.get with hang detection: no report and no result for hang_timeout_s fails the run."""
+    def _bundles_in_node_order(self, world: int) -> list[int]:
+        """Bundle index for each rank: consecutive ranks on the same node, so TP (then CP) groups,
+        which are runs of consecutive ranks, stay inside a node whenever the node has room."""
+        table = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        if len(table) != world:
+            return list(range(world))
+        by_node: dict[str, list[int]] = {}
+        for idx in sorted(table):
+            by_node.setdefault(table[idx], []).append(idx)
+        order = [i for node in sorted(by_node, key=lambda n: min(by_node[n])) for i in by_node[node]]
+        dims = ParallelDims.from_config(self.cfg.parallel)
+        block = dims.tp * dims.cp
+        for start in range(0, world, block):
+            if len({table[i] for i in order[start:start + block]}) > 1:
+                self._event("layout_warning", ranks=f"{start}..{start + block - 1}",
+                            note="a tensor/context-parallel group spans nodes; give nodes a multiple of "
+                                 "tp×cp workers")
+        return order
+
+    def _wait(self, refs: list, what: str, timeout: float | None = None) -> list:
+        """ray.get with hang detection: no report and no result for hang_timeout_s (or ``timeout``)
+        fails the run, naming the ranks that did not finish."""
         pending = list(refs)
+        t0 = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             for ref in done:
@@ -114,9 +138,14 @@ class Supervisor:
                     raise RunFailed(f"worker rank {rank} raised during {what}: {cause}") from None
             with self._lock:
                 silent = time.monotonic() - self._last_report
+            if pending and timeout is not None and time.monotonic() - t0 > timeout:
+                ranks = sorted(refs.index(r) for r in pending)
+                self._event("worker_timeout", during=what, ranks=ranks, seconds=round(timeout, 1))
+                raise RunFailed(f"ranks {ranks} did not finish {what} within {timeout:.0f}s.")
             if pending and silent > self.cfg.supervisor.hang_timeout_s:
-                self._event("worker_hang", during=what, silent_s=round(silent, 1))
-                raise RunFailed(f"no progress for {silent:.0f}s during {what} "
+                ranks = sorted(refs.index(r) for r in pending)
+                self._event("worker_hang", during=what, silent_s=round(silent, 1), ranks=ranks)
+                raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {ranks} "
                                 f"(supervisor.hang_timeout_s={self.cfg.supervisor.hang_timeout_s}).")
         return ray.get(refs)
 
@@ -200,8 +229,13 @@ class Supervisor:
         self._start_workers(world)
         ip, port, _ = ray.get(self.workers[0].address.remote())
         self._touch()
-        infos = self._wait([w.setup.remote((ip, port), data, resume_from) for w in self.workers], "setup")
-        self._event("workers_ready", workers=infos, master=f"{ip}:{port}")
+        infos = self._wait([w.setup.remote((ip, port), data, resume_from) for w in self.workers],
+                           "setup (rendezvous and model build)", timeout=cfg.supervisor.start_timeout_s + 60)
+        self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
+                    threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
+        dims = ParallelDims.from_config(cfg.parallel)
+        self._event("layout", layout=dims.describe(), world_size=world,
+                    table="\n" + rank_table(dims, [i["node"] for i in infos]))
         start_step = infos[0]["restored_step"] or 0
         if resume_from:
             self._event("resumed", path=resume_from, step=start_step)

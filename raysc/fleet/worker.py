@@ -24,6 +24,7 @@ import torch.distributed as dist
 from raysc.checkpoint import store
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import fire, parse_faults
+from raysc.parallel.dims import ParallelDims, build_mesh
 from raysc.train.trainer import Trainer
 
 REPORT_EVERY_S = 1.0
@@ -61,13 +62,18 @@ class TrainWorker:
                                 timeout=timedelta(seconds=self.cfg.supervisor.start_timeout_s))
         train_rows = ray.get(data["train"])
         val_rows = ray.get(data["val"])
-        self.trainer = Trainer(self.cfg, train_rows, val_rows, dp_rank=self.rank, dp_size=self.world_size)
+        dims = ParallelDims.from_config(self.cfg.parallel)
+        mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
+            if dims.world_size > 1 else None
+        self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
         restored = None
         if resume_from:
-            extra = store.load_shards(Path(resume_from), self.trainer.model, self.trainer.optimizer, self.rank)
+            extra = store.load_shards(Path(resume_from), self.trainer.shard.state_module(), self.trainer.optimizer,
+                                      self.rank)
             self.trainer.load_extra_state(extra)
             restored = self.trainer.step
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "coords": dims.coords(self.rank),
                 "threads": torch.get_num_threads(), "device": str(self.trainer.device),
                 "peak_flops": self.trainer.peak_flops, "restored_step": restored}
 
@@ -97,7 +103,7 @@ class TrainWorker:
 
     def save(self, path: str) -> None:
         """Write this rank's shards into ``path`` (the supervisor commits the manifest)."""
-        store.save_shards(Path(path), self.trainer.model, self.trainer.optimizer,
+        store.save_shards(Path(path), self.trainer.shard.state_module(), self.trainer.optimizer,
                           self.trainer.extra_state(), self.rank)
         dist.barrier()
 

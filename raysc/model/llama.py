@@ -17,6 +17,7 @@ parallel plans are applied from outside. To keep that possible:
 from __future__ import annotations
 
 import math
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -44,6 +45,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal scaled-dot-product attention; k/v with fewer heads are shared by query-head groups (GQA)."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+class Rope:
+    """Rotary tables for one forward pass: the first ``seqlen`` positions, or explicit ``positions``."""
+
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> None:
+        self.cos, self.sin, self.positions = cos, sin, positions
+
+    def tables(self, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.positions is not None:
+            cos, sin = self.cos[self.positions], self.sin[self.positions]
+        else:
+            if seqlen > self.cos.shape[0]:
+                raise ValueError(
+                    f"sequence of {seqlen} tokens is longer than the model's rotary table "
+                    f"({self.cos.shape[0]}); raise model.max_seq_len.")
+            cos, sin = self.cos[:seqlen], self.sin[:seqlen]
+        return cos.to(dtype), sin.to(dtype)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -64,18 +92,17 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # (q, k, v) -> attention output; context parallelism swaps in a distributed kernel
+        self.core_attention: Callable[..., torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        cos, sin = rope.tables(seqlen, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        groups = q.shape[1] // k.shape[1]
-        if groups > 1:
-            k = k.repeat_interleave(groups, dim=1)
-            v = v.repeat_interleave(groups, dim=1)
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = self.core_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -98,8 +125,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = FeedForward(cfg.dim, cfg.hidden_ffn_dim)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), rope)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -119,6 +146,8 @@ class Llama(nn.Module):
         cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        # positions of this module's tokens when not 0..seq-1 (set by context parallelism)
+        self.positions: torch.Tensor | None = None
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -134,20 +163,12 @@ class Llama(nn.Module):
                 p.normal_(0.0, std, generator=generator)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """``tokens`` (batch, seq) ids, or hidden states on a later pipeline stage; ``positions``
+        (seq,) absolute positions of the tokens (default ``self.positions``, else 0..seq-1)."""
         h = self.embed(tokens) if self.embed is not None else tokens
-        seqlen = h.shape[1]
-        if positions is None:
-            if seqlen > self.max_seq_len:
-                raise ValueError(
-                    f"sequence of {seqlen} tokens is longer than the model's rotary table "
-                    f"({self.max_seq_len}); raise model.max_seq_len."
-                )
-            cos, sin = self.rope_cos[:seqlen], self.rope_sin[:seqlen]
-        else:
-            cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
+        rope = Rope(self.rope_cos, self.rope_sin, positions if positions is not None else self.positions)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
         return self.output(h) if self.output is not None else h

@@ -10,7 +10,6 @@ from __future__ import annotations
 import math
 
 import torch
-from torch import nn
 
 from raysc.config.schema import OptimConfig, ScheduleConfig
 
@@ -30,9 +29,9 @@ def lr_factor(step: int, total_steps: int, sched: ScheduleConfig) -> float:
     return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
 
 
-def build_optimizer(model: nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+def build_optimizer(params: list[torch.Tensor], cfg: OptimConfig) -> torch.optim.AdamW:
     decay, no_decay = [], []
-    for p in model.parameters():
+    for p in params:
         if p.requires_grad:
             (decay if p.ndim >= 2 else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": cfg.weight_decay},

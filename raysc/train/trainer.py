@@ -1,9 +1,10 @@
 """The training state of one worker and its optimizer step.
 
-``Trainer`` owns the model, AdamW, the LR schedule and the batch loader, and runs
-one optimizer step with gradient accumulation, clipping and metrics. The same
-class runs inside a ``TrainWorker`` actor and in a plain torch loop
-(``benchmarks/train_overhead.py``), so the actor path adds nothing but Ray.
+``Trainer`` owns this rank's model shard, AdamW, the LR schedule and the batch
+loader, and runs one optimizer step: gradient accumulation (or a pipeline
+schedule), global gradient clipping, and metrics whose loss and grad norm are the
+global values. At world size 1 it is a plain torch loop; the same class runs
+inside a ``TrainWorker`` actor and in ``benchmarks/train_overhead.py``.
 """
 
 from __future__ import annotations
@@ -14,12 +15,19 @@ import time
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from raysc.config.schema import Config
 from raysc.data.loader import BatchLoader
 from raysc.model.flops import flops_per_token
-from raysc.model.llama import build_model
+from raysc.parallel.clip import clip_grad_norm
+from raysc.parallel.cp import shard_sequence
+from raysc.parallel.dims import ParallelDims
+from raysc.parallel.parallelize import build_model_shard
+from raysc.parallel.pp import build_schedule
 from raysc.train.optim import build_optimizer, build_scheduler
 from raysc.train.throughput import device_peak_flops
 
@@ -37,56 +45,107 @@ def use_bf16(cfg: Config) -> bool:
     return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.parallel.device == "cuda")
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 class Trainer:
     def __init__(self, cfg: Config, rows: np.ndarray, val_rows: np.ndarray | None = None,
-                 dp_rank: int = 0, dp_size: int = 1, measure_peak: bool = True) -> None:
+                 rank: int = 0, mesh=None, measure_peak: bool = True) -> None:
         self.cfg = cfg
+        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.rank = rank
+        self.mesh = mesh
+        self.coords = self.dims.coords(rank)
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
-        self.model = build_model(cfg.model, cfg.rope_len, cfg.train.seed, self.device)
-        self.optimizer = build_optimizer(self.model, cfg.optim)
+        self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg))
+        self.model_parts = self.shard.parts
+        self.model = self.model_parts[0]
+        self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
+        self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.schedule)
         gb = cfg.train.global_batch_sequences
-        self.loader = BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size)
+        self.loader = BatchLoader(rows, cfg.train.seed, gb, self.dims.dp_rank(rank), self.dims.dp)
         self.val_rows = val_rows
-        local = gb // dp_size
-        self.micro = cfg.train.micro_batch or local
-        self.n_micro = local // self.micro
+        local = gb // self.dims.dp
+        self.pp_group = mesh["pp"].get_group() if self.dims.pp > 1 else None
+        if self.dims.pp > 1:
+            self.n_micro = cfg.parallel.pp_microbatches or self.dims.pp
+            self.micro = local // self.n_micro
+            self.schedule = build_schedule(self.model_parts, self.shard.stage_ids, self.shard.num_stages,
+                                           cfg.parallel.pp_schedule, self.n_micro, self._loss, self.device,
+                                           self.pp_group)
+        else:
+            self.micro = cfg.train.micro_batch or local
+            self.n_micro = local // self.micro
+            self.schedule = None
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops) if measure_peak else 0.0
-        self.world_size = dp_size
+        self.world_size = self.dims.world_size
         self.step = 0
         self.tokens = 0
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
 
+    # ---- pieces of a step ----
     def _autocast(self) -> contextlib.AbstractContextManager:
         if use_bf16(self.cfg):
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _loss(self, batch: torch.Tensor) -> torch.Tensor:
+    def _loss_ctx(self) -> contextlib.AbstractContextManager:
+        """Vocab-parallel cross-entropy on TP-sharded logits (no logit all-gather)."""
+        return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
+
+    @staticmethod
+    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[:, :-1], batch[:, 1:]
-        with self._autocast():
-            logits = self.model(x)
-        return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        if self.dims.cp > 1:
+            x, y = shard_sequence(x, self.coords["cp"], self.dims.cp), shard_sequence(y, self.coords["cp"], self.dims.cp)
+        return x, y
+
+    def _global_mean(self, local_loss: torch.Tensor) -> float:
+        """Average the loss over the ranks that computed it (last stage; every dp, cp and tp rank)."""
+        if self.world_size == 1:
+            return local_loss.item()
+        contrib = local_loss.detach().clone() if self.shard.has_last_stage else torch.zeros_like(local_loss)
+        dist.all_reduce(contrib)
+        return (contrib / (self.dims.dp * self.dims.cp * self.dims.tp)).item()
+
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        if self.schedule is not None:
+            losses: list[torch.Tensor] = []
+            last = self.shard.has_last_stage
+            args = (x,) if self.shard.has_first_stage else ()
+            self.schedule.step(*args, target=y if last else None, losses=losses if last else None)
+            if not last:
+                return torch.zeros((), device=self.device)
+            return torch.stack([_local(l.detach()) for l in losses]).mean()
+        total = torch.zeros((), device=self.device)
+        for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
+            with self._autocast():
+                logits = self.model(xb)
+            loss = self._loss(logits, yb)
+            (loss / self.n_micro).backward()
+            total += _local(loss.detach())
+        return total / self.n_micro
 
     def train_step(self) -> dict:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
-        total = torch.zeros((), device=self.device)
-        for mb in batch.split(self.micro):
-            loss = self._loss(mb)
-            (loss / self.n_micro).backward()
-            total += loss.detach()
-        max_norm = self.cfg.optim.clip_norm or math.inf
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        x, y = self._inputs(batch)
+        with self._loss_ctx(), self._autocast():
+            local_loss = self._forward_backward(x, y)
+        grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = (total / self.n_micro).item()
+        loss_value = self._global_mean(local_loss)
         self.step += 1
         self.tokens += self.tokens_per_step
         dt = time.perf_counter() - t0
@@ -98,14 +157,19 @@ class Trainer:
 
     @torch.no_grad()
     def val_loss(self, max_sequences: int = 256) -> float | None:
-        if self.val_rows is None or len(self.val_rows) == 0:
+        """Mean loss on held-out rows (None when there are none, or under pipeline parallelism)."""
+        if self.val_rows is None or len(self.val_rows) == 0 or self.schedule is not None:
             return None
-        was_training = self.model.training
         self.model.eval()
         rows = torch.from_numpy(self.val_rows[:max_sequences].astype(np.int64)).to(self.device)
-        losses = [self._loss(mb) * len(mb) for mb in rows.split(self.micro)]
-        self.model.train(was_training)
-        return float(torch.stack(losses).sum() / len(rows))
+        x, y = self._inputs(rows)
+        total = torch.zeros((), device=self.device)
+        with self._loss_ctx():
+            for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
+                with self._autocast():
+                    total += _local(self._loss(self.model(xb), yb)) * len(xb)
+        self.model.train()
+        return self._global_mean(total / len(rows))
 
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
     def extra_state(self) -> dict:

@@ -1,0 +1,68 @@
+"""Context parallelism: exact causal attention over a sequence split across ``cp`` ranks.
+
+torch's context parallelism needs CUDA kernels (it patches SDPA's flash/efficient
+backends), so raysc has its own, built only on ``all_gather`` and SDPA with an
+explicit mask, which runs on CPU (gloo) and GPU (NCCL) alike.
+
+Load balancing: the sequence is cut into ``2·cp`` equal chunks and rank ``r``
+holds chunks ``r`` and ``2·cp − 1 − r`` — an early and a late one — so every rank
+does the same amount of causal-attention work. Each rank computes q, k, v for
+its own tokens; keys and values are all-gathered (autograd-aware: the backward
+pass reduce-scatters their gradients back), reassembled in sequence order, and
+every local query attends to the keys at positions ≤ its own. The result is
+identical to full attention. Rotary embeddings use each token's absolute
+position (``Llama.positions``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.nn.functional import all_gather
+
+
+def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
+def local_positions(seq_len: int, cp_rank: int, cp: int) -> torch.Tensor:
+    """Absolute positions of the tokens this rank holds (two chunks, in order)."""
+    c = seq_len // (2 * cp)
+    a, b = chunk_ids(cp_rank, cp)
+    return torch.cat([torch.arange(a * c, (a + 1) * c), torch.arange(b * c, (b + 1) * c)])
+
+
+def shard_sequence(x: torch.Tensor, cp_rank: int, cp: int) -> torch.Tensor:
+    """This rank's two chunks of ``x`` along dim 1."""
+    return x[:, local_positions(x.shape[1], cp_rank, cp).to(x.device)]
+
+
+class ContextParallelAttention:
+    """Replaces ``Attention.core_attention``: gathers k/v over the CP group, masks by position."""
+
+    def __init__(self, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int, device: torch.device):
+        self.group, self.cp = group, cp
+        q_pos = local_positions(seq_len, cp_rank, cp).to(device)
+        # order of the gathered chunks: rank r contributes chunks (r, 2cp-1-r)
+        gathered = torch.cat([local_positions(seq_len, r, cp) for r in range(cp)]).to(device)
+        self.order = torch.argsort(gathered)
+        self.mask = q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        k = torch.cat(all_gather(k.contiguous(), group=self.group), dim=2)[:, :, self.order]
+        v = torch.cat(all_gather(v.contiguous(), group=self.group), dim=2)[:, :, self.order]
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1:
+            k = k.repeat_interleave(groups, dim=1)
+            v = v.repeat_interleave(groups, dim=1)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+
+
+def apply_cp(model: nn.Module, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
+             device: torch.device) -> None:
+    kernel = ContextParallelAttention(group, cp_rank, cp, seq_len, device)
+    for block in model.layers.values():
+        block.attn.core_attention = kernel
+    model.positions = local_positions(seq_len, cp_rank, cp).to(device)

@@ -1,0 +1,73 @@
+"""Build this rank's share of the model: pipeline split, then CP, TP/SP and FSDP on each stage.
+
+Every rank first builds the full model from ``train.seed`` (identical everywhere),
+so each shard starts from exactly the weights a single process would have; the
+plans then keep only this rank's part. The order matters: TP turns weights into
+DTensors on the ``tp`` mesh, and FSDP then shards those over the data-parallel
+mesh (2-D parallelism, as torchtitan composes them).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from raysc.config.schema import Config
+from raysc.model.llama import build_model
+from raysc.parallel.cp import apply_cp
+from raysc.parallel.dims import ParallelDims
+from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
+from raysc.parallel.pp import build_stages
+from raysc.parallel.tp import apply_tp
+
+
+@dataclass
+class ModelShard:
+    parts: list[nn.Module]  # one module per pipeline stage this rank holds (one without PP)
+    stage_ids: list[int]
+    num_stages: int
+
+    def state_module(self) -> nn.Module:
+        """One module with every parameter this rank holds under its full-model name
+        (``layers.7.attn.wq.weight``), so checkpoints do not depend on the pipeline split."""
+        if len(self.parts) == 1:
+            return self.parts[0]
+        view = nn.Module()
+        view.layers = nn.ModuleDict({k: v for part in self.parts for k, v in part.layers.items()})
+        for end in ("embed", "norm", "output"):
+            mods = [getattr(p, end) for p in self.parts if getattr(p, end) is not None]
+            if mods:
+                setattr(view, end, mods[0])
+        return view
+
+    @property
+    def has_first_stage(self) -> bool:
+        return 0 in self.stage_ids
+
+    @property
+    def has_last_stage(self) -> bool:
+        return self.num_stages - 1 in self.stage_ids
+
+
+def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device,
+                      bf16: bool) -> ModelShard:
+    full = build_model(cfg.model, cfg.rope_len, cfg.train.seed, device)
+    if dims.world_size == 1:
+        return ModelShard([full], [0], 1)
+    c = dims.coords(rank)
+    virtual = cfg.parallel.pp_virtual_stages if dims.pp > 1 else 1
+    if dims.pp > 1:
+        parts, ids = build_stages(full, c["pp"], dims.pp, virtual)
+    else:
+        parts, ids = [full], [0]
+    dp_mesh = fsdp_mesh(mesh, dims)
+    for part in parts:
+        if dims.cp > 1:
+            apply_cp(part, mesh["cp"].get_group(), c["cp"], dims.cp, cfg.train.seq_len, device)
+        if dims.tp > 1:
+            apply_tp(part, mesh["tp"], cfg.parallel.sequence_parallel)
+        if dp_mesh is not None:
+            apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1)
+    return ModelShard(parts, ids, dims.pp * virtual)
