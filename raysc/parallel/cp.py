@@ -7,8 +7,8 @@ explicit mask, which runs on CPU (gloo) and GPU (NCCL) alike.
 Load balancing: the sequence is cut into ``2·cp`` equal chunks and rank ``r``
 holds chunks ``r`` and ``2·cp − 1 − r`` — an early and a late one — so every rank
 does the same amount of causal-attention work. Each rank computes q, k, v for
-its own tokens; keys and values are all-gathered (autograd-aware: the backward
-pass reduce-scatters their gradients back), reassembled in sequence order, and
+its own tokens; keys and values are all-gathered (the backward pass
+reduce-scatters their gradients back), reassembled in sequence order, and
 every local query attends to the keys at positions ≤ its own. The result is
 identical to full attention. Rotary embeddings use each token's absolute
 position (``Llama.positions``).
@@ -20,7 +20,36 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.nn.functional import all_gather
+
+
+class _GatherChunks(torch.autograd.Function):
+    """All-gather along the sequence dim (2) with a reduce-scatter backward.
+
+    Written here because ``torch.distributed.nn.functional.all_gather``'s gloo
+    backward passes group ranks where global ranks are expected and fails on any
+    subgroup (e.g. the CP group of a cp×tp mesh). gloo has no reduce-scatter, so
+    its backward all-reduces and keeps the local slice.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        group = ctx.group
+        n, me = dist.get_world_size(group), dist.get_rank(group)
+        chunks = list(grad.contiguous().chunk(n, dim=2))
+        if dist.get_backend(group) == dist.Backend.GLOO:
+            full = grad.contiguous().clone()
+            dist.all_reduce(full, group=group)
+            return full.chunk(n, dim=2)[me].contiguous(), None
+        out = torch.empty_like(chunks[me])
+        dist.reduce_scatter(out, [c.contiguous() for c in chunks], group=group)
+        return out, None
 
 
 def chunk_ids(cp_rank: int, cp: int) -> tuple[int, int]:
@@ -51,8 +80,8 @@ class ContextParallelAttention:
         self.mask = q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        k = torch.cat(all_gather(k.contiguous(), group=self.group), dim=2)[:, :, self.order]
-        v = torch.cat(all_gather(v.contiguous(), group=self.group), dim=2)[:, :, self.order]
+        k = _GatherChunks.apply(k, self.group)[:, :, self.order]
+        v = _GatherChunks.apply(v, self.group)[:, :, self.order]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
