@@ -65,6 +65,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from raysc.parity import run_parity
+
+    report = run_parity(args.config, args.layout, args.overrides, steps=args.steps, rtol=args.rtol,
+                        work_dir=args.work_dir, progress=False)
+    print(report.table())
+    return 0 if report.ok else 1
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from raysc.demo import run_demo
 
@@ -95,6 +104,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("parity", help="check that a parallel layout reproduces single-process training")
+    p.add_argument("config", help="TOML config (the model, data and batch to compare)")
+    p.add_argument("--layout", required=True, help="parallel degrees, e.g. pp=2,tp=2 or cp=2,tp=2")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference that matches")
+    p.add_argument("--work-dir", default="runs/parity", help="where the two runs are written")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_parity)
 
     p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

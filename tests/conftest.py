@@ -37,6 +37,6 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield ray
     ray.shutdown()

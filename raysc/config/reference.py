@@ -39,8 +39,9 @@ def render() -> str:
         "divides `model.n_heads`; exactly one of `train.global_batch` / `train.global_batch_tokens` (setting",
         "the token count clears the default sequence count); `train.global_batch_tokens` a multiple of",
         "`train.seq_len`; the global batch divisible by the data-parallel size and the local batch by",
-        "`train.micro_batch`; `train.dtype = \"bf16\"` only on `cuda`; this version trains on one worker, so",
-        "every parallel degree must be 1.",
+        "`train.micro_batch`; `train.dtype = \"bf16\"` only on `cuda`. Parallel layout rules (tp divides heads,",
+        "KV heads, vocabulary and SwiGLU width; pp × virtual stages divides layers; 2·cp divides seq_len; the",
+        "local batch splits into `pp_microbatches`; schedule needs) are listed in docs/parallelism.md.",
         "",
     ]
     for section in dataclasses.fields(Config):

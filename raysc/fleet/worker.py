@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 
@@ -63,6 +64,7 @@ class TrainWorker:
         train_rows = ray.get(data["train"])
         val_rows = ray.get(data["val"])
         dims = ParallelDims.from_config(self.cfg.parallel)
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
