@@ -25,6 +25,7 @@ LAYOUTS = [
     "pp=2,pp_schedule=gpipe",
     "pp=2,pp_schedule=1f1b",
     "pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2",
+    "pp=2,pp_schedule=interleaved_zero_bubble,pp_virtual_stages=2",
     "cp=2",
     "dp_shard=2,tp=2",
     "pp=2,tp=2",
