@@ -42,7 +42,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from raysc.checkpoint.restore import load_run
     from raysc.export.hf import export_hf
 
-    run = load_run(args.run_dir, args.checkpoint)
+    run = load_run(args.run_dir, args.step)
     out = export_hf(run.model, run.tokenizer_path, args.out)
     print(json.dumps({"export": str(out), "step": run.step, "checkpoint": str(run.checkpoint)}))
     return 0
@@ -93,7 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face Llama folder")
     p.add_argument("run_dir")
     p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--checkpoint", help="a checkpoint directory (default: the newest verified one)")
+    p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest committed one)")
     p.set_defaults(func=cmd_export)
 
     p = sub.add_parser("generate", help="generate text from a run's newest checkpoint")

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from raysc.checkpoint import store
+from raysc.checkpoint.store import CheckpointStore
 from raysc.checkpoint.restore import load_run
 from raysc.data.prepare import prepare_data
 from raysc.fleet.errors import RunFailed
@@ -68,7 +68,7 @@ def test_supervised_run_lowers_loss_and_writes_records(ray_session, make_cfg):
     kinds = [e["kind"] for e in read_jsonl(run_dir / "events.jsonl")]
     assert kinds[0] == "run_start" and kinds[-1] == "run_end" and kinds.count("checkpoint_saved") == 2
     assert (run_dir / "config.toml").is_file() and (run_dir / "tokenizer.json").is_file()
-    assert [s for s, _ in store.list_checkpoints(cfg.checkpoint_uri)] == [20, 40]
+    assert CheckpointStore(cfg.checkpoint_uri).steps() == [20, 40]
     assert summary["steps"] == 40 and math.isfinite(summary["val_loss"])
 
 
@@ -81,7 +81,7 @@ def test_resume_continues_the_same_loss_curve_bit_for_bit(ray_session, make_cfg,
 
     # a second run stopped after step 10: it holds only the step-10 checkpoint
     part = make_cfg("checkpoint.every_steps=10", run="part")
-    shutil.copytree(store.step_dir(full.checkpoint_uri, 10), store.step_dir(part.checkpoint_uri, 10))
+    shutil.copytree(Path(full.checkpoint_uri) / "step_00000010", Path(part.checkpoint_uri) / "step_00000010")
     summary = train(part, resume=True, progress=False)
     got = read_jsonl(Path(part.run_dir) / "metrics.jsonl")
     assert [m["step"] for m in got] == list(range(11, 21))
@@ -95,22 +95,31 @@ def test_resume_continues_the_same_loss_curve_bit_for_bit(ray_session, make_cfg,
     assert "resumed" in events
 
 
-def test_resume_skips_a_corrupted_checkpoint(ray_session, make_cfg):
+def test_resume_falls_back_from_a_corrupted_checkpoint(ray_session, make_cfg):
     from raysc.driver import train
 
     cfg = make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3")
     train(cfg, progress=False)
-    newest = store.step_dir(cfg.checkpoint_uri, 10)
-    shard = next(newest.glob("*.distcp"))
+    ckpt = CheckpointStore(cfg.checkpoint_uri)
+    shard = next((Path(cfg.checkpoint_uri) / "step_00000010").glob("*.distcp"))
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0xFF
+    data[len(data) // 2] ^= 0xFF  # same size, altered content: only the checksum can tell
     shard.write_bytes(bytes(data))
-    assert "sha256 mismatch" in store.verify(newest)
-    assert store.latest_checkpoint(cfg.checkpoint_uri) == store.step_dir(cfg.checkpoint_uri, 5)
-    train(make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3"), resume=True,
-          progress=False)
-    skipped = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_skipped"]
-    assert skipped and "sha256 mismatch" in skipped[0]["reason"]
+    assert "sha256 mismatch" in ckpt.verify(10, checksums=True)
+    shutil.rmtree(Path(cfg.data.cache_dir) / "checkpoints")  # a fresh node: no verified local copy
+    summary = train(make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3"),
+                    resume=True, progress=False)
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    corrupt = [e for e in events if e["kind"] == "checkpoint_corrupt"]
+    assert corrupt and corrupt[0]["step"] == 10 and "sha256 mismatch" in corrupt[0]["error"]
+    assert "__0_0.distcp" in corrupt[0]["error"]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert resumed[-1]["step"] == 5 and summary["steps_run"] == 5
+
+    # a truncated file is caught by the size check while listing
+    shard10 = next((Path(cfg.checkpoint_uri) / "step_00000010").glob("*.distcp"))
+    shard10.write_bytes(shard10.read_bytes()[:100])
+    assert "truncated" in ckpt.verify(10)
 
 
 def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
@@ -165,9 +174,9 @@ def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, m
     cfg = make_cfg("checkpoint.every_steps=5", 'supervisor.inject="raise@8"')
     with pytest.raises(RunFailed, match="worker rank 0 raised during steps 6..10: injected fault raise@8"):
         train(cfg, progress=False)
-    assert store.latest_checkpoint(cfg.checkpoint_uri) == store.step_dir(cfg.checkpoint_uri, 5)
+    assert CheckpointStore(cfg.checkpoint_uri).latest() == 5
     kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
-    assert kinds[-2:] == ["worker_error", "run_failed"]
+    assert "worker_error" in kinds and kinds[-1] == "run_failed"
 
 
 def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):

@@ -1,17 +1,19 @@
-"""Rebuild a trained model from a run directory (for export, generation and inspection).
+"""Rebuild a trained model from a run directory or a checkpoint URI (export, generation, parity).
 
-Reads the run's resolved ``config.toml``, finds its newest verified checkpoint
-(or the given one) and loads the model tensors in a single process; no Ray and
-no process group are needed.
+Reads the run's resolved ``config.toml``, finds its newest committed checkpoint
+(or the given step), fetches it into a local cache verifying every file's
+SHA-256, and loads the model tensors in one process; no Ray and no process
+group are needed, and DCP reshards whatever layout wrote it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from raysc.checkpoint import store
+from raysc.checkpoint.store import CheckpointStore, load_local
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.model.llama import Llama, build_model
@@ -22,29 +24,29 @@ class RunModel:
     model: Llama
     cfg: Config
     tokenizer_path: Path
-    checkpoint: Path
+    checkpoint: str
     step: int
 
 
-def load_run(run_dir: str | Path, checkpoint: str | Path | None = None) -> RunModel:
+def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     rd = Path(run_dir)
     cfg_path = rd / "config.toml"
     if not cfg_path.is_file():
         raise FileNotFoundError(f"{rd} is not a raysc run directory (no config.toml); "
                                 f"pass the run.dir of a training run")
     cfg = load_config(cfg_path)
-    if checkpoint is None:
-        ckpt = store.latest_checkpoint(cfg.checkpoint_uri)
-        if ckpt is None:
-            raise FileNotFoundError(f"run {rd} has no verified checkpoint under {cfg.checkpoint_uri}")
-    else:
-        ckpt = Path(checkpoint)
-        reason = store.verify(ckpt)
-        if reason:
-            raise ValueError(f"checkpoint {ckpt} is not usable: {reason}")
+    # config.toml has secrets redacted: drop them so the environment's credentials apply
+    options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != "***"}
+    store = CheckpointStore(cfg.checkpoint_uri, options)
+    if step is None:
+        step = store.latest()
+        if step is None:
+            raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}")
+    key = hashlib.sha256(cfg.checkpoint_uri.encode()).hexdigest()[:12]
+    local = Path(cfg.data.cache_dir) / "checkpoints" / key / f"step_{step:08d}"
+    store.fetch(step, local)
     model = build_model(cfg.model, cfg.rope_len, cfg.train.seed)
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        store.load_shards(ckpt, model, None, rank=0)
-    step = int(store.read_manifest(ckpt)["step"])
-    return RunModel(model, cfg, rd / "tokenizer.json", ckpt, step)
+        load_local(local, model, None, rank=0)
+    return RunModel(model, cfg, rd / "tokenizer.json", f"{cfg.checkpoint_uri}/step_{step:08d}", step)

@@ -25,7 +25,12 @@ class ConfigError(ValueError):
     """A configuration problem, phrased for the user: key, origin, what is allowed."""
 
 
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
+
+
+def key_name(f: dataclasses.Field) -> str:
+    """The TOML key of a field (``metadata['key']`` when the Python name differs)."""
+    return f.metadata.get("key", f.name)
 
 
 def _suggest(name: str, options: Iterable[str]) -> str:
@@ -46,6 +51,8 @@ def _check_value(section: str, key: str, value: Any, spec: dataclasses.Field, or
     if want is float and not math.isfinite(value):
         raise ConfigError(f"{where} = {value!r} must be a finite number.")
     rules = spec.metadata
+    if want is dict and not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
+        raise ConfigError(f"{where}: values must be strings, numbers or booleans.")
     if "choices" in rules and value not in rules["choices"]:
         raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {rules['choices']}.")
     if "min" in rules and value < rules["min"]:
@@ -64,13 +71,16 @@ def _apply(cfg: Config, section: str, key: str, value: Any, origin: str) -> None
             f"Sections are: {', '.join(SECTIONS)}."
         )
     sub = getattr(cfg, section)
-    fields = {f.name: f for f in dataclasses.fields(sub)}
+    fields = {key_name(f): f for f in dataclasses.fields(sub)}
+    fields.update({f.name: f for f in dataclasses.fields(sub)})  # dicts from config_to_dict use field names
     if key not in fields:
+        names = [key_name(f) for f in dataclasses.fields(sub)]
         raise ConfigError(
-            f"{origin}: unknown key '{section}.{key}'.{_suggest(key, fields)} "
-            f"Keys of [{section}] are: {', '.join(fields)}."
+            f"{origin}: unknown key '{section}.{key}'.{_suggest(key, names)} "
+            f"Keys of [{section}] are: {', '.join(names)}."
         )
-    setattr(sub, key, _check_value(section, key, value, fields[key], origin))
+    f = fields[key]
+    setattr(sub, f.name, _check_value(section, key_name(f), value, f, origin))
 
 
 def _parse_override(item: str) -> tuple[str, str, Any]:
@@ -137,6 +147,11 @@ def validate(cfg: Config, origin: str = "config") -> None:
             f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
             f"raise it or set it to 0 (= train.seq_len)."
         )
+    if cfg.checkpoint.keep_every_steps and cfg.checkpoint.every_steps and \
+            cfg.checkpoint.keep_every_steps % cfg.checkpoint.every_steps:
+        raise ConfigError(
+            f"{origin}: checkpoint.keep_every_steps={cfg.checkpoint.keep_every_steps} is not a multiple of "
+            f"checkpoint.every_steps={cfg.checkpoint.every_steps}, so no checkpoint would match it.")
     if bool(t.global_batch) == bool(t.global_batch_tokens):
         raise ConfigError(
             f"{origin}: set exactly one of train.global_batch (sequences) or train.global_batch_tokens "
@@ -236,6 +251,8 @@ def config_from_dict(data: dict[str, dict[str, Any]], origin: str = "saved confi
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
@@ -244,11 +261,17 @@ def _toml_value(v: Any) -> str:
 
 
 def dump_config(cfg: Config) -> str:
-    """The resolved config as TOML; ``load_config`` reads it back to an equal Config."""
+    """The resolved config as TOML, secrets redacted; ``load_config`` reads it back to an equal Config
+    (but for redacted values)."""
+    from raysc.checkpoint.storage import redact
+
     out = []
-    for section, table in config_to_dict(cfg).items():
-        out.append(f"[{section}]")
-        out.extend(f"{k} = {_toml_value(v)}" for k, v in table.items())
+    for section in dataclasses.fields(cfg):
+        sub = getattr(cfg, section.name)
+        out.append(f"[{section.name}]")
+        for f in dataclasses.fields(sub):
+            v = getattr(sub, f.name)
+            out.append(f"{key_name(f)} = {_toml_value(redact(v) if isinstance(v, dict) else v)}")
         out.append("")
     return "\n".join(out)
 

@@ -47,10 +47,10 @@ def render() -> str:
     for section in dataclasses.fields(Config):
         lines += [f"## [{section.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(section.default_factory()):
-            default = f.default
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
             shown = f'"{default}"' if isinstance(default, str) else str(default).lower() if isinstance(
-                default, bool) else repr(default)
-            lines.append(f"| `{section.name}.{f.name}` | `{shown}` | {f.type} {_rules(f.metadata)} "
+                default, bool) else "{}" if isinstance(default, dict) else repr(default)
+            lines.append(f"| `{section.name}.{f.metadata.get('key', f.name)}` | `{shown}` | {f.type} {_rules(f.metadata)} "
                          f"| {f.metadata['help']} |")
         lines.append("")
     return "\n".join(lines)

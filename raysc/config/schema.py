@@ -16,9 +16,15 @@ def opt(default: Any, help: str, **rules: Any) -> Any:
     """A dataclass field with a default, a help text and validation rules.
 
     Rules understood by the loader: ``min``, ``max`` (inclusive), ``gt`` (strict
-    lower bound) and ``choices``.
+    lower bound) and ``choices``; ``key`` is the TOML name when it differs from the
+    field name (``checkpoint.async`` is ``async_save`` in Python).
     """
     return field(default=default, metadata={"help": help, **rules})
+
+
+def opt_dict(help: str) -> Any:
+    """A table-valued option (default empty)."""
+    return field(default_factory=dict, metadata={"help": help})
 
 
 @dataclass
@@ -124,9 +130,18 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
-    uri: str = opt("", "checkpoint location; empty = <run.dir>/checkpoints")
-    every_steps: int = opt(0, "save every N steps and always at the end; 0 (or more than train.steps) = only at the end", min=0)
-    keep_last: int = opt(2, "committed checkpoints kept; older ones are deleted", min=1)
+    uri: str = opt("", "where checkpoints go: a path or fsspec URL (s3://bucket/prefix, gs://, file://); "
+                       "empty = <run.dir>/checkpoints")
+    every_steps: int = opt(0, "save every N steps and always at the end; 0 (or more than train.steps) = only "
+                              "at the end, and Young's interval is printed as advice", min=0)
+    keep_last: int = opt(2, "committed checkpoints kept (at least 2); older ones are deleted", min=2)
+    keep_every_steps: int = opt(0, "also keep every checkpoint whose step is a multiple of this; 0 = none", min=0)
+    async_save: bool = opt(True, "stage to CPU and upload in the background while training continues",
+                           key="async")
+    storage_options: dict = opt_dict("fsspec options for the store, e.g. {endpoint_url = \"http://...\", "
+                                     "region_name = \"us-east-1\"}; AWS_* environment variables work too")
+    upload_retries: int = opt(3, "retries (with exponential backoff from 1 s) of a failed upload", min=0)
+    mtbf_hours: float = opt(24.0, "mean time between failures assumed for Young's interval advice", gt=0.0)
 
 
 @dataclass

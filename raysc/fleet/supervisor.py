@@ -23,9 +23,9 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from raysc.checkpoint import store
 from raysc.config.load import config_from_dict, config_hash, config_to_dict, dump_config
 from raysc.data.prepare import prepare_data
+from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import RunRecords
 from raysc.fleet.worker import TrainWorker
@@ -49,6 +49,7 @@ class Supervisor:
         self._events: list[dict] = []
         self.workers: list = []
         self.pg = None
+        self.ckpt: CheckpointCoordinator | None = None
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -123,6 +124,8 @@ class Supervisor:
         t0 = time.monotonic()
         while pending:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if pending and self.ckpt is not None:
+                self.ckpt.poll()
             for ref in done:
                 try:
                     ray.get(ref)
@@ -135,7 +138,9 @@ class Supervisor:
                     rank = refs.index(ref)
                     cause = str(e.cause) if e.cause is not None else str(e)
                     self._event("worker_error", rank=rank, during=what, error=cause)
-                    raise RunFailed(f"worker rank {rank} raised during {what}: {cause}") from None
+                    err = RunFailed(f"worker rank {rank} raised during {what}: {cause}")
+                    err.worker_cause = e.cause
+                    raise err from None
             with self._lock:
                 silent = time.monotonic() - self._last_report
             if pending and timeout is not None and time.monotonic() - t0 > timeout:
@@ -153,47 +158,6 @@ class Supervisor:
         with self._lock:
             self._last_report = time.monotonic()
 
-    def _save(self, step: int, tokens: int) -> str | None:
-        root = self.cfg.checkpoint_uri
-        path = store.prepare_step_dir(root, step)
-        if path is None:
-            return None
-        t0 = time.perf_counter()
-        self._touch()
-        self._wait([w.save.remote(str(path)) for w in self.workers], f"checkpoint save at step {step}")
-        par = self.cfg.parallel
-        meta = {"tokens": tokens, "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
-                "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp,
-                           "pp": par.pp, "cp": par.cp, "world_size": par.world_size}}
-        manifest = store.commit(path, step, meta)
-        deleted = store.apply_retention(root, self.cfg.checkpoint.keep_last, protect=path)
-        size = sum(f["size"] for f in manifest["files"])
-        self._event("checkpoint_saved", step=step, path=str(path), bytes=size,
-                    seconds=round(time.perf_counter() - t0, 3), deleted=[p.name for p in deleted])
-        return str(path)
-
-    def _resume_path(self) -> str | None:
-        if not self.resume:
-            return None
-        if isinstance(self.resume, str):
-            reason = store.verify(Path(self.resume))
-            if reason:
-                raise RunFailed(f"cannot resume from {self.resume}: {reason}")
-            return self.resume
-        root = self.cfg.checkpoint_uri
-        path = store.latest_checkpoint(
-            root, on_skip=lambda p, why: self._event("checkpoint_skipped", path=str(p), reason=why))
-        if path is None:
-            raise RunFailed(f"--resume: no verified checkpoint under {root}; start without --resume.")
-        return str(path)
-
-    def _check_resume_config(self, path: str) -> None:
-        saved = store.read_manifest(Path(path)).get("config_hash")
-        if saved and saved != config_hash(self.cfg):
-            self._event("resume_config_changed", path=path, saved_hash=saved, hash=config_hash(self.cfg),
-                        note="the configuration differs from the one that wrote the checkpoint; "
-                             "the continuation will not match the original run")
-
     def run(self) -> dict:
         t_start = time.time()
         cfg = self.cfg
@@ -203,6 +167,8 @@ class Supervisor:
         try:
             return self._run(t_start)
         except RunFailed as e:
+            if self.ckpt is not None:
+                self.ckpt.salvage()
             self._event("run_failed", error=str(e))
             raise
         finally:
@@ -221,7 +187,8 @@ class Supervisor:
         (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
         self._event("data_ready", **{k: data_info[k] for k in ("tokens", "documents", "train_sequences",
                                                                "val_sequences", "corpus_sha256")})
-        resume_from = self._resume_path()
+        self.ckpt = CheckpointCoordinator(cfg, self._event, self._wait)
+        self.ckpt.probe()
         data = {"train": ray.put(packed.train), "val": ray.put(packed.val)}
 
         self._phase = "starting workers"
@@ -229,17 +196,15 @@ class Supervisor:
         self._start_workers(world)
         ip, port, _ = ray.get(self.workers[0].address.remote())
         self._touch()
-        infos = self._wait([w.setup.remote((ip, port), data, resume_from) for w in self.workers],
+        infos = self._wait([w.setup.remote((ip, port), data) for w in self.workers],
                            "setup (rendezvous and model build)", timeout=cfg.supervisor.start_timeout_s + 60)
         self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
                     threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
         dims = ParallelDims.from_config(cfg.parallel)
         self._event("layout", layout=dims.describe(), world_size=world,
                     table="\n" + rank_table(dims, [i["node"] for i in infos]))
-        start_step = infos[0]["restored_step"] or 0
-        if resume_from:
-            self._event("resumed", path=resume_from, step=start_step)
-            self._check_resume_config(resume_from)
+        self.ckpt.workers = self.workers
+        start_step = self.ckpt.restore(self.resume) if self.resume else 0
 
         self._phase = "training"
         every = cfg.checkpoint.every_steps or cfg.train.steps
@@ -252,13 +217,14 @@ class Supervisor:
             last = results[0] or last
             step = target
             self._phase = "checkpointing"
-            self._save(step, last["tokens"] if last else 0)
+            self.ckpt.save(step, last["tokens"] if last else 0)
             self._phase = "training"
+        self.ckpt.finish()
         train_time = time.perf_counter() - t_train
 
         self._phase = "evaluating"
         val = self._wait([w.val_loss.remote() for w in self.workers], "validation")[0]
-        latest = store.latest_checkpoint(cfg.checkpoint_uri)
+        latest = self.ckpt.store.latest()
         with self._lock:
             tps = self._tps[len(self._tps) // 10:] or [0.0]  # skip warm-up steps
         steps_run = cfg.train.steps - start_step
@@ -270,7 +236,9 @@ class Supervisor:
             "tokens_per_s_wall": (steps_run * cfg.train.global_batch_sequences * cfg.train.seq_len) / train_time
             if steps_run else 0.0,
             "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
-            "checkpoint": str(latest) if latest else None, "wall_s": round(time.time() - t_start, 2),
+            "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
+            "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
+            "wall_s": round(time.time() - t_start, 2),
         }
         self._event("run_end", **summary)
         return summary

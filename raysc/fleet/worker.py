@@ -11,8 +11,10 @@ at world size 1, so checkpointing and later parallel layouts use one code path.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
+import threading
 import time
 import warnings
 from datetime import timedelta
@@ -22,7 +24,11 @@ import ray
 import torch
 import torch.distributed as dist
 
-from raysc.checkpoint import store
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from raysc.checkpoint.store import CheckpointStore, load_local, rank_files, stage_shards
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
@@ -37,7 +43,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote
+@ray.remote(max_concurrency=2)  # a second thread serves save_wait/save_pending while train() runs
 class TrainWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
         self.cfg = config_from_dict(cfg_dict, "supervisor")
@@ -45,6 +51,7 @@ class TrainWorker:
         self.world_size = world_size
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
+        self._save: dict | None = None
         self.faults = {f.step: f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank}
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
         torch.set_num_threads(threads)
@@ -53,8 +60,8 @@ class TrainWorker:
         """(node IP, a free port, node id): rank 0's answer is the rendezvous point."""
         return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], data: dict, resume_from: str | None) -> dict:
-        """Join the process group, build the model and optionally restore a checkpoint."""
+    def setup(self, master: tuple[str, int], data: dict) -> dict:
+        """Join the process group and build this rank's model shard."""
         backend = "nccl" if self.cfg.parallel.device == "cuda" else "gloo"
         if self.cfg.parallel.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU assigned to this actor
@@ -68,16 +75,89 @@ class TrainWorker:
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
-        restored = None
-        if resume_from:
-            extra = store.load_shards(Path(resume_from), self.trainer.shard.state_module(), self.trainer.optimizer,
-                                      self.rank)
-            self.trainer.load_extra_state(extra)
-            restored = self.trainer.step
+        # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
+        self.ckpt_group = dist.new_group(backend="gloo")
+        self.ckpt = CheckpointStore(self.cfg.checkpoint_uri, self.cfg.checkpoint.storage_options)
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "coords": dims.coords(self.rank),
                 "threads": torch.get_num_threads(), "device": str(self.trainer.device),
-                "peak_flops": self.trainer.peak_flops, "restored_step": restored}
+                "peak_flops": self.trainer.peak_flops}
+
+    # ---- checkpoints ----
+    def _local_dir(self, step: int) -> Path:
+        """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
+        key = hashlib.sha256(self.cfg.checkpoint_uri.encode()).hexdigest()[:12]
+        return Path(self.cfg.data.cache_dir) / "checkpoints" / key / f"step_{step:08d}"
+
+    def fetch(self, step: int, hot: dict | None) -> dict:
+        """Bring every file of ``step`` to this node, verifying sizes and SHA-256 (no collectives,
+        so a corrupt file fails here, on every rank, before anything is loaded)."""
+        getters = {name: (lambda ref=ref: ray.get(ref)) for name, ref in (hot or {}).items()}
+        t0 = time.perf_counter()
+        _, source = self.ckpt.fetch(step, self._local_dir(step), getters)
+        return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
+
+    def load(self, step: int) -> int:
+        """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG."""
+        extra = load_local(self._local_dir(step), self.trainer.shard.state_module(), self.trainer.optimizer,
+                           self.rank, self.ckpt_group)
+        self.trainer.load_extra_state(extra)
+        return self.trainer.step
+
+    def save_start(self, step: int) -> dict:
+        """Stage this rank's shards for ``step`` to local disk (collective over the checkpoint
+        group) and upload them in a background thread; returns the seconds training was held
+        and the loader state recorded in the manifest."""
+        t0 = time.perf_counter()
+        local = self._local_dir(step)
+        local.mkdir(parents=True, exist_ok=True)
+        for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
+            (local / stale).unlink(missing_ok=True)
+        model, opt = self.trainer.shard.state_module(), self.trainer.optimizer
+        extra = self.trainer.extra_state()
+        if self.cfg.checkpoint.async_save:
+            msd, osd = get_state_dict(model, opt)
+            future = dcp.async_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local)),
+                                    process_group=self.ckpt_group)
+        else:
+            stage_shards(local, model, opt, extra, self.rank, self.ckpt_group)
+            future = None
+        self._save = {"step": step, "done": threading.Event(), "result": None}
+        threading.Thread(target=self._finish_save, args=(step, local, future, extra), daemon=True).start()
+        held = time.perf_counter() - t0
+        if not self.cfg.checkpoint.async_save:
+            self._save["done"].wait()
+        return {"held_s": held, "loader": extra["loader"]}
+
+    def _finish_save(self, step: int, local: Path, future, extra: dict) -> None:
+        result: dict = {"rank": self.rank, "step": step}
+        try:
+            if future is not None:
+                future.result()
+                torch.save(extra, local / f"extra_rank{self.rank}.pt")
+            retries = []
+            entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
+                                       retries=self.cfg.checkpoint.upload_retries,
+                                       on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"))
+            result.update(ok=True, files=entries, retries=retries)
+        except Exception as e:  # reported to the supervisor, which records it and keeps training
+            result.update(ok=False, error=f"{type(e).__name__}: {e}")
+        self._save["result"] = result
+        self._save["done"].set()
+
+    def read_file(self, step: int, name: str) -> bytes:
+        """Bytes of one staged checkpoint file. The supervisor calls this right after a commit and
+        keeps the returned ObjectRefs: Ray makes the caller their owner, so the hot copy lives in
+        the object store under the supervisor and survives this worker's death."""
+        return (self._local_dir(step) / name).read_bytes()
+
+    def save_wait(self) -> dict:
+        """Block until the save in flight has uploaded; its files and hot-copy refs, or its error."""
+        self._save["done"].wait()
+        return self._save["result"]
+
+    def save_pending(self) -> bool:
+        return self._save is not None and not self._save["done"].is_set()
 
     def train(self, until_step: int) -> dict | None:
         """Run optimizer steps until ``until_step``; report them to the supervisor.
@@ -102,12 +182,6 @@ class TrainWorker:
         if pending:
             self.supervisor.report.remote(pending)
         return last
-
-    def save(self, path: str) -> None:
-        """Write this rank's shards into ``path`` (the supervisor commits the manifest)."""
-        store.save_shards(Path(path), self.trainer.shard.state_module(), self.trainer.optimizer,
-                          self.trainer.extra_state(), self.rank)
-        dist.barrier()
 
     def val_loss(self) -> float | None:
         return self.trainer.val_loss()

@@ -1,0 +1,176 @@
+"""Where checkpoints live: any fsspec URL (a local path, ``file://``, ``s3://``, ``gs://``, ...).
+
+A thin layer over an fsspec filesystem that speaks in checkpoint terms (step
+prefixes, files, manifests) and turns the storage's failures into errors that
+say what is wrong and how to fix it. Credentials come from
+``checkpoint.storage_options`` or the standard environment variables
+(``AWS_ENDPOINT_URL``, ``AWS_ACCESS_KEY_ID``, ...); they are never written to
+the config, the manifest, events or logs (``redact``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import uuid
+from dataclasses import dataclass
+from typing import Any, Iterator
+
+import fsspec
+
+SECRET_WORDS = ("secret", "password", "token", "key", "credential", "session")
+
+
+def redact(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` with every value whose key looks secret replaced by '***' (recursively)."""
+    out: dict[str, Any] = {}
+    for k, v in options.items():
+        if isinstance(v, dict):
+            out[k] = redact(v)
+        elif any(w in k.lower() for w in SECRET_WORDS):
+            out[k] = "***"
+        else:
+            out[k] = v
+    return out
+
+
+def parse_storage_options(text: str) -> dict[str, Any]:
+    """``checkpoint.storage_options`` is a JSON object (TOML inline tables arrive as JSON here)."""
+    if not text.strip():
+        return {}
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError("must be a JSON object, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'")
+    return value
+
+
+def _fs_options(protocol: str, options: dict[str, Any]) -> dict[str, Any]:
+    opts = dict(options)
+    if protocol in ("s3", "s3a"):
+        # s3fs takes the endpoint inside client_kwargs; accept it at the top level too
+        client = dict(opts.pop("client_kwargs", {}))
+        for key in ("endpoint_url", "region_name"):
+            if key in opts:
+                client[key] = opts.pop(key)
+        if "endpoint_url" not in client and os.environ.get("AWS_ENDPOINT_URL"):
+            client["endpoint_url"] = os.environ["AWS_ENDPOINT_URL"]
+        if client:
+            opts["client_kwargs"] = client
+    return opts
+
+
+class StorageError(RuntimeError):
+    """The checkpoint location cannot be used; the message names the URI, the cause and a fix."""
+
+
+@dataclass
+class Storage:
+    uri: str
+    options: dict[str, Any]
+
+    def __post_init__(self) -> None:
+        protocol = fsspec.utils.get_protocol(self.uri)
+        self.fs, self.root = fsspec.core.url_to_fs(self.uri, **_fs_options(protocol, self.options))
+        self.root = self.root.rstrip("/")
+        self.is_local = protocol in ("file", "local")
+
+    # ---- paths ----
+    def path(self, *parts: str) -> str:
+        return "/".join([self.root, *parts])
+
+    def step_prefix(self, step: int) -> str:
+        return f"step_{step:08d}"
+
+    # ---- basic operations ----
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        full = self.path(rel)
+        if self.is_local:
+            self.fs.makedirs(os.path.dirname(full), exist_ok=True)
+        self.fs.pipe_file(full, data)
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def exists(self, rel: str) -> bool:
+        return self.fs.exists(self.path(rel))
+
+    def size(self, rel: str) -> int:
+        return int(self.fs.info(self.path(rel))["size"])
+
+    def delete_prefix(self, rel: str) -> None:
+        if self.fs.exists(self.path(rel)):
+            self.fs.rm(self.path(rel), recursive=True)
+
+    def delete(self, rel: str) -> None:
+        self.fs.rm_file(self.path(rel))
+
+    def upload_file(self, local_path: str, rel: str, chunk: int = 8 << 20) -> tuple[int, str]:
+        """Stream a local file to ``rel``; return (size, sha256) of the bytes sent."""
+        full = self.path(rel)
+        if self.is_local:
+            self.fs.makedirs(os.path.dirname(full), exist_ok=True)
+        h, n = hashlib.sha256(), 0
+        with open(local_path, "rb") as src, self.fs.open(full, "wb") as dst:
+            for block in iter(lambda: src.read(chunk), b""):
+                h.update(block)
+                dst.write(block)
+                n += len(block)
+        return n, h.hexdigest()
+
+    def download_file(self, rel: str, local_path: str, chunk: int = 8 << 20) -> tuple[int, str]:
+        """Stream ``rel`` to a local file; return (size, sha256) of the bytes received."""
+        h, n = hashlib.sha256(), 0
+        os.makedirs(os.path.dirname(local_path), exist_ok=True)
+        with self.fs.open(self.path(rel), "rb") as src, open(local_path, "wb") as dst:
+            for block in iter(lambda: src.read(chunk), b""):
+                h.update(block)
+                dst.write(block)
+                n += len(block)
+        return n, h.hexdigest()
+
+    def sha256(self, rel: str, chunk: int = 8 << 20) -> str:
+        h = hashlib.sha256()
+        with self.fs.open(self.path(rel), "rb") as f:
+            for block in iter(lambda: f.read(chunk), b""):
+                h.update(block)
+        return h.hexdigest()
+
+    def step_dirs(self) -> Iterator[str]:
+        """Names of the ``step_*`` prefixes under the root (committed or not)."""
+        try:
+            entries = self.fs.ls(self.root, detail=False)
+        except FileNotFoundError:
+            return
+        for e in entries:
+            name = e.rstrip("/").rsplit("/", 1)[-1]
+            if name.startswith("step_"):
+                yield name
+
+    # ---- fail fast ----
+    def probe(self) -> None:
+        """Write, read back and delete a small object; raise StorageError naming the problem."""
+        rel = f".raysc-probe-{uuid.uuid4().hex}"
+        payload = b"raysc write probe"
+        try:
+            self.write_bytes(rel, payload)
+            if self.read_bytes(rel) != payload:
+                raise StorageError(f"checkpoint.uri {self.uri!r}: a probe object read back different bytes")
+            self.delete(rel)
+        except StorageError:
+            raise
+        except FileNotFoundError as e:
+            raise StorageError(
+                f"checkpoint.uri {self.uri!r}: the bucket or directory does not exist ({e}). "
+                f"Create it first (e.g. `aws s3 mb s3://BUCKET`) or fix the URI.") from None
+        except PermissionError as e:
+            raise StorageError(
+                f"checkpoint.uri {self.uri!r}: access denied ({e}). Check the credentials "
+                f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or checkpoint.storage_options) and that "
+                f"they may write, read and delete under this prefix.") from None
+        except OSError as e:
+            raise StorageError(
+                f"checkpoint.uri {self.uri!r}: the store is unreachable or refused the probe ({e}). "
+                f"Check the endpoint (AWS_ENDPOINT_URL or storage_options.endpoint_url) and network.") from None
+        except Exception as e:  # botocore and other client errors have no common base class
+            raise StorageError(f"checkpoint.uri {self.uri!r}: write probe failed: {type(e).__name__}: {e}") from None

@@ -1,0 +1,219 @@
+"""The supervisor's side of checkpointing: probe, save, commit, retain, hot copy, restore.
+
+Workers stage their shards on local disk and upload them (in the background when
+``checkpoint.async``); this coordinator keeps at most one save in flight, commits
+the manifest once every rank's files are durable, applies retention, keeps the
+newest checkpoint's files in Ray's object store (owned by the supervisor, so
+they outlive any worker) and, on resume, walks back from the newest checkpoint
+until one fetches intact on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Callable
+
+from raysc.checkpoint.storage import StorageError
+from raysc.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from raysc.config.load import config_hash, dump_config
+from raysc.config.schema import Config
+from raysc.fleet.errors import RunFailed
+from raysc.model.flops import param_count
+
+
+def young_interval_s(save_s: float, mtbf_s: float) -> float:
+    """Young's optimal checkpoint interval √(2·MTBF·save_time)."""
+    return math.sqrt(2.0 * mtbf_s * save_s)
+
+
+def parse_resume_from(spec: str) -> tuple[str, int]:
+    """'s3://bucket/run/step_00000100' -> ('s3://bucket/run', 100)."""
+    m = re.match(r"^(?P<root>.*?)/?step_(?P<step>\d+)/?$", spec)
+    if not m:
+        raise RunFailed(f"--resume-from {spec!r}: expected URI/step_NNNNNNNN (see `raysc ckpt list URI`)")
+    return m["root"], int(m["step"])
+
+
+class CheckpointCoordinator:
+    def __init__(self, cfg: Config, event: Callable[..., dict], wait: Callable[..., list]) -> None:
+        self.cfg = cfg
+        self.event = event
+        self.wait = wait
+        self.store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+        self.workers: list = []
+        self.inflight: dict | None = None
+        self.hot: dict[str, object] = {}  # file name -> ObjectRef of the newest committed checkpoint
+        self.hot_step: int | None = None
+        self.saves: list[dict] = []
+        self._polling = False
+
+    # ---- before step 1 ----
+    def probe(self) -> None:
+        """Write-read-delete probe of checkpoint.uri, and Young's interval advice when every_steps is unset."""
+        t0 = time.perf_counter()
+        try:
+            self.store.storage.probe()
+        except StorageError as e:
+            raise RunFailed(str(e)) from None
+        self.event("checkpoint_store_ok", uri=self.cfg.checkpoint_uri, probe_s=round(time.perf_counter() - t0, 3))
+        if not self.cfg.checkpoint.every_steps:
+            self._advise_interval()
+
+    def _advise_interval(self) -> None:
+        n = param_count(self.cfg.model)["total"]
+        ckpt_bytes = n * 4 * 3  # fp32 parameters + two AdamW moments
+        sample = min(ckpt_bytes, 32 << 20)
+        blob = bytes(sample)
+        rel = f".raysc-throughput-{time.time_ns()}"
+        t0 = time.perf_counter()
+        self.store.storage.write_bytes(rel, blob)
+        dt = max(time.perf_counter() - t0, 1e-6)
+        self.store.storage.delete(rel)
+        save_s = ckpt_bytes / (sample / dt)
+        mtbf_s = self.cfg.checkpoint.mtbf_hours * 3600
+        self.event("checkpoint_interval_advice", estimated_save_s=round(save_s, 3),
+                   mtbf_hours=self.cfg.checkpoint.mtbf_hours,
+                   young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
+                   note="checkpoint.every_steps is unset: set it to about this many seconds of training")
+
+    # ---- saving ----
+    def save(self, step: int, tokens: int) -> None:
+        """Start saving ``step`` (waiting first for the save in flight, if any)."""
+        if self.inflight is not None:
+            if any(self.wait([w.save_pending.remote() for w in self.workers], "checkpoint status")):
+                self.event("checkpoint_save_delayed", step=step, waiting_for=self.inflight["step"])
+            self.finish()
+        if not self.store.discard_uncommitted(step):
+            return  # already committed (a resumed run reaching a step it had saved)
+        t0 = time.perf_counter()
+        started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
+        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"], "t0": t0,
+                         "stall_s": max(s["held_s"] for s in started)}
+        if not self.cfg.checkpoint.async_save:
+            self.finish()
+
+    def poll(self) -> None:
+        """Commit the save in flight as soon as every rank has uploaded (called while training runs)."""
+        if self.inflight is None or self._polling:
+            return
+        import ray
+
+        self._polling = True
+        try:
+            refs = [w.save_pending.remote() for w in self.workers]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
+            if len(ready) == len(refs) and not any(ray.get(refs)):
+                self.finish()
+        finally:
+            self._polling = False
+
+    def salvage(self, timeout_s: float = 30.0) -> None:
+        """After a failure: commit the save in flight if every rank still finishes its upload."""
+        if self.inflight is None:
+            return
+        import ray
+
+        refs = [w.save_wait.remote() for w in self.workers]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+        try:
+            if len(ready) == len(refs) and all(r["ok"] for r in ray.get(refs)):
+                self.finish()
+                return
+        except ray.exceptions.RayError:
+            pass  # a rank is gone: its files may be incomplete, so the save stays uncommitted
+        self.event("checkpoint_save_abandoned", step=self.inflight["step"],
+                   note="a rank failed before its upload finished; no manifest written")
+        self.inflight = None
+
+    def finish(self) -> None:
+        """Wait for the save in flight; commit it if every rank uploaded, else record the failure."""
+        if self.inflight is None:
+            return
+        job, self.inflight = self.inflight, None
+        step = job["step"]
+        results = self.wait([w.save_wait.remote() for w in self.workers], f"checkpoint upload of step {step}")
+        failed = [r for r in results if not r["ok"]]
+        for r in results:
+            for note in r.get("retries", []):
+                self.event("checkpoint_upload_retry", step=step, rank=r["rank"], detail=note)
+        if failed:
+            self.event("checkpoint_save_failed", step=step, ranks=[r["rank"] for r in failed],
+                       error=failed[0]["error"], note="no manifest written; the previous checkpoint stands")
+            return
+        files = [f for r in results for f in r["files"]]
+        par = self.cfg.parallel
+        meta = {
+            "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
+            "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp,
+                       "cp": par.cp, "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
+            "loader": job["loader"],
+            "state": {"model": "DCP key 'model' in .metadata + __*.distcp",
+                      "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
+                      "scheduler_rng_loader": "extra_rank{r}.pt, one per rank"},
+        }
+        manifest = self.store.commit(step, files, meta)
+        total_s = time.perf_counter() - job["t0"]
+        deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
+                                       protect=step)
+        self._keep_hot(step, results)
+        size = sum(f["size"] for f in manifest["files"])
+        rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}
+        self.saves.append(rec)
+        self.event("checkpoint_saved", **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
+
+    def _keep_hot(self, step: int, results: list[dict]) -> None:
+        """Keep the newest checkpoint's files in Ray's object store, owned by the supervisor."""
+        import ray
+
+        refs = {f["path"]: self.workers[r["rank"]].read_file.remote(step, f["path"])
+                for r in results for f in r["files"]}
+        ray.wait(list(refs.values()), num_returns=len(refs), fetch_local=False)
+        self.hot, self.hot_step = refs, step  # the previous step's refs are dropped and freed
+
+    # ---- restoring ----
+    def candidates(self, resume: bool | str) -> list[int]:
+        if isinstance(resume, str):
+            root, step = parse_resume_from(resume)
+            if root.rstrip("/") != self.cfg.checkpoint_uri.rstrip("/"):
+                self.store = CheckpointStore(root, self.cfg.checkpoint.storage_options)
+            reason = self.store.verify(step)
+            if reason:
+                raise RunFailed(f"cannot resume from {resume}: {reason}")
+            return [step]
+        steps = []
+        for step in reversed(self.store.steps()):
+            reason = self.store.verify(step)
+            if reason is None:
+                steps.append(step)
+            else:
+                self.event("checkpoint_skipped", step=step, reason=reason)
+        if not steps:
+            raise RunFailed(f"--resume: no committed checkpoint under {self.cfg.checkpoint_uri}; "
+                            f"start without --resume.")
+        return steps
+
+    def restore(self, resume: bool | str) -> int:
+        """Fetch (verifying every file) the newest usable checkpoint on every rank, then load it."""
+        for step in self.candidates(resume):
+            hot = self.hot if step == self.hot_step else None
+            try:
+                infos = self.wait([w.fetch.remote(step, hot) for w in self.workers], f"fetch of checkpoint {step}")
+            except RunFailed as e:
+                if isinstance(getattr(e, "worker_cause", None), CorruptCheckpoint):
+                    self.event("checkpoint_corrupt", step=step, error=str(e),
+                               action="falling back to the previous checkpoint")
+                    continue
+                raise
+            restored = self.wait([w.load.remote(step) for w in self.workers], f"load of checkpoint {step}")[0]
+            manifest = self.store.read_manifest(step) or {}
+            self.event("resumed", step=restored, uri=self.store.uri, source=sorted({i["source"] for i in infos}),
+                       fetch_s=round(max(i["seconds"] for i in infos), 3))
+            if manifest.get("config_hash") and manifest["config_hash"] != config_hash(self.cfg):
+                self.event("resume_config_changed", step=step, saved_hash=manifest["config_hash"],
+                           hash=config_hash(self.cfg),
+                           note="the configuration differs from the one that wrote the checkpoint")
+            return restored
+        raise RunFailed(f"every checkpoint under {self.store.uri} failed verification; see the "
+                        f"checkpoint_corrupt events. Start without --resume or restore the files.")
