@@ -40,3 +40,24 @@ def ray_session():
     ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture(scope="session")
+def s3_server():
+    """An S3-compatible server (moto) on 127.0.0.1 for the object-store tests; yields its endpoint."""
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server._server.server_address
+    endpoint = f"http://{host}:{port}"
+    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
+                          aws_secret_access_key="testing-secret", region_name="us-east-1")
+    yield {"endpoint": endpoint, "client": client, "server": server}
+    server.stop()
+
+
+def s3_options(endpoint: str) -> str:
+    return (f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "testing", '
+            f'secret = "testing-secret", region_name = "us-east-1"}}')
