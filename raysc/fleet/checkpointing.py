@@ -42,6 +42,7 @@ class CheckpointCoordinator:
         self.event = event
         self.wait = wait
         self.store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+        self.load_store = self.store  # where a restore reads from (--resume-from may point elsewhere)
         self.workers: list = []
         self.inflight: dict | None = None
         self.hot: dict[str, object] = {}  # file name -> ObjectRef of the newest committed checkpoint
@@ -177,8 +178,8 @@ class CheckpointCoordinator:
         if isinstance(resume, str):
             root, step = parse_resume_from(resume)
             if root.rstrip("/") != self.cfg.checkpoint_uri.rstrip("/"):
-                self.store = CheckpointStore(root, self.cfg.checkpoint.storage_options)
-            reason = self.store.verify(step)
+                self.load_store = CheckpointStore(root, self.cfg.checkpoint.storage_options)
+            reason = self.load_store.verify(step)
             if reason:
                 raise RunFailed(f"cannot resume from {resume}: {reason}")
             return [step]
@@ -197,23 +198,25 @@ class CheckpointCoordinator:
     def restore(self, resume: bool | str) -> int:
         """Fetch (verifying every file) the newest usable checkpoint on every rank, then load it."""
         for step in self.candidates(resume):
-            hot = self.hot if step == self.hot_step else None
+            hot = self.hot if step == self.hot_step and self.load_store is self.store else None
+            uri = self.load_store.uri
             try:
-                infos = self.wait([w.fetch.remote(step, hot) for w in self.workers], f"fetch of checkpoint {step}")
+                infos = self.wait([w.fetch.remote(uri, step, hot) for w in self.workers],
+                                  f"fetch of checkpoint {step}")
             except RunFailed as e:
                 if isinstance(getattr(e, "worker_cause", None), CorruptCheckpoint):
                     self.event("checkpoint_corrupt", step=step, error=str(e),
                                action="falling back to the previous checkpoint")
                     continue
                 raise
-            restored = self.wait([w.load.remote(step) for w in self.workers], f"load of checkpoint {step}")[0]
-            manifest = self.store.read_manifest(step) or {}
-            self.event("resumed", step=restored, uri=self.store.uri, source=sorted({i["source"] for i in infos}),
+            restored = self.wait([w.load.remote(uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
+            manifest = self.load_store.read_manifest(step) or {}
+            self.event("resumed", step=restored, uri=uri, from_layout=manifest.get("layout"), source=sorted({i["source"] for i in infos}),
                        fetch_s=round(max(i["seconds"] for i in infos), 3))
             if manifest.get("config_hash") and manifest["config_hash"] != config_hash(self.cfg):
                 self.event("resume_config_changed", step=step, saved_hash=manifest["config_hash"],
                            hash=config_hash(self.cfg),
                            note="the configuration differs from the one that wrote the checkpoint")
             return restored
-        raise RunFailed(f"every checkpoint under {self.store.uri} failed verification; see the "
+        raise RunFailed(f"every checkpoint under {self.load_store.uri} failed verification; see the "
                         f"checkpoint_corrupt events. Start without --resume or restore the files.")

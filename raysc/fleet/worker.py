@@ -84,22 +84,25 @@ class TrainWorker:
                 "peak_flops": self.trainer.peak_flops}
 
     # ---- checkpoints ----
-    def _local_dir(self, step: int) -> Path:
+    def _local_dir(self, step: int, uri: str | None = None) -> Path:
         """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
-        key = hashlib.sha256(self.cfg.checkpoint_uri.encode()).hexdigest()[:12]
+        key = hashlib.sha256((uri or self.cfg.checkpoint_uri).encode()).hexdigest()[:12]
         return Path(self.cfg.data.cache_dir) / "checkpoints" / key / f"step_{step:08d}"
 
-    def fetch(self, step: int, hot: dict | None) -> dict:
-        """Bring every file of ``step`` to this node, verifying sizes and SHA-256 (no collectives,
-        so a corrupt file fails here, on every rank, before anything is loaded)."""
+    def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
+        """Bring every file of checkpoint ``step`` under ``uri`` to this node, verifying sizes and
+        SHA-256 (no collectives, so a corrupt file fails here, on every rank, before any load)."""
         getters = {name: (lambda ref=ref: ray.get(ref)) for name, ref in (hot or {}).items()}
+        store = self.ckpt if uri == self.cfg.checkpoint_uri else \
+            CheckpointStore(uri, self.cfg.checkpoint.storage_options)
         t0 = time.perf_counter()
-        _, source = self.ckpt.fetch(step, self._local_dir(step), getters)
+        _, source = store.fetch(step, self._local_dir(step, uri), getters)
         return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
 
-    def load(self, step: int) -> int:
-        """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG."""
-        extra = load_local(self._local_dir(step), self.trainer.shard.state_module(), self.trainer.optimizer,
+    def load(self, uri: str, step: int) -> int:
+        """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG
+        (DCP reshards it when it was written under another layout)."""
+        extra = load_local(self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer,
                            self.rank, self.ckpt_group)
         self.trainer.load_extra_state(extra)
         return self.trainer.step

@@ -1,0 +1,59 @@
+"""Reshard on load: a checkpoint written under one layout resumes under another with the same loss."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from raysc.fleet.records import read_jsonl
+from raysc.parity import layout_overrides
+from test_parallel import PARITY
+
+STEPS = 12
+
+
+@pytest.fixture(scope="module")
+def reshard_env(ray_session, tmp_path_factory, cache_dir):
+    from raysc.config import load_config
+    from raysc.driver import train
+
+    work = tmp_path_factory.mktemp("reshard")
+    base = [*PARITY, f'data.cache_dir="{cache_dir}"', f"train.steps={STEPS}", "checkpoint.every_steps=4",
+            "checkpoint.keep_last=5"]
+
+    def run(name: str, layout: str, resume: str | bool = False) -> dict[int, dict]:
+        cfg = load_config(None, [*base, *layout_overrides(layout), f'run.dir="{work / name}"'])
+        train(cfg, resume=resume, progress=False)
+        return {m["step"]: m for m in read_jsonl(work / name / "metrics.jsonl")}
+
+    reference = run("reference", "")
+    return work, run, reference
+
+
+def _same(got: dict[int, dict], ref: dict[int, dict], steps: range) -> None:
+    assert sorted(got) == list(steps)
+    for s in steps:
+        assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-4), s
+        assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=1e-4), s
+
+
+@pytest.mark.parametrize("before,after", [("tp=2", ""), ("pp=2", ""), ("tp=2,pp=2", "dp_shard=4")])
+def test_checkpoint_resumes_under_another_layout(reshard_env, before, after):
+    work, run, ref = reshard_env
+    name = f"{before}->{after or 'single'}".replace("=", "").replace(",", "_")
+    run(f"{name}-a", before)
+    got = run(f"{name}-b", after, resume=str(work / f"{name}-a" / "checkpoints" / "step_00000004"))
+    _same(got, ref, range(5, STEPS + 1))
+
+
+def test_dp_shard_2_to_4_to_1(reshard_env):
+    work, run, ref = reshard_env
+    run("dp2", "dp_shard=2")
+    got4 = run("dp4", "dp_shard=4", resume=str(work / "dp2" / "checkpoints" / "step_00000004"))
+    _same(got4, ref, range(5, STEPS + 1))
+    got1 = run("dp1", "", resume=str(work / "dp4" / "checkpoints" / "step_00000008"))
+    _same(got1, ref, range(9, STEPS + 1))
+    events = read_jsonl(work / "dp1" / "events.jsonl")
+    resumed = [e for e in events if e["kind"] == "resumed"][0]
+    assert resumed["from_layout"]["dp_shard"] == 4 and resumed["step"] == 8
