@@ -19,7 +19,8 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
-    p.add_argument("--resume-from", metavar="PATH", help="continue from this checkpoint directory")
+    p.add_argument("--resume-from", metavar="URI/step_N",
+                   help="continue from this checkpoint (any run's, any layout: it is resharded)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
 
 
@@ -74,6 +75,53 @@ def cmd_parity(args: argparse.Namespace) -> int:
     return 0 if report.ok else 1
 
 
+def _ckpt_store(args: argparse.Namespace):
+    from raysc.checkpoint.storage import parse_storage_options
+    from raysc.checkpoint.store import CheckpointStore
+
+    return CheckpointStore(args.uri, parse_storage_options(args.storage_options or ""))
+
+
+def cmd_ckpt_list(args: argparse.Namespace) -> int:
+    import datetime
+
+    store = _ckpt_store(args)
+    rows = []
+    for step in store.steps():
+        m = store.read_manifest(step) or {}
+        reason = store.verify(step, checksums=args.checksums)
+        layout = m.get("layout", {})
+        rows.append({
+            "step": step, "time": datetime.datetime.fromtimestamp(m.get("time", 0)).isoformat(timespec="seconds"),
+            "bytes": sum(f["size"] for f in m.get("files", [])),
+            "layout": ",".join(f"{k}={v}" for k, v in layout.items() if k != "world_size" and v != 1) or "single",
+            "verified": "yes" if reason is None else f"no: {reason}",
+        })
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"{'step':>10}  {'time':19}  {'size':>10}  {'layout':24}  verified")
+    for r in rows:
+        print(f"{r['step']:>10}  {r['time']:19}  {r['bytes'] / 1e6:8.1f}MB  {r['layout']:24}  {r['verified']}")
+    if not rows:
+        print(f"no committed checkpoints under {args.uri}")
+    return 0
+
+
+def cmd_ckpt_verify(args: argparse.Namespace) -> int:
+    store = _ckpt_store(args)
+    steps = [args.step] if args.step is not None else store.steps()
+    if not steps:
+        print(f"error: no committed checkpoints under {args.uri}", file=sys.stderr)
+        return 1
+    bad = 0
+    for step in steps:
+        reason = store.verify(step, checksums=True)
+        print(f"step {step}: {'ok (sizes and sha256)' if reason is None else 'CORRUPT: ' + reason}")
+        bad += reason is not None
+    return 1 if bad else 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from raysc.demo import run_demo
 
@@ -113,6 +161,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-dir", default="runs/parity", help="where the two runs are written")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_parity)
+
+    ck = sub.add_parser("ckpt", help="inspect checkpoints in a store").add_subparsers(dest="ckpt_cmd", required=True)
+    for name, func, text in (("list", cmd_ckpt_list, "list committed checkpoints"),
+                             ("verify", cmd_ckpt_verify, "check every file's size and sha256")):
+        p = ck.add_parser(name, help=text)
+        p.add_argument("uri", help="checkpoint.uri of a run (a path, s3://bucket/prefix, ...)")
+        p.add_argument("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\'')
+        if name == "list":
+            p.add_argument("--checksums", action="store_true", help="also check sha256 (reads every file)")
+            p.add_argument("--json", action="store_true")
+        else:
+            p.add_argument("--step", type=int)
+        p.set_defaults(func=func)
 
     p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

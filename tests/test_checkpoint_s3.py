@@ -73,3 +73,46 @@ def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
     cfg = make_cfg('checkpoint.uri="s3://bucket/run"', s3_options(f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(RunFailed, match="checkpoint.uri 's3://bucket/run'"):
         train(cfg, progress=False)
+
+
+def test_save_killed_halfway_is_never_loaded(ray_session, s3_server, make_cfg):
+    from raysc.driver import train
+
+    bucket = _bucket(s3_server)
+    opts = s3_options(s3_server["endpoint"])
+    args = [f'checkpoint.uri="s3://{bucket}/run"', opts, "train.steps=10", "checkpoint.every_steps=5"]
+    with pytest.raises(RunFailed, match="died"):
+        train(make_cfg(*args, 'supervisor.inject="kill_save@10"'), progress=False)
+    cfg = make_cfg(*args)
+    store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+    assert store.storage.fs.ls(f"{bucket}/run/step_00000010")  # some files of step 10 were uploaded...
+    assert store.read_manifest(10) is None and store.steps() == [5]  # ...but it was never committed
+    summary = train(cfg, resume=True, progress=False)
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    assert [e["step"] for e in events if e["kind"] == "resumed"] == [5]
+    assert summary["steps_run"] == 5 and store.steps() == [5, 10]
+    assert store.verify(10, checksums=True) is None  # the leftovers were cleared and step 10 saved anew
+
+
+def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
+    from raysc.cli import main
+    from raysc.driver import train
+
+    bucket = _bucket(s3_server)
+    cfg = make_cfg(f'checkpoint.uri="s3://{bucket}/run"', s3_options(s3_server["endpoint"]), "train.steps=6",
+                   "checkpoint.every_steps=3")
+    train(cfg, progress=False)
+    so = json.dumps(cfg.checkpoint.storage_options)
+    capsys.readouterr()
+    assert main(["ckpt", "list", cfg.checkpoint_uri, "--storage-options", so, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert [r["step"] for r in rows] == [3, 6] and all(r["verified"] == "yes" for r in rows)
+    assert main(["ckpt", "verify", cfg.checkpoint_uri, "--storage-options", so]) == 0
+    store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+    shard = f"{bucket}/run/step_00000006/__0_0.distcp"
+    data = bytearray(store.storage.fs.cat_file(shard))
+    data[10] ^= 1
+    store.storage.fs.pipe_file(shard, bytes(data))
+    capsys.readouterr()
+    assert main(["ckpt", "verify", cfg.checkpoint_uri, "--storage-options", so, "--step", "6"]) == 1
+    assert "CORRUPT: __0_0.distcp: sha256 mismatch" in capsys.readouterr().out

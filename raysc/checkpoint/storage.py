@@ -92,14 +92,19 @@ class Storage:
     def read_bytes(self, rel: str) -> bytes:
         return self.fs.cat_file(self.path(rel))
 
+    def _fresh(self, full: str) -> str:
+        """Drop fsspec's cached listings: other processes (workers, other runs) write here."""
+        self.fs.invalidate_cache(full)
+        return full
+
     def exists(self, rel: str) -> bool:
-        return self.fs.exists(self.path(rel))
+        return self.fs.exists(self._fresh(self.path(rel)))
 
     def size(self, rel: str) -> int:
-        return int(self.fs.info(self.path(rel))["size"])
+        return int(self.fs.info(self._fresh(self.path(rel)))["size"])
 
     def delete_prefix(self, rel: str) -> None:
-        if self.fs.exists(self.path(rel)):
+        if self.fs.exists(self._fresh(self.path(rel))):
             self.fs.rm(self.path(rel), recursive=True)
 
     def delete(self, rel: str) -> None:
@@ -139,6 +144,7 @@ class Storage:
     def step_dirs(self) -> Iterator[str]:
         """Names of the ``step_*`` prefixes under the root (committed or not)."""
         try:
+            self.fs.invalidate_cache()
             entries = self.fs.ls(self.root, detail=False)
         except FileNotFoundError:
             return

@@ -115,8 +115,8 @@ class CheckpointStore:
         return True
 
     def upload(self, step: int, local_dir: Path, names: list[str], retries: int = 3,
-               backoff_s: float = 1.0, on_retry: Callable[[str, int, Exception], None] | None = None
-               ) -> list[dict]:
+               backoff_s: float = 1.0, on_retry: Callable[[str, int, Exception], None] | None = None,
+               after_file: Callable[[str], None] | None = None) -> list[dict]:
         """Upload ``names`` from ``local_dir``; return their manifest entries. Retries with backoff."""
         entries = []
         for name in names:
@@ -124,6 +124,8 @@ class CheckpointStore:
                 try:
                     size, sha = self.storage.upload_file(str(local_dir / name), f"{self.prefix(step)}/{name}")
                     entries.append({"path": name, "size": size, "sha256": sha})
+                    if after_file:
+                        after_file(name)
                     break
                 except (OSError, RuntimeError) as e:
                     if attempt == retries:

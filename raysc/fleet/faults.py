@@ -4,7 +4,9 @@
 optimizer step ``STEP``:
 - ``raise``: an exception inside the step;
 - ``kill``: the worker process gets SIGKILL (as when the OOM killer or a node dies);
-- ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver).
+- ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver);
+- ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
+  first file), to prove a half-written checkpoint is never loaded.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import re
 import signal
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang")
-_SPEC = re.compile(r"^(?P<kind>[a-z]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
+KINDS = ("raise", "kill", "hang", "kill_save")
+_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 
 class InjectedFault(RuntimeError):
@@ -50,7 +52,7 @@ def fire(fault: Fault) -> None:
     """Carry out ``fault`` in the calling process."""
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault {fault.spec}")
-    if fault.kind == "kill":
+    if fault.kind in ("kill", "kill_save"):
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)

@@ -52,7 +52,9 @@ class TrainWorker:
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
         self._save: dict | None = None
-        self.faults = {f.step: f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank}
+        mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank]
+        self.faults = {f.step: f for f in mine if f.kind != "kill_save"}
+        self.save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
         torch.set_num_threads(threads)
 
@@ -139,9 +141,11 @@ class TrainWorker:
                 future.result()
                 torch.save(extra, local / f"extra_rank{self.rank}.pt")
             retries = []
+            fault = self.save_faults.pop(step, None)
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
                                        retries=self.cfg.checkpoint.upload_retries,
-                                       on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"))
+                                       on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
+                                       after_file=(lambda name: fire(fault)) if fault else None)
             result.update(ok=True, files=entries, retries=retries)
         except Exception as e:  # reported to the supervisor, which records it and keeps training
             result.update(ok=False, error=f"{type(e).__name__}: {e}")
