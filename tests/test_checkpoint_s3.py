@@ -116,3 +116,41 @@ def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
     capsys.readouterr()
     assert main(["ckpt", "verify", cfg.checkpoint_uri, "--storage-options", so, "--step", "6"]) == 1
     assert "CORRUPT: __0_0.distcp: sha256 mismatch" in capsys.readouterr().out
+
+
+def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server, make_cfg, monkeypatch):
+    """The store refuses every upload of step 10 (503): retries with backoff, no manifest for step 10,
+    training goes on, the step-15 save succeeds and the older checkpoints still restore."""
+    from raysc.checkpoint.restore import load_run
+    from raysc.driver import train
+
+    wsgi = s3_server["server"]._server
+    original = wsgi.app
+
+    def flaky(environ, start_response):
+        if "step_00000010" in environ.get("PATH_INFO", "") and environ["REQUEST_METHOD"] in ("PUT", "POST"):
+            start_response("503 Service Unavailable", [("Content-Type", "application/xml")])
+            return [b"<Error><Code>ServiceUnavailable</Code><Message>store down</Message></Error>"]
+        return original(environ, start_response)
+
+    bucket = _bucket(s3_server)
+    options = s3_options(s3_server["endpoint"])[:-1] + ", config_kwargs = {retries = {max_attempts = 1}}}"
+    cfg = make_cfg(f'checkpoint.uri="s3://{bucket}/run"', options, "train.steps=15",
+                   "checkpoint.every_steps=5", "checkpoint.upload_retries=2", "checkpoint.keep_last=3")
+    wsgi.app = flaky
+    try:
+        summary = train(cfg, progress=False)
+    finally:
+        wsgi.app = original
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    assert kinds.count("checkpoint_upload_retry") == 2
+    failed = [e for e in events if e["kind"] == "checkpoint_save_failed"]
+    assert len(failed) == 1 and failed[0]["step"] == 10
+    store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+    assert store.steps() == [5, 15] and store.read_manifest(10) is None
+    assert summary["steps"] == 15 and summary["final_loss"] > 0
+    # config.toml holds no secrets: reading the run back takes credentials from the environment
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
+    assert load_run(cfg.run_dir, step=5).step == 5 and load_run(cfg.run_dir).step == 15

@@ -127,7 +127,7 @@ class CheckpointStore:
                     if after_file:
                         after_file(name)
                     break
-                except (OSError, RuntimeError) as e:
+                except Exception as e:  # any client error (botocore's have no common base) is retried
                     if attempt == retries:
                         raise
                     if on_retry:

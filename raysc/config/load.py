@@ -38,6 +38,14 @@ def _suggest(name: str, options: Iterable[str]) -> str:
     return f" Did you mean '{close[0]}'?" if close else ""
 
 
+def _plain(v: Any) -> bool:
+    if isinstance(v, dict):
+        return all(isinstance(k, str) and _plain(x) for k, x in v.items())
+    if isinstance(v, list):
+        return all(_plain(x) for x in v)
+    return isinstance(v, (str, int, float, bool))
+
+
 def _check_value(section: str, key: str, value: Any, spec: dataclasses.Field, origin: str) -> Any:
     where = f"{origin}: {section}.{key}"
     want = _TYPES[spec.type] if isinstance(spec.type, str) else spec.type
@@ -51,8 +59,8 @@ def _check_value(section: str, key: str, value: Any, spec: dataclasses.Field, or
     if want is float and not math.isfinite(value):
         raise ConfigError(f"{where} = {value!r} must be a finite number.")
     rules = spec.metadata
-    if want is dict and not all(isinstance(v, (str, int, float, bool)) for v in value.values()):
-        raise ConfigError(f"{where}: values must be strings, numbers or booleans.")
+    if want is dict and not _plain(value):
+        raise ConfigError(f"{where}: values must be strings, numbers, booleans or tables of them.")
     if "choices" in rules and value not in rules["choices"]:
         raise ConfigError(f"{where} = {value!r} is not allowed; choose one of {rules['choices']}.")
     if "min" in rules and value < rules["min"]:
@@ -253,6 +261,8 @@ def config_from_dict(data: dict[str, dict[str, Any]], origin: str = "saved confi
 def _toml_value(v: Any) -> str:
     if isinstance(v, dict):
         return "{" + ", ".join(f"{k} = {_toml_value(x)}" for k, x in v.items()) + "}"
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):

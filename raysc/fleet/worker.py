@@ -135,18 +135,18 @@ class TrainWorker:
         return {"held_s": held, "loader": extra["loader"]}
 
     def _finish_save(self, step: int, local: Path, future, extra: dict) -> None:
-        result: dict = {"rank": self.rank, "step": step}
+        retries: list[str] = []
+        result: dict = {"rank": self.rank, "step": step, "retries": retries}
         try:
             if future is not None:
                 future.result()
                 torch.save(extra, local / f"extra_rank{self.rank}.pt")
-            retries = []
             fault = self.save_faults.pop(step, None)
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
                                        retries=self.cfg.checkpoint.upload_retries,
                                        on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
                                        after_file=(lambda name: fire(fault)) if fault else None)
-            result.update(ok=True, files=entries, retries=retries)
+            result.update(ok=True, files=entries)
         except Exception as e:  # reported to the supervisor, which records it and keeps training
             result.update(ok=False, error=f"{type(e).__name__}: {e}")
         self._save["result"] = result
