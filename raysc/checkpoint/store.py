@@ -182,7 +182,8 @@ class CheckpointStore:
                     got = None
             if got is None or got != (entry["size"], entry["sha256"]):
                 try:
-                    got = self.storage.download_file(f"{self.prefix(step)}/{entry['path']}", str(tmp))
+                    got = self.storage.download_file(f"{self.prefix(step)}/{entry['path']}", str(tmp),
+                                                     size_hint=entry["size"])
                 except FileNotFoundError:
                     raise CorruptCheckpoint(step, entry["path"], "missing from the store") from None
                 sources.add("store")
@@ -213,7 +214,9 @@ def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
     """Write this rank's DCP shards and extra state into ``local_dir``; return the files it wrote."""
     local_dir.mkdir(parents=True, exist_ok=True)
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local_dir)), process_group=group)
+    # staging, not the durable copy: skip fsync (the store holds the durable copy)
+    dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local_dir), sync_files=False),
+             process_group=group)
     torch.save(extra, local_dir / f"extra_rank{rank}.pt")
     return rank_files(local_dir, rank)
 

@@ -122,7 +122,7 @@ class TrainWorker:
         extra = self.trainer.extra_state()
         if self.cfg.checkpoint.async_save:
             msd, osd = get_state_dict(model, opt)
-            future = dcp.async_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local)),
+            future = dcp.async_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False),
                                     process_group=self.ckpt_group)
         else:
             stage_shards(local, model, opt, extra, self.rank, self.ckpt_group)

@@ -1,0 +1,72 @@
+"""The checkpoint store on a local path: commit rules, retention, verified fetch, hot copy, interval advice."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from raysc.checkpoint.storage import Storage, StorageError, redact
+from raysc.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from raysc.fleet.checkpointing import parse_resume_from, young_interval_s
+
+
+def _save(store: CheckpointStore, tmp: Path, step: int, payload: bytes = b"x" * 1000) -> None:
+    local = tmp / f"stage{step}"
+    local.mkdir()
+    (local / "__0_0.distcp").write_bytes(payload + bytes([step]))
+    (local / ".metadata").write_bytes(b"meta")
+    store.discard_uncommitted(step)
+    files = store.upload(step, local, ["__0_0.distcp", ".metadata"])
+    store.commit(step, files, {"tokens": step})
+
+
+def test_only_committed_checkpoints_exist_and_retention_keeps_long_term(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    for step in (10, 20, 30, 40, 50):
+        _save(store, tmp_path, step)
+    (tmp_path / "ck" / "step_00000060").mkdir()  # an uncommitted leftover
+    (tmp_path / "ck" / "step_00000060" / "__0_0.distcp").write_bytes(b"half")
+    assert store.steps() == [10, 20, 30, 40, 50] and store.latest() == 50
+    assert store.retention(keep_last=2, keep_every=20, protect=10) == [30]
+    assert store.steps() == [10, 20, 40, 50]
+    assert store.discard_uncommitted(60) and not (tmp_path / "ck" / "step_00000060").exists()
+    assert not store.discard_uncommitted(50)  # committed: never rewritten
+
+
+def test_fetch_verifies_and_prefers_the_hot_copy(tmp_path):
+    store = CheckpointStore(str(tmp_path / "ck"))
+    _save(store, tmp_path, 5)
+    good = (tmp_path / "ck" / "step_00000005" / "__0_0.distcp").read_bytes()
+    hot = {"__0_0.distcp": lambda: good, ".metadata": lambda: b"meta"}
+    _, source = store.fetch(5, tmp_path / "a", hot)
+    assert source == "hot"
+    _, source = store.fetch(5, tmp_path / "a", hot)
+    assert source == "local"  # intact local copies are reused
+    lost = {"__0_0.distcp": lambda: (_ for _ in ()).throw(RuntimeError("object lost"))}
+    _, source = store.fetch(5, tmp_path / "b", lost)
+    assert source == "store"  # a lost hot object falls back to the durable store
+    stale = {"__0_0.distcp": lambda: b"wrong bytes"}
+    _, source = store.fetch(5, tmp_path / "c", stale)
+    assert source == "store" and (tmp_path / "c" / "__0_0.distcp").read_bytes() == good
+
+    (tmp_path / "ck" / "step_00000005" / "__0_0.distcp").write_bytes(b"y" * 1001)  # altered after commit
+    with pytest.raises(CorruptCheckpoint, match="__0_0.distcp: sha256 mismatch") as e:
+        store.fetch(5, tmp_path / "d")
+    assert e.value.step == 5 and not (tmp_path / "d" / "__0_0.distcp").exists()
+
+
+def test_probe_names_the_problem(tmp_path):
+    Storage(str(tmp_path / "ok"), {}).probe()
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(StorageError, match="checkpoint.uri"):
+        Storage(str(blocker / "sub"), {}).probe()
+
+
+def test_secrets_are_redacted_and_helpers():
+    opts = {"endpoint_url": "http://x", "secret": "s", "key": "k", "client_kwargs": {"aws_session_token": "t"}}
+    assert json.dumps(redact(opts)).count("***") == 3 and "http://x" in json.dumps(redact(opts))
+    assert young_interval_s(save_s=30, mtbf_s=24 * 3600) == pytest.approx((2 * 24 * 3600 * 30) ** 0.5)
+    assert parse_resume_from("s3://b/run/step_00000100") == ("s3://b/run", 100)
