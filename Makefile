@@ -27,8 +27,10 @@ run: install
 test: dev
 	$(BIN)/python -m pytest -q
 
-bench: install
+bench: dev
 	$(BIN)/python benchmarks/train_overhead.py
+	$(BIN)/python benchmarks/parallel.py
+	$(BIN)/python benchmarks/checkpoint.py
 
 clean:
 	rm -rf $(VENV) runs .cache
