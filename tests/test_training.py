@@ -137,6 +137,8 @@ def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
     summary = json.loads(last)
     assert {"run_dir", "steps", "final_loss", "tokens_per_s"} <= set(summary)
     assert summary["steps"] == 6 and summary["final_loss"] > 0
+    advice = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_interval_advice"]
+    assert advice and advice[0]["young_interval_s"] > 0  # every_steps unset: Young's interval is advised
 
     # export and generate from that run through the CLI
     out = Path(cfg.run_dir) / "hf"
