@@ -173,7 +173,7 @@ def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session,
 def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, make_cfg):
     from raysc.driver import train
 
-    cfg = make_cfg("checkpoint.every_steps=5", 'supervisor.inject="raise@8"')
+    cfg = make_cfg("checkpoint.every_steps=5", 'supervisor.inject="raise@8"', "supervisor.max_restarts=0")
     with pytest.raises(RunFailed, match="worker rank 0 raised during steps 6..10: injected fault raise@8"):
         train(cfg, progress=False)
     assert CheckpointStore(cfg.checkpoint_uri).latest() == 5
@@ -185,8 +185,9 @@ def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
     from raysc.driver import train
 
     with pytest.raises(RunFailed, match="worker rank 0 died during steps 1..20"):
-        train(make_cfg('supervisor.inject="kill@3"', run="kill"), progress=False)
-    cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", run="hang")
+        train(make_cfg('supervisor.inject="kill@3"', "supervisor.max_restarts=0", run="kill"), progress=False)
+    cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", "supervisor.max_restarts=0",
+                   run="hang")
     with pytest.raises(RunFailed, match=r"no progress for \d+s during steps 1..20"):
         train(cfg, progress=False)
     hang = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "worker_hang"]
@@ -200,3 +201,51 @@ def test_bad_fault_spec_is_a_config_error(make_cfg):
         make_cfg('supervisor.inject="explode@3"')
     with pytest.raises(ConfigError, match="rank 3 in 'kill@3:3' does not exist"):
         make_cfg('supervisor.inject="kill@3:3"')
+
+
+def _final_params(run_dir):
+    return dict(load_run(run_dir).model.named_parameters())
+
+
+def test_fleet_recovers_from_kill_and_raise_bit_exact(ray_session, make_cfg):
+    """A worker SIGKILLed at step 7 and one raising at step 12: the supervisor replaces the fleet,
+    restores the newest checkpoint (the hot copy) and the run ends with the uninterrupted run's
+    parameters, bit for bit."""
+    from raysc.driver import train
+
+    # synchronous saves, so that each checkpoint is committed before the next fault fires
+    base = ["train.steps=15", "checkpoint.every_steps=5", "checkpoint.async=false", "supervisor.restart_backoff_s=0.1"]
+    ref = make_cfg(*base, run="ref")
+    train(ref, progress=False)
+    cfg = make_cfg(*base, 'supervisor.inject="kill@7,raise@12"', run="faulty")
+    summary = train(cfg, progress=False)
+    assert summary["restarts"] == 2 and summary["steps"] == 15
+    a, b = _final_params(ref.run_dir), _final_params(cfg.run_dir)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [e["resumed_step"] for e in recovered] == [5, 10]
+    assert [e["steps_lost"] for e in recovered] == [1, 1]
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert all(e["source"] == ["hot"] or "local" in e["source"] for e in resumed)
+
+
+def test_fleet_recovers_from_a_hang(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("train.steps=10", "checkpoint.every_steps=5", 'supervisor.inject="hang@8"',
+                   "supervisor.hang_timeout_s=3", "supervisor.restart_backoff_s=0.1")
+    summary = train(cfg, progress=False)
+    kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
+    assert "worker_hang" in kinds and "recovered" in kinds and summary["restarts"] == 1
+
+
+def test_restarts_are_bounded(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("train.steps=10", 'supervisor.inject="raise@3,raise@4"', "supervisor.max_restarts=1",
+                   "supervisor.restart_backoff_s=0.1")
+    with pytest.raises(RunFailed, match="raise@4"):
+        train(cfg, progress=False)
+    kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
+    assert kinds.count("recovered") == 1 and "restarts_exhausted" in kinds

@@ -148,6 +148,9 @@ class CheckpointConfig:
 class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+    max_restarts: int = opt(3, "fleet restarts (restore from the newest checkpoint) before the run gives up; "
+                               "0 = fail on the first error", min=0)
+    restart_backoff_s: float = opt(1.0, "wait before the first restart, doubled for each further one", min=0.0)
     inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
                           "KIND one of raise, kill, hang (e.g. 'kill@50:0')")
 

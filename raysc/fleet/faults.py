@@ -56,3 +56,9 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
+
+
+def consume_faults(text: str, fired: set[str]) -> str:
+    """The injection spec without the faults that have fired, so a replacement worker does not
+    fail the same way again."""
+    return ",".join(f.spec for f in parse_faults(text) if f.spec not in fired)

@@ -27,6 +27,7 @@ from raysc.config.load import config_from_dict, config_hash, config_to_dict, dum
 from raysc.data.prepare import prepare_data
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
+from raysc.fleet.faults import consume_faults
 from raysc.fleet.records import RunRecords
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
@@ -50,6 +51,8 @@ class Supervisor:
         self.workers: list = []
         self.pg = None
         self.ckpt: CheckpointCoordinator | None = None
+        self.restarts = 0
+        self._fired: set[str] = set()
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -59,6 +62,12 @@ class Supervisor:
             self._last_report = time.monotonic()
             self._tps.extend(m["tokens_per_s"] for m in batch)
         self.records.metrics_batch(batch)
+
+    def fault_fired(self, spec: str, rank: int) -> None:
+        """An injected fault is about to fire on ``rank`` (recorded so a restart skips it)."""
+        with self._lock:
+            self._fired.add(spec)
+        self._event("fault_injected", fault=spec, rank=rank)
 
     def progress(self, events_seen: int = 0) -> dict:
         """Phase, newest step metrics, and the events after the first ``events_seen``."""
@@ -73,7 +82,7 @@ class Supervisor:
             self._events.append(rec)  # the driver prints them, in order with its own output
         return rec
 
-    def _start_workers(self, world: int) -> None:
+    def _reserve(self, world: int) -> None:
         par = self.cfg.parallel
         bundle = {"CPU": par.cpus_per_worker}
         if par.device == "cuda":
@@ -88,15 +97,53 @@ class Supervisor:
                 f"could not reserve {world} worker(s) with {bundle} each within "
                 f"{self.cfg.supervisor.start_timeout_s:.0f}s; the cluster has {avail} free. "
                 f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
+        self._bundles = self._bundles_in_node_order(world)
+
+    def _start_workers(self, world: int, data: dict) -> list[dict]:
+        """Create the workers in the reserved bundles and form their process group."""
+        par = self.cfg.parallel
         me = ray.get_runtime_context().current_actor
         cfg_dict = config_to_dict(self.cfg)
-        bundles = self._bundles_in_node_order(world)
-        for rank in range(world):
-            self.workers.append(TrainWorker.options(
-                num_cpus=par.cpus_per_worker, num_gpus=1 if par.device == "cuda" else 0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.pg, placement_group_bundle_index=bundles[rank]),
-            ).remote(cfg_dict, rank, world, me))
+        self.workers = [TrainWorker.options(
+            num_cpus=par.cpus_per_worker, num_gpus=1 if par.device == "cuda" else 0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self._bundles[rank]),
+        ).remote(cfg_dict, rank, world, me) for rank in range(world)]
+        ip, port, _ = ray.get(self.workers[0].address.remote())
+        self._touch()
+        infos = self._wait([w.setup.remote((ip, port), data) for w in self.workers],
+                           "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
+        self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
+                    threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
+        if self.ckpt is not None:
+            self.ckpt.workers = self.workers
+        return infos
+
+    def _recover(self, err: RunFailed, data: dict) -> int:
+        """Replace the whole fleet after a failure and continue from the newest checkpoint.
+
+        Bounded by ``supervisor.max_restarts`` with exponential backoff; the hot copy makes the
+        restore fast. Returns the step training resumes from."""
+        self.restarts += 1
+        if self.restarts > self.cfg.supervisor.max_restarts:
+            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(err))
+            raise err
+        t0 = time.monotonic()
+        with self._lock:
+            failed_at = (self._last or {}).get("step", 0) + 1
+        self.ckpt.salvage(timeout_s=5.0)
+        self._event("recovery_start", attempt=self.restarts, failed_step=failed_at, error=str(err))
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+        time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.restarts - 1))
+        with self._lock:
+            self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self._fired)
+        self._start_workers(self.cfg.parallel.world_size, data)
+        step = self.ckpt.restore(True) if self.ckpt.store.steps() else 0
+        self._event("recovered", attempt=self.restarts, resumed_step=step, steps_lost=failed_at - 1 - step,
+                    seconds=round(time.monotonic() - t0, 3))
+        return step
 
     def _bundles_in_node_order(self, world: int) -> list[int]:
         """Bundle index for each rank: consecutive ranks on the same node, so TP (then CP) groups,
@@ -193,17 +240,11 @@ class Supervisor:
 
         self._phase = "starting workers"
         world = cfg.parallel.world_size
-        self._start_workers(world)
-        ip, port, _ = ray.get(self.workers[0].address.remote())
-        self._touch()
-        infos = self._wait([w.setup.remote((ip, port), data) for w in self.workers],
-                           "setup (rendezvous and model build)", timeout=cfg.supervisor.start_timeout_s + 60)
-        self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
-                    threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
+        self._reserve(world)
+        infos = self._start_workers(world, data)
         dims = ParallelDims.from_config(cfg.parallel)
         self._event("layout", layout=dims.describe(), world_size=world,
                     table="\n" + rank_table(dims, [i["node"] for i in infos]))
-        self.ckpt.workers = self.workers
         start_step = self.ckpt.restore(self.resume) if self.resume else 0
 
         self._phase = "training"
@@ -212,14 +253,22 @@ class Supervisor:
         t_train = time.perf_counter()
         while step < cfg.train.steps:
             target = min(cfg.train.steps, (step // every + 1) * every)
-            self._touch()
-            results = self._wait([w.train.remote(target) for w in self.workers], f"steps {step + 1}..{target}")
-            last = results[0] or last
-            step = target
-            self._phase = "checkpointing"
-            self.ckpt.save(step, last["tokens"] if last else 0)
+            try:
+                self._touch()
+                results = self._wait([w.train.remote(target) for w in self.workers],
+                                     f"steps {step + 1}..{target}")
+                last = results[0] or last
+                step = target
+                self._phase = "checkpointing"
+                self.ckpt.save(step, last["tokens"] if last else 0)
+                if step == cfg.train.steps:
+                    self.ckpt.finish()
+            except RunFailed as e:
+                if not getattr(e, "recoverable", True):
+                    raise
+                self._phase = "recovering"
+                step = self._recover(e, data)
             self._phase = "training"
-        self.ckpt.finish()
         train_time = time.perf_counter() - t_train
 
         self._phase = "evaluating"
@@ -238,6 +287,7 @@ class Supervisor:
             "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
+            "restarts": self.restarts,
             "wall_s": round(time.time() - t_start, 2),
         }
         self._event("run_end", **summary)

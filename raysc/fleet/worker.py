@@ -52,6 +52,7 @@ class TrainWorker:
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
         self._save: dict | None = None
+        self._pending_reports: list[dict] = []
         mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank]
         self.faults = {f.step: f for f in mine if f.kind != "kill_save"}
         self.save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
@@ -145,12 +146,19 @@ class TrainWorker:
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
                                        retries=self.cfg.checkpoint.upload_retries,
                                        on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
-                                       after_file=(lambda name: fire(fault)) if fault else None)
+                                       after_file=(lambda name: (self._announce(fault), fire(fault)))
+                                       if fault else None)
             result.update(ok=True, files=entries)
         except Exception as e:  # reported to the supervisor, which records it and keeps training
             result.update(ok=False, error=f"{type(e).__name__}: {e}")
         self._save["result"] = result
         self._save["done"].set()
+
+    def _announce(self, fault) -> None:
+        """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
+        ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank))
+        if self.rank == 0 and self._pending_reports:
+            self.supervisor.report.remote(self._pending_reports)
 
     def read_file(self, step: int, name: str) -> bytes:
         """Bytes of one staged checkpoint file. The supervisor calls this right after a commit and
@@ -175,10 +183,12 @@ class TrainWorker:
         """
         last = None
         pending: list[dict] = []
+        self._pending_reports = pending
         sent = time.monotonic()
         while self.trainer.step < until_step:
             fault = self.faults.pop(self.trainer.step + 1, None)
             if fault is not None:
+                self._announce(fault)
                 fire(fault)
             last = self.trainer.train_step()
             if self.rank == 0:
@@ -186,6 +196,7 @@ class TrainWorker:
                 if time.monotonic() - sent >= REPORT_EVERY_S:
                     self.supervisor.report.remote(pending)
                     pending, sent = [], time.monotonic()
+                    self._pending_reports = pending
         if pending:
             self.supervisor.report.remote(pending)
         return last
