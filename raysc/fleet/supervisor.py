@@ -53,6 +53,7 @@ class Supervisor:
         self.ckpt: CheckpointCoordinator | None = None
         self.restarts = 0
         self._fired: set[str] = set()
+        self._fault_step = 0
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -63,10 +64,12 @@ class Supervisor:
             self._tps.extend(m["tokens_per_s"] for m in batch)
         self.records.metrics_batch(batch)
 
-    def fault_fired(self, spec: str, rank: int) -> None:
-        """An injected fault is about to fire on ``rank`` (recorded so a restart skips it)."""
+    def fault_fired(self, spec: str, rank: int, step: int) -> None:
+        """An injected fault is about to fire on ``rank`` before ``step`` (recorded so a restart
+        skips it)."""
         with self._lock:
             self._fired.add(spec)
+            self._fault_step = max(self._fault_step, step)
         self._event("fault_injected", fault=spec, rank=rank)
 
     def progress(self, events_seen: int = 0) -> dict:
@@ -130,7 +133,7 @@ class Supervisor:
             raise err
         t0 = time.monotonic()
         with self._lock:
-            failed_at = (self._last or {}).get("step", 0) + 1
+            failed_at = max((self._last or {}).get("step", 0) + 1, self._fault_step)
         self.ckpt.salvage(timeout_s=5.0)
         self._event("recovery_start", attempt=self.restarts, failed_step=failed_at, error=str(err))
         for w in self.workers:

@@ -156,7 +156,7 @@ class TrainWorker:
 
     def _announce(self, fault) -> None:
         """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
-        ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank))
+        ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank, fault.step))
         if self.rank == 0 and self._pending_reports:
             self.supervisor.report.remote(self._pending_reports)
 
