@@ -148,11 +148,17 @@ class CheckpointConfig:
 class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+    spike_policy: str = opt("skip", "on a loss/grad-norm spike or NaN: skip the update on every rank, or off",
+                            choices=["skip", "off"])
+    spike_window: int = opt(128, "steps in the rolling window the spike detector compares against", min=2)
+    spike_sigma: float = opt(6.0, "flag a step whose loss or grad norm is more than this many standard "
+                                  "deviations from the window's mean", gt=0.0)
+    spike_min_history: int = opt(16, "healthy steps seen before spikes are judged (NaN/Inf always are)", min=2)
     max_restarts: int = opt(3, "fleet restarts (restore from the newest checkpoint) before the run gives up; "
                                "0 = fail on the first error", min=0)
     restart_backoff_s: float = opt(1.0, "wait before the first restart, doubled for each further one", min=0.0)
     inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
-                          "KIND one of raise, kill, hang (e.g. 'kill@50:0')")
+                          "KIND one of raise, kill, hang, kill_save, nan, spike (e.g. 'kill@50:0')")
 
 
 @dataclass

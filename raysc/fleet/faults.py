@@ -5,6 +5,8 @@ optimizer step ``STEP``:
 - ``raise``: an exception inside the step;
 - ``kill``: the worker process gets SIGKILL (as when the OOM killer or a node dies);
 - ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver);
+- ``nan``: that step's loss (and so its gradients) becomes NaN on that rank;
+- ``spike``: that step's loss is multiplied by 1000 on that rank (a loss and grad-norm spike);
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
   first file), to prove a half-written checkpoint is never loaded.
 """
@@ -16,7 +18,8 @@ import re
 import signal
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "kill_save")
+KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike")
+LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}  # factor applied to that step's loss (and so its grads)
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 

@@ -63,6 +63,15 @@ class Supervisor:
             self._last_report = time.monotonic()
             self._tps.extend(m["tokens_per_s"] for m in batch)
         self.records.metrics_batch(batch)
+        for m in batch:
+            if m.get("skipped"):
+                self._event("update_skipped", step=m["step"], action="skip", **m["skipped"])
+
+    def _metrics_skipped(self) -> list[dict]:
+        from raysc.fleet.records import read_jsonl
+
+        last = {m["step"]: m for m in read_jsonl(self.run_dir / "metrics.jsonl")}
+        return [m for m in last.values() if m.get("skipped")]
 
     def fault_fired(self, spec: str, rank: int, step: int) -> None:
         """An injected fault is about to fire on ``rank`` before ``step`` (recorded so a restart
@@ -291,6 +300,7 @@ class Supervisor:
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
             "restarts": self.restarts,
+            "skipped_updates": sum(1 for m in self._metrics_skipped()),
             "wall_s": round(time.time() - t_start, 2),
         }
         self._event("run_end", **summary)

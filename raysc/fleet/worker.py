@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 
 from raysc.checkpoint.store import CheckpointStore, load_local, rank_files, stage_shards
 from raysc.config.load import config_from_dict
-from raysc.fleet.faults import fire, parse_faults
+from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
 from raysc.train.trainer import Trainer
 
@@ -189,7 +189,10 @@ class TrainWorker:
             fault = self.faults.pop(self.trainer.step + 1, None)
             if fault is not None:
                 self._announce(fault)
-                fire(fault)
+                if fault.kind in LOSS_FAULTS:
+                    self.trainer.loss_fault = LOSS_FAULTS[fault.kind]
+                else:
+                    fire(fault)
             last = self.trainer.train_step()
             if self.rank == 0:
                 pending.append(last)

@@ -29,6 +29,7 @@ from raysc.parallel.dims import ParallelDims
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
 from raysc.train.optim import build_optimizer, build_scheduler
+from raysc.train.stability import SpikeDetector
 from raysc.train.throughput import device_peak_flops
 
 
@@ -60,6 +61,7 @@ class Trainer:
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
         self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg))
+        self.loss_fault = 1.0  # set by fault injection (nan/spike) for the next step only
         self.model_parts = self.shard.parts
         self.model = self.model_parts[0]
         self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
@@ -86,6 +88,9 @@ class Trainer:
         self.world_size = self.dims.world_size
         self.step = 0
         self.tokens = 0
+        sup = cfg.supervisor
+        self.detector = SpikeDetector(sup.spike_window, sup.spike_sigma, sup.spike_min_history)
+        self.skipped_steps = 0
 
     # ---- pieces of a step ----
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -97,9 +102,9 @@ class Trainer:
         """Vocab-parallel cross-entropy on TP-sharded logits (no logit all-gather)."""
         return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
 
-    @staticmethod
-    def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+    def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy (times the injected-fault factor, 1 unless a nan/spike fault is armed)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) * self.loss_fault
 
     def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[:, :-1], batch[:, 1:]
@@ -141,11 +146,18 @@ class Trainer:
         with self._loss_ctx(), self._autocast():
             local_loss = self._forward_backward(x, y)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
+        self.loss_fault = 1.0
         lr = self.scheduler.get_last_lr()[0]
-        self.optimizer.step()
+        loss_value = self._global_mean(local_loss)  # the same number on every rank
+        spike = None
+        if self.cfg.supervisor.spike_policy != "off":
+            spike = self.detector.check(loss_value, float(grad_norm))
+        if spike is None:
+            self.optimizer.step()
+        else:
+            self.skipped_steps += 1  # every rank skips: the same inputs give the same decision
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        loss_value = self._global_mean(local_loss)
         self.step += 1
         self.tokens += self.tokens_per_step
         dt = time.perf_counter() - t0
@@ -153,7 +165,7 @@ class Trainer:
         mfu = tps * self.flops_per_token / (self.peak_flops * self.world_size) if self.peak_flops else 0.0
         return {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
                 "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
-                "epoch": self.loader.epoch, "time": time.time()}
+                "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
 
     @torch.no_grad()
     def val_loss(self, max_sequences: int = 256) -> float | None:
@@ -174,6 +186,7 @@ class Trainer:
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
     def extra_state(self) -> dict:
         return {"step": self.step, "tokens": self.tokens, "loader": self.loader.state_dict(),
+                "detector": self.detector.state_dict(), "skipped_steps": self.skipped_steps,
                 "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
                 "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None}
 
@@ -181,6 +194,9 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.loader.load_state_dict(state["loader"])
+        if "detector" in state:
+            self.detector.load_state_dict(state["detector"])
+            self.skipped_steps = int(state.get("skipped_steps", 0))
         self.scheduler.load_state_dict(state["scheduler"])
         torch.set_rng_state(state["torch_rng"])
         if state.get("cuda_rng") is not None and self.device.type == "cuda":
