@@ -36,6 +36,7 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     manifest = store.read_manifest(20)
     assert {f["path"] for f in manifest["files"]} >= {".metadata", "__0_0.distcp", "extra_rank0.pt"}
     assert manifest["loader"]["cursor"] == 20 * 8 and manifest["layout"]["world_size"] == 1
+    assert len(manifest["detectors"]["spike"]["loss"]) == 20  # the detector's window travels with it
     assert store.verify(20, checksums=True) is None
     ref = {m["step"]: m for m in read_jsonl(Path(full.run_dir) / "metrics.jsonl")}
 

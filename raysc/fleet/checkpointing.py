@@ -90,7 +90,8 @@ class CheckpointCoordinator:
             return  # already committed (a resumed run reaching a step it had saved)
         t0 = time.perf_counter()
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
-        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"], "t0": t0,
+        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"],
+                         "detector": started[0]["detector"], "t0": t0,
                          "stall_s": max(s["held_s"] for s in started)}
         if not self.cfg.checkpoint.async_save:
             self.finish()
@@ -149,7 +150,7 @@ class CheckpointCoordinator:
             "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
             "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp,
                        "cp": par.cp, "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
-            "loader": job["loader"],
+            "loader": job["loader"], "detectors": {"spike": job["detector"]},
             "state": {"model": "DCP key 'model' in .metadata + __*.distcp",
                       "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
                       "scheduler_rng_loader": "extra_rank{r}.pt, one per rank"},

@@ -133,7 +133,7 @@ class TrainWorker:
         held = time.perf_counter() - t0
         if not self.cfg.checkpoint.async_save:
             self._save["done"].wait()
-        return {"held_s": held, "loader": extra["loader"]}
+        return {"held_s": held, "loader": extra["loader"], "detector": extra["detector"]}
 
     def _finish_save(self, step: int, local: Path, future, extra: dict) -> None:
         retries: list[str] = []
