@@ -122,6 +122,22 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     return 1 if bad else 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    from raysc.fleet.status import run_status
+
+    st = run_status(args.run_dir)
+    if args.json:
+        print(json.dumps(st))
+        return 0
+    gp = f"{st['goodput']:.1%}" if st["goodput"] is not None else "-"
+    print(f"{st['run_dir']}: {st['state']}, step {st['step']}/{st['total_steps']}, loss {st['loss']}, "
+          f"{(st['tokens_per_s'] or 0):.0f} tokens/s, goodput {gp}")
+    print(f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
+          f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, wall {st['wall_s']} s")
+    print("recent: " + "; ".join(st["last_events"]))
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from raysc.demo import run_demo
 
@@ -174,6 +190,11 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--step", type=int)
         p.set_defaults(func=func)
+
+    p = sub.add_parser("status", help="summarise a running or finished run from its records")
+    p.add_argument("run_dir")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_status)
 
     p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")

@@ -142,6 +142,9 @@ def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
 
     # export and generate from that run through the CLI
     out = Path(cfg.run_dir) / "hf"
+    capsys.readouterr()
+    assert main(["status", cfg.run_dir]) == 0
+    assert "finished, step 6/6" in capsys.readouterr().out
     assert main(["export", cfg.run_dir, "--out", str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     capsys.readouterr()
@@ -228,6 +231,10 @@ def test_fleet_recovers_from_kill_and_raise_bit_exact(ray_session, make_cfg):
     assert [e["steps_lost"] for e in recovered] == [1, 1]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert all(e["source"] == ["hot"] or "local" in e["source"] for e in resumed)
+    from raysc.fleet.status import run_status
+    st = run_status(cfg.run_dir)
+    assert st["state"] == "finished" and st["restarts"] == 2 and st["step"] == 15
+    assert 0 < st["goodput"] < 1 and 0 < summary["goodput"] < 1  # restarts cost time
 
 
 def test_fleet_recovers_from_a_hang(ray_session, make_cfg):
@@ -268,6 +275,8 @@ def test_nan_and_spike_are_skipped_on_every_rank(ray_session, make_cfg):
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     skipped = [e for e in events if e["kind"] == "update_skipped"]
     assert [(e["step"], e["reason"]) for e in skipped] == [(40, "spike"), (45, "nonfinite")]
+    # every step reported exactly once, also around the announced faults
+    assert [m["step"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")] == list(range(1, 51))
     assert skipped[0]["z_loss"] > 6
     assert math.isfinite(summary["final_loss"]) and summary["skipped_updates"] == 2
     assert all(math.isfinite(p.abs().sum().item()) for p in load_run(cfg.run_dir).model.parameters())

@@ -67,6 +67,14 @@ class Supervisor:
             if m.get("skipped"):
                 self._event("update_skipped", step=m["step"], action="skip", **m["skipped"])
 
+    def _goodput(self, t_start: float) -> float | None:
+        from raysc.fleet.records import read_jsonl
+        from raysc.fleet.status import goodput
+
+        mine = [m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m["time"] >= t_start]
+        g = goodput(mine, time.time() - t_start)
+        return round(g, 4) if g is not None else None
+
     def _metrics_skipped(self) -> list[dict]:
         from raysc.fleet.records import read_jsonl
 
@@ -300,6 +308,7 @@ class Supervisor:
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
             "restarts": self.restarts,
+            "goodput": self._goodput(t_start),
             "skipped_updates": sum(1 for m in self._metrics_skipped()),
             "wall_s": round(time.time() - t_start, 2),
         }

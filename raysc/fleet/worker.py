@@ -158,7 +158,8 @@ class TrainWorker:
         """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
         ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank, fault.step))
         if self.rank == 0 and self._pending_reports:
-            self.supervisor.report.remote(self._pending_reports)
+            self.supervisor.report.remote(list(self._pending_reports))  # arguments are serialised now
+            del self._pending_reports[:]  # the same list train() keeps: sent once, never twice
 
     def read_file(self, step: int, name: str) -> bytes:
         """Bytes of one staged checkpoint file. The supervisor calls this right after a commit and

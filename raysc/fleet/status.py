@@ -1,0 +1,54 @@
+"""Summaries of a run from its records (``raysc status RUN_DIR``), running or finished.
+
+Goodput = time spent in optimizer steps that count toward the final model / wall time. A step
+counts when its last occurrence in ``metrics.jsonl`` is the one kept (steps re-run after a restart
+or a resume replace earlier attempts, whose time was lost) and its update was not skipped.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from raysc.fleet.records import read_jsonl
+
+
+def goodput(metrics: list[dict], wall_s: float) -> float | None:
+    if wall_s <= 0 or not metrics:
+        return None
+    kept: dict[int, dict] = {}
+    for m in metrics:
+        kept[m["step"]] = m
+    useful = sum(m.get("step_time", 0.0) for m in kept.values() if not m.get("skipped"))
+    return min(1.0, useful / wall_s)
+
+
+def run_status(run_dir: str | Path) -> dict:
+    rd = Path(run_dir)
+    if not (rd / "events.jsonl").is_file():
+        raise FileNotFoundError(f"{rd} has no events.jsonl: not a raysc run directory")
+    events = read_jsonl(rd / "events.jsonl")
+    metrics = read_jsonl(rd / "metrics.jsonl")
+    starts = [e for e in events if e["kind"] == "run_start"]
+    t0 = starts[0]["time"] if starts else events[0]["time"]
+    last_event = events[-1]
+    state = {"run_end": "finished", "run_failed": "failed"}.get(last_event["kind"], "running")
+    t1 = last_event["time"] if state != "running" else max(last_event["time"], metrics[-1]["time"]
+                                                          if metrics else last_event["time"])
+    last = metrics[-1] if metrics else {}
+    total = None
+    if (rd / "config.toml").is_file():
+        from raysc.config.load import load_config
+
+        total = load_config(rd / "config.toml").train.steps
+    saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+    return {
+        "run_dir": str(rd), "state": state, "step": last.get("step"), "total_steps": total,
+        "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "tokens_per_s": last.get("tokens_per_s"),
+        "mfu": last.get("mfu"), "tokens": last.get("tokens"),
+        "restarts": sum(1 for e in events if e["kind"] == "recovered"),
+        "skipped_updates": sum(1 for e in events if e["kind"] == "update_skipped"),
+        "failed_saves": sum(1 for e in events if e["kind"] == "checkpoint_save_failed"),
+        "last_checkpoint": saved[-1]["step"] if saved else None,
+        "wall_s": round(t1 - t0, 2), "goodput": goodput(metrics, t1 - t0),
+        "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],
+    }
