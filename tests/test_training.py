@@ -289,3 +289,19 @@ def test_spike_detector_has_no_false_positives_on_a_healthy_run(ray_session, mak
     summary = train(cfg, progress=False)
     assert summary["skipped_updates"] == 0
     assert not [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "update_skipped"]
+
+
+def test_rollback_after_consecutive_spikes_restores_and_skips_data(ray_session, make_cfg):
+    from raysc.driver import train
+
+    cfg = make_cfg("train.steps=40", "checkpoint.every_steps=5", "checkpoint.async=false", "optim.lr=1e-3",
+                   'supervisor.spike_policy="rollback"', "supervisor.spike_patience=3", "supervisor.skip_batches=10",
+                   'supervisor.inject="spike@30,spike@31,spike@32"')
+    summary = train(cfg, progress=False)
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    rb = [e for e in events if e["kind"] == "spike_rollback"]
+    assert len(rb) == 1 and rb[0]["first_flagged"] == 30 and rb[0]["step"] == 32
+    assert rb[0]["resumed_step"] == 25 and rb[0]["cursor"] == (25 + 10) * 8
+    assert math.isfinite(summary["final_loss"]) and summary["steps"] == 40
+    manifest = CheckpointStore(cfg.checkpoint_uri).read_manifest(40)
+    assert manifest["loader"]["cursor"] == (40 + 10) * 8  # the skipped batches stay skipped

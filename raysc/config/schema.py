@@ -148,8 +148,12 @@ class CheckpointConfig:
 class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
-    spike_policy: str = opt("skip", "on a loss/grad-norm spike or NaN: skip the update on every rank, or off",
-                            choices=["skip", "off"])
+    spike_policy: str = opt("skip", "on a loss/grad-norm spike or NaN: skip the update on every rank; "
+                                    "rollback = skip, and after spike_patience flagged steps in a row restore "
+                                    "the checkpoint before them and skip skip_batches batches; or off",
+                            choices=["skip", "rollback", "off"])
+    spike_patience: int = opt(3, "consecutive flagged steps that trigger a rollback", min=1)
+    skip_batches: int = opt(200, "batches of data skipped after a rollback (PaLM skipped 200-500)", min=0)
     spike_window: int = opt(128, "steps in the rolling window the spike detector compares against", min=2)
     spike_sigma: float = opt(6.0, "flag a step whose loss or grad norm is more than this many standard "
                                   "deviations from the window's mean", gt=0.0)

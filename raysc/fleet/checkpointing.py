@@ -175,6 +175,17 @@ class CheckpointCoordinator:
         self.hot, self.hot_step = refs, step  # the previous step's refs are dropped and freed
 
     # ---- restoring ----
+    def rollback_to_before(self, first_bad_step: int) -> int:
+        """Restore, in place, the newest committed checkpoint taken before ``first_bad_step``."""
+        self.finish()
+        good = [s for s in self.store.steps() if s < first_bad_step and self.store.verify(s) is None]
+        if not good:
+            raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
+        step = good[-1]
+        hot = self.hot if step == self.hot_step else None
+        self.wait([w.fetch.remote(self.store.uri, step, hot) for w in self.workers], f"fetch of checkpoint {step}")
+        return self.wait([w.load.remote(self.store.uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
+
     def candidates(self, resume: bool | str) -> list[int]:
         if isinstance(resume, str):
             root, step = parse_resume_from(resume)

@@ -29,6 +29,7 @@ from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.faults import consume_faults
 from raysc.fleet.records import RunRecords
+from raysc.train.stability import SpikeRollback
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
 from raysc.parallel.dims import ParallelDims, rank_table
@@ -138,6 +139,19 @@ class Supervisor:
         if self.ckpt is not None:
             self.ckpt.workers = self.workers
         return infos
+
+    def _rollback(self, spike: SpikeRollback) -> int:
+        """PaLM-style: restore the checkpoint before the flagged steps, skip data, continue."""
+        self.restarts += 1
+        if self.restarts > self.cfg.supervisor.max_restarts:
+            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(spike))
+            raise RunFailed(f"too many rollbacks/restarts; last: {spike}")
+        step = self.ckpt.rollback_to_before(spike.first_step)
+        n = self.cfg.supervisor.skip_batches
+        cursor = self._wait([w.skip_batches.remote(n) for w in self.workers], "data skip")[0]
+        self._event("spike_rollback", step=spike.step, first_flagged=spike.first_step, resumed_step=step,
+                    skipped_batches=n, cursor=cursor, steps_lost=spike.step - step, evidence=spike.evidence)
+        return step
 
     def _recover(self, err: RunFailed, data: dict) -> int:
         """Replace the whole fleet after a failure and continue from the newest checkpoint.
@@ -286,6 +300,10 @@ class Supervisor:
             except RunFailed as e:
                 if not getattr(e, "recoverable", True):
                     raise
+                if isinstance(getattr(e, "worker_cause", None), SpikeRollback):
+                    self._phase = "rolling back"
+                    step = self._rollback(e.worker_cause)
+                    continue
                 self._phase = "recovering"
                 step = self._recover(e, data)
             self._phase = "training"

@@ -205,6 +205,11 @@ class TrainWorker:
             self.supervisor.report.remote(pending)
         return last
 
+    def skip_batches(self, n: int) -> int:
+        """Move the data cursor past ``n`` global batches (after a rollback); returns the cursor."""
+        self.trainer.loader.skip(n)
+        return self.trainer.loader.cursor
+
     def val_loss(self) -> float | None:
         return self.trainer.val_loss()
 

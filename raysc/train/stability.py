@@ -61,3 +61,14 @@ class SpikeDetector:
         self.loss = deque(state["loss"], maxlen=self.window)
         self.grad_norm = deque(state["grad_norm"], maxlen=self.window)
         self.consecutive = int(state["consecutive"])
+
+
+class SpikeRollback(RuntimeError):
+    """Raised by every rank when ``spike_patience`` consecutive steps were flagged (rollback policy)."""
+
+    def __init__(self, step: int, first_step: int, evidence: dict) -> None:
+        super().__init__(f"{step - first_step + 1} consecutive flagged steps ({first_step}..{step}): {evidence}")
+        self.step, self.first_step, self.evidence = step, first_step, evidence
+
+    def __reduce__(self):
+        return (SpikeRollback, (self.step, self.first_step, self.evidence))

@@ -29,7 +29,7 @@ from raysc.parallel.dims import ParallelDims
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
 from raysc.train.optim import build_optimizer, build_scheduler
-from raysc.train.stability import SpikeDetector
+from raysc.train.stability import SpikeDetector, SpikeRollback
 from raysc.train.throughput import device_peak_flops
 
 
@@ -163,6 +163,9 @@ class Trainer:
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
         mfu = tps * self.flops_per_token / (self.peak_flops * self.world_size) if self.peak_flops else 0.0
+        sup = self.cfg.supervisor
+        if spike is not None and sup.spike_policy == "rollback" and spike["consecutive"] >= sup.spike_patience:
+            raise SpikeRollback(self.step, self.step - spike["consecutive"] + 1, spike)
         return {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
                 "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
                 "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
