@@ -8,7 +8,6 @@ starts the supervisor and prints the JSON summary as its last line.
 """
 
 import argparse
-import json
 import sys
 from pathlib import Path
 

@@ -8,12 +8,11 @@ group are needed, and DCP reshards whatever layout wrote it.
 
 from __future__ import annotations
 
-import hashlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from raysc.checkpoint.store import CheckpointStore, load_local
+from raysc.checkpoint.store import CheckpointStore, load_local, local_copy_dir
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.model.llama import Llama, build_model
@@ -42,8 +41,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
         step = store.latest()
         if step is None:
             raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}")
-    key = hashlib.sha256(cfg.checkpoint_uri.encode()).hexdigest()[:12]
-    local = Path(cfg.data.cache_dir) / "checkpoints" / key / f"step_{step:08d}"
+    local = local_copy_dir(cfg.data.cache_dir, cfg.checkpoint_uri, step)
     store.fetch(step, local)
     model = build_model(cfg.model, cfg.rope_len, cfg.train.seed)
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended here

@@ -19,6 +19,8 @@ from typing import Any, Iterator
 
 import fsspec
 
+from raysc.hashing import pump
+
 WHOLE_OBJECT_MAX = 512 << 20  # files up to this size move as one request
 
 
@@ -137,13 +139,8 @@ class Storage:
             digest = _hash_in_thread(data)
             self.fs.pipe_file(full, data)
             return len(data), digest()
-        h, n = hashlib.sha256(), 0
         with open(local_path, "rb") as src, self.fs.open(full, "wb") as dst:
-            for block in iter(lambda: src.read(chunk), b""):
-                h.update(block)
-                dst.write(block)
-                n += len(block)
-        return n, h.hexdigest()
+            return pump(src, dst, chunk)
 
     def download_file(self, rel: str, local_path: str, size_hint: int = 0, chunk: int = 8 << 20
                       ) -> tuple[int, str]:
@@ -155,20 +152,12 @@ class Storage:
             with open(local_path, "wb") as dst:
                 dst.write(data)
             return len(data), digest()
-        h, n = hashlib.sha256(), 0
         with self.fs.open(self.path(rel), "rb") as src, open(local_path, "wb") as dst:
-            for block in iter(lambda: src.read(chunk), b""):
-                h.update(block)
-                dst.write(block)
-                n += len(block)
-        return n, h.hexdigest()
+            return pump(src, dst, chunk)
 
-    def sha256(self, rel: str, chunk: int = 8 << 20) -> str:
-        h = hashlib.sha256()
+    def sha256(self, rel: str) -> str:
         with self.fs.open(self.path(rel), "rb") as f:
-            for block in iter(lambda: f.read(chunk), b""):
-                h.update(block)
-        return h.hexdigest()
+            return pump(f)[1]
 
     def step_dirs(self) -> Iterator[str]:
         """Names of the ``step_*`` prefixes under the root (committed or not)."""

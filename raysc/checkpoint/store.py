@@ -19,6 +19,7 @@ restored.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -34,6 +35,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raysc.checkpoint.storage import Storage
+from raysc.hashing import file_sha256
 
 FORMAT = "raysc-ckpt-v2"
 MANIFEST = "manifest.json"
@@ -167,7 +169,7 @@ class CheckpointStore:
         sources = set()
         for entry in manifest["files"]:
             target = local_dir / entry["path"]
-            if target.is_file() and target.stat().st_size == entry["size"] and _sha256(target) == entry["sha256"]:
+            if target.is_file() and target.stat().st_size == entry["size"] and file_sha256(target) == entry["sha256"]:
                 sources.add("local")
                 continue
             tmp = target.with_name(target.name + f".part{os.getpid()}")
@@ -176,7 +178,7 @@ class CheckpointStore:
                 try:
                     data = hot[entry["path"]]()
                     tmp.write_bytes(data)
-                    got = (len(data), _sha256(tmp))
+                    got = (len(data), file_sha256(tmp))
                     sources.add("hot")
                 except Exception:  # the hot copy is a cache: any failure falls back to the store
                     got = None
@@ -198,25 +200,33 @@ class CheckpointStore:
         return manifest, source
 
 
-def _sha256(path: Path) -> str:
-    import hashlib
-
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(8 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
+def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:
+    """Where a node keeps its copy of checkpoint ``step`` of ``uri`` (save staging and restore cache)."""
+    key = hashlib.sha256(uri.encode()).hexdigest()[:12]
+    return Path(cache_dir) / "checkpoints" / key / f"step_{step:08d}"
 
 
 # ---- DCP staging on local disk (every rank, collective over ``group``) ----
-def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, rank: int,
-                 group=None) -> list[str]:
-    """Write this rank's DCP shards and extra state into ``local_dir``; return the files it wrote."""
+def write_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group=None,
+                 asynchronous: bool = False):
+    """Write this rank's DCP shards (collective over ``group``) into ``local_dir``. Asynchronously,
+    the state is copied to CPU memory now and written by a background thread: the returned future
+    completes when the files are on disk (None when synchronous)."""
     local_dir.mkdir(parents=True, exist_ok=True)
     msd, osd = get_state_dict(model, optimizer)
     # staging, not the durable copy: skip fsync (the store holds the durable copy)
-    dcp.save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local_dir), sync_files=False),
-             process_group=group)
+    writer = FileSystemWriter(str(local_dir), sync_files=False)
+    state = {"model": msd, "optim": osd}
+    if asynchronous:
+        return dcp.async_save(state, storage_writer=writer, process_group=group)
+    dcp.save(state, storage_writer=writer, process_group=group)
+    return None
+
+
+def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, rank: int,
+                 group=None) -> list[str]:
+    """Write this rank's DCP shards and extra state into ``local_dir``; return the files it wrote."""
+    write_shards(local_dir, model, optimizer, group)
     torch.save(extra, local_dir / f"extra_rank{rank}.pt")
     return rank_files(local_dir, rank)
 

@@ -26,6 +26,8 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from raysc.hashing import file_sha256
+
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
               "turtledemo", "ensurepip", "tkinter", "pydoc_data"}
 
@@ -138,14 +140,6 @@ def corpus_meta(path: str | Path) -> dict:
     if meta.is_file():
         return json.loads(meta.read_text())
     return {"path": str(p), "sha256": file_sha256(p)}
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def read_documents(source: str | Path) -> Iterator[dict]:

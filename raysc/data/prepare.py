@@ -11,9 +11,10 @@ import hashlib
 from pathlib import Path
 
 from raysc.config.schema import Config
-from raysc.data.corpus import build_bundled_corpus, corpus_meta, file_sha256, read_documents
+from raysc.data.corpus import build_bundled_corpus, corpus_meta, read_documents
 from raysc.data.packing import PackedData, build_packed
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
+from raysc.hashing import file_sha256
 
 
 def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:

@@ -181,10 +181,16 @@ class CheckpointCoordinator:
         good = [s for s in self.store.steps() if s < first_bad_step and self.store.verify(s) is None]
         if not good:
             raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
-        step = good[-1]
-        hot = self.hot if step == self.hot_step else None
-        self.wait([w.fetch.remote(self.store.uri, step, hot) for w in self.workers], f"fetch of checkpoint {step}")
-        return self.wait([w.load.remote(self.store.uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
+        return self._fetch_and_load(self.store, good[-1])[0]
+
+    def _fetch_and_load(self, store: CheckpointStore, step: int) -> tuple[int, list[dict]]:
+        """Every rank fetches ``step`` (verifying each file; no collectives, so a corrupt file
+        fails everywhere before anything is loaded), then loads it. The hot copy is used when it
+        holds that step. Returns (restored step, per-rank fetch info)."""
+        hot = self.hot if step == self.hot_step and store is self.store else None
+        infos = self.wait([w.fetch.remote(store.uri, step, hot) for w in self.workers], f"fetch of checkpoint {step}")
+        restored = self.wait([w.load.remote(store.uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
+        return restored, infos
 
     def candidates(self, resume: bool | str) -> list[int]:
         if isinstance(resume, str):
@@ -210,21 +216,17 @@ class CheckpointCoordinator:
     def restore(self, resume: bool | str) -> int:
         """Fetch (verifying every file) the newest usable checkpoint on every rank, then load it."""
         for step in self.candidates(resume):
-            hot = self.hot if step == self.hot_step and self.load_store is self.store else None
-            uri = self.load_store.uri
             try:
-                infos = self.wait([w.fetch.remote(uri, step, hot) for w in self.workers],
-                                  f"fetch of checkpoint {step}")
+                restored, infos = self._fetch_and_load(self.load_store, step)
             except RunFailed as e:
                 if isinstance(getattr(e, "worker_cause", None), CorruptCheckpoint):
                     self.event("checkpoint_corrupt", step=step, error=str(e),
                                action="falling back to the previous checkpoint")
                     continue
                 raise
-            restored = self.wait([w.load.remote(uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
             manifest = self.load_store.read_manifest(step) or {}
-            self.event("resumed", step=restored, uri=uri, from_layout=manifest.get("layout"), source=sorted({i["source"] for i in infos}),
-                       fetch_s=round(max(i["seconds"] for i in infos), 3))
+            self.event("resumed", step=restored, uri=self.load_store.uri, from_layout=manifest.get("layout"),
+                       source=sorted({i["source"] for i in infos}), fetch_s=round(max(i["seconds"] for i in infos), 3))
             if manifest.get("config_hash") and manifest["config_hash"] != config_hash(self.cfg):
                 self.event("resume_config_changed", step=step, saved_hash=manifest["config_hash"],
                            hash=config_hash(self.cfg),

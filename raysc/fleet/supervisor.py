@@ -29,6 +29,7 @@ from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.faults import consume_faults
 from raysc.fleet.records import RunRecords
+from raysc.fleet.status import goodput
 from raysc.train.stability import SpikeRollback
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
@@ -49,6 +50,7 @@ class Supervisor:
         self._phase = "starting"
         self._tps: list[float] = []
         self._events: list[dict] = []
+        self._steps: dict[int, dict] = {}
         self.workers: list = []
         self.pg = None
         self.ckpt: CheckpointCoordinator | None = None
@@ -63,24 +65,17 @@ class Supervisor:
             self._last = batch[-1]
             self._last_report = time.monotonic()
             self._tps.extend(m["tokens_per_s"] for m in batch)
+            self._steps.update((m["step"], m) for m in batch)  # re-run steps replace earlier attempts
         self.records.metrics_batch(batch)
         for m in batch:
             if m.get("skipped"):
                 self._event("update_skipped", step=m["step"], action="skip", **m["skipped"])
 
     def _goodput(self, t_start: float) -> float | None:
-        from raysc.fleet.records import read_jsonl
-        from raysc.fleet.status import goodput
-
-        mine = [m for m in read_jsonl(self.run_dir / "metrics.jsonl") if m["time"] >= t_start]
-        g = goodput(mine, time.time() - t_start)
+        """Goodput of this supervisor's run, from the steps reported to it (last attempt wins)."""
+        with self._lock:
+            g = goodput(list(self._steps.values()), time.time() - t_start)
         return round(g, 4) if g is not None else None
-
-    def _metrics_skipped(self) -> list[dict]:
-        from raysc.fleet.records import read_jsonl
-
-        last = {m["step"]: m for m in read_jsonl(self.run_dir / "metrics.jsonl")}
-        return [m for m in last.values() if m.get("skipped")]
 
     def fault_fired(self, spec: str, rank: int, step: int) -> None:
         """An injected fault is about to fire on ``rank`` before ``step`` (recorded so a restart
@@ -327,7 +322,7 @@ class Supervisor:
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
             "restarts": self.restarts,
             "goodput": self._goodput(t_start),
-            "skipped_updates": sum(1 for m in self._metrics_skipped()),
+            "skipped_updates": sum(1 for m in self._steps.values() if m.get("skipped")),
             "wall_s": round(time.time() - t_start, 2),
         }
         self._event("run_end", **summary)

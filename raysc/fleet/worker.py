@@ -11,7 +11,6 @@ at world size 1, so checkpointing and later parallel layouts use one code path.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import socket
 import threading
@@ -24,11 +23,7 @@ import ray
 import torch
 import torch.distributed as dist
 
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict
-
-from raysc.checkpoint.store import CheckpointStore, load_local, rank_files, stage_shards
+from raysc.checkpoint.store import CheckpointStore, load_local, local_copy_dir, rank_files, write_shards
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
@@ -89,8 +84,7 @@ class TrainWorker:
     # ---- checkpoints ----
     def _local_dir(self, step: int, uri: str | None = None) -> Path:
         """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
-        key = hashlib.sha256((uri or self.cfg.checkpoint_uri).encode()).hexdigest()[:12]
-        return Path(self.cfg.data.cache_dir) / "checkpoints" / key / f"step_{step:08d}"
+        return local_copy_dir(self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step)
 
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
         """Bring every file of checkpoint ``step`` under ``uri`` to this node, verifying sizes and
@@ -119,15 +113,9 @@ class TrainWorker:
         local.mkdir(parents=True, exist_ok=True)
         for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
             (local / stale).unlink(missing_ok=True)
-        model, opt = self.trainer.shard.state_module(), self.trainer.optimizer
         extra = self.trainer.extra_state()
-        if self.cfg.checkpoint.async_save:
-            msd, osd = get_state_dict(model, opt)
-            future = dcp.async_save({"model": msd, "optim": osd}, storage_writer=FileSystemWriter(str(local), sync_files=False),
-                                    process_group=self.ckpt_group)
-        else:
-            stage_shards(local, model, opt, extra, self.rank, self.ckpt_group)
-            future = None
+        future = write_shards(local, self.trainer.shard.state_module(), self.trainer.optimizer, self.ckpt_group,
+                              asynchronous=self.cfg.checkpoint.async_save)
         self._save = {"step": step, "done": threading.Event(), "result": None}
         threading.Thread(target=self._finish_save, args=(step, local, future, extra), daemon=True).start()
         held = time.perf_counter() - t0
@@ -141,7 +129,7 @@ class TrainWorker:
         try:
             if future is not None:
                 future.result()
-                torch.save(extra, local / f"extra_rank{self.rank}.pt")
+            torch.save(extra, local / f"extra_rank{self.rank}.pt")
             fault = self.save_faults.pop(step, None)
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
                                        retries=self.cfg.checkpoint.upload_retries,
