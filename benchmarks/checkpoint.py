@@ -29,7 +29,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from raysc.checkpoint.store import CheckpointStore, load_local, stage_shards  # noqa: E402
+from raysc.checkpoint.staging import load_local, stage_shards  # noqa: E402
+from raysc.checkpoint.store import CheckpointStore  # noqa: E402
 from raysc.config import ModelConfig, OptimConfig  # noqa: E402
 from raysc.model.llama import build_model  # noqa: E402
 from raysc.train.optim import build_optimizer  # noqa: E402
@@ -65,7 +66,7 @@ def model_and_optimizer():
 def throughput(bucket: str, options: dict, repeats: int = 3) -> dict:
     model, opt = model_and_optimizer()
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-ckpt-"))
-    store = CheckpointStore(f"s3://{bucket}/ours", options)
+    store = CheckpointStore(f"s3://{bucket}/ours", options)  # default transfer_concurrency
     fs = store.storage.fs
     save_ours, save_plain, load_ours, load_plain = [], [], [], []
     nbytes = 0
@@ -73,8 +74,8 @@ def throughput(bucket: str, options: dict, repeats: int = 3) -> dict:
         step = i + 1
         local = tmp / f"stage{step}"
         t0 = time.perf_counter()
-        names = stage_shards(local, model, opt, {"step": step}, rank=0)
-        files = store.upload(step, local, names)
+        names, digests = stage_shards(local, model, opt, {"step": step}, rank=0)
+        files = store.upload(step, local, names, digests)
         store.commit(step, files, {"tokens": 0})
         save_ours.append(time.perf_counter() - t0)
         nbytes = sum(f["size"] for f in files)

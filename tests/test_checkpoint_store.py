@@ -70,3 +70,37 @@ def test_secrets_are_redacted_and_helpers():
     assert json.dumps(redact(opts)).count("***") == 3 and "http://x" in json.dumps(redact(opts))
     assert young_interval_s(save_s=30, mtbf_s=24 * 3600) == pytest.approx((2 * 24 * 3600 * 30) ** 0.5)
     assert parse_resume_from("s3://b/run/step_00000100") == ("s3://b/run", 100)
+
+
+def test_staging_checksums_the_bytes_dcp_wrote_and_catches_later_corruption(tmp_path):
+    """The manifest digest is taken while DCP writes: it equals the file's SHA-256, the upload does
+    not hash again, and a staged file that changes before upload is caught (size now, sha on load)."""
+    import warnings
+
+    from raysc.checkpoint.staging import stage_shards
+    from raysc.config import ModelConfig, OptimConfig
+    from raysc.hashing import file_sha256
+    from raysc.model.llama import build_model
+    from raysc.train.optim import build_optimizer
+
+    model = build_model(ModelConfig(vocab_size=64, dim=16, n_layers=1, n_heads=2, n_kv_heads=1), 16, seed=0)
+    opt = build_optimizer(list(model.parameters()), OptimConfig())
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        names, digests = stage_shards(tmp_path / "s", model, opt, {"step": 1}, rank=0)
+    assert set(names) == set(digests) >= {".metadata", "__0_0.distcp", "extra_rank0.pt"}
+    for name in names:
+        path = tmp_path / "s" / name
+        assert digests[name] == (path.stat().st_size, file_sha256(path))
+
+    store = CheckpointStore(str(tmp_path / "ck"))
+    shard = tmp_path / "s" / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[100] ^= 1  # altered on local disk after DCP wrote it, same size
+    shard.write_bytes(bytes(data))
+    files = store.upload(1, tmp_path / "s", names, digests)
+    store.commit(1, files, {})
+    assert store.verify(1) is None and "sha256 mismatch" in store.verify(1, checksums=True)
+    shard.write_bytes(bytes(data[:-5]))  # truncated on local disk
+    with pytest.raises(OSError, match="staging corrupted"):
+        store.upload(2, tmp_path / "s", names, digests, retries=0)

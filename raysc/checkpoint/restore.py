@@ -12,7 +12,8 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from raysc.checkpoint.store import CheckpointStore, load_local, local_copy_dir
+from raysc.checkpoint.staging import load_local
+from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.model.llama import Llama, build_model
@@ -36,7 +37,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     cfg = load_config(cfg_path)
     # config.toml has secrets redacted: drop them so the environment's credentials apply
     options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != "***"}
-    store = CheckpointStore(cfg.checkpoint_uri, options)
+    store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency)
     if step is None:
         step = store.latest()
         if step is None:

@@ -21,15 +21,28 @@ import fsspec
 
 from raysc.hashing import pump
 
-WHOLE_OBJECT_MAX = 512 << 20  # files up to this size move as one request
+WHOLE_OBJECT_MAX = 512 << 20  # files up to this size move in memory (in parallel parts where the store allows)
+MIN_PART = 8 << 20  # smallest part of a parallel transfer (S3's multipart minimum is 5 MiB)
 
 
-def _hash_in_thread(data: bytes):
-    """Start SHA-256 of ``data`` in a thread; return a function that waits for the hex digest."""
+def default_concurrency() -> int:
+    """Parallel requests per file: the client's hashing and TLS work scales with its cores."""
+    return min(8, max(2, os.cpu_count() or 2))
+
+
+def _hash_in_thread(parts: list[bytes]):
+    """Start SHA-256 of the concatenated ``parts`` in a thread (hashlib releases the GIL, so it
+    overlaps the transfer or the disk write); return a function that waits for the hex digest."""
     import threading
 
+    def run() -> None:
+        h = hashlib.sha256()
+        for p in parts:
+            h.update(p)
+        out.append(h.hexdigest())
+
     out: list[str] = []
-    t = threading.Thread(target=lambda: out.append(hashlib.sha256(data).hexdigest()))
+    t = threading.Thread(target=run)
     t.start()
     return lambda: (t.join(), out[0])[1]
 
@@ -83,12 +96,17 @@ class StorageError(RuntimeError):
 class Storage:
     uri: str
     options: dict[str, Any]
+    concurrency: int = 0  # parallel parts per file transfer; 0 = default_concurrency()
 
     def __post_init__(self) -> None:
         protocol = fsspec.utils.get_protocol(self.uri)
         self.fs, self.root = fsspec.core.url_to_fs(self.uri, **_fs_options(protocol, self.options))
         self.root = self.root.rstrip("/")
         self.is_local = protocol in ("file", "local")
+        self.is_s3 = protocol in ("s3", "s3a")
+        self.concurrency = self.concurrency or default_concurrency()
+        # ranged GETs in parallel need an async fsspec implementation (s3fs, gcsfs, adlfs, http)
+        self.parallel_reads = bool(getattr(self.fs, "async_impl", False)) and self.concurrency > 1
 
     # ---- paths ----
     def path(self, *parts: str) -> str:
@@ -125,33 +143,52 @@ class Storage:
     def delete(self, rel: str) -> None:
         self.fs.rm_file(self.path(rel))
 
-    def upload_file(self, local_path: str, rel: str, chunk: int = 8 << 20) -> tuple[int, str]:
-        """Send a local file to ``rel``; return (size, sha256) of the bytes sent.
+    def upload_file(self, local_path: str, rel: str, known: tuple[int, str] | None = None,
+                    chunk: int = 8 << 20) -> tuple[int, str]:
+        """Send a local file to ``rel``; return (size, sha256).
 
-        Files up to ``WHOLE_OBJECT_MAX`` go up as one PUT, hashed in a second thread while
-        they upload (hashlib releases the GIL); larger ones are streamed in ``chunk`` blocks."""
+        ``known`` is the digest taken when the file was written (``staging.HashingFileSystem``):
+        the bytes are not hashed again, only their size is checked. Otherwise files up to
+        ``WHOLE_OBJECT_MAX`` are hashed in a second thread while they upload as one object, and
+        larger ones are streamed in ``chunk`` blocks."""
         full = self.path(rel)
         if self.is_local:
             self.fs.makedirs(os.path.dirname(full), exist_ok=True)
-        if os.path.getsize(local_path) <= WHOLE_OBJECT_MAX:
+        size = os.path.getsize(local_path)
+        if size <= WHOLE_OBJECT_MAX:
             with open(local_path, "rb") as f:
                 data = f.read()
-            digest = _hash_in_thread(data)
-            self.fs.pipe_file(full, data)
+            if known is not None and known[0] != len(data):
+                raise OSError(f"{local_path}: {len(data)} bytes on disk, {known[0]} written (staging corrupted)")
+            digest = (lambda: known[1]) if known is not None else _hash_in_thread([data])
+            self.fs.pipe_file(full, data)  # s3fs sends large objects as parallel multipart parts
             return len(data), digest()
         with open(local_path, "rb") as src, self.fs.open(full, "wb") as dst:
             return pump(src, dst, chunk)
+
+    def _get(self, full: str, size: int) -> list[bytes]:
+        """The bytes of one object as a list of parts: ``concurrency`` ranged GETs in parallel
+        when the store supports them and the object has the expected ``size``, else one GET."""
+        if self.parallel_reads and size >= 2 * MIN_PART:
+            actual = int(self.fs.info(self._fresh(full))["size"])
+            if actual == size:  # a truncated object is read whole, so the caller sees its real size
+                part = max(MIN_PART, -(-size // self.concurrency))
+                starts = list(range(0, size, part))
+                return self.fs.cat_ranges([full] * len(starts), starts, [min(size, a + part) for a in starts],
+                                          on_error="raise")
+        return [self.fs.cat_file(full)]
 
     def download_file(self, rel: str, local_path: str, size_hint: int = 0, chunk: int = 8 << 20
                       ) -> tuple[int, str]:
         """Bring ``rel`` to a local file; return (size, sha256) of the bytes received."""
         os.makedirs(os.path.dirname(local_path), exist_ok=True)
         if size_hint and size_hint <= WHOLE_OBJECT_MAX:
-            data = self.fs.cat_file(self.path(rel))
-            digest = _hash_in_thread(data)
+            parts = self._get(self.path(rel), size_hint)
+            digest = _hash_in_thread(parts)
             with open(local_path, "wb") as dst:
-                dst.write(data)
-            return len(data), digest()
+                for p in parts:
+                    dst.write(p)
+            return sum(map(len, parts)), digest()
         with self.fs.open(self.path(rel), "rb") as src, open(local_path, "wb") as dst:
             return pump(src, dst, chunk)
 

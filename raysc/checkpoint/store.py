@@ -22,17 +22,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-import torch
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from raysc.checkpoint.storage import Storage
 from raysc.hashing import file_sha256
@@ -56,9 +51,15 @@ class CorruptCheckpoint(RuntimeError):
 class CheckpointStore:
     uri: str
     options: dict = field(default_factory=dict)
+    concurrency: int = 0  # parallel parts per file transfer (checkpoint.transfer_concurrency); 0 = auto
 
     def __post_init__(self) -> None:
-        self.storage = Storage(self.uri, self.options)
+        self.storage = Storage(self.uri, self.options, self.concurrency)
+
+    @classmethod
+    def for_config(cls, cfg, uri: str | None = None) -> "CheckpointStore":
+        """The store of ``cfg``'s checkpoint settings at ``uri`` (default: ``cfg.checkpoint_uri``)."""
+        return cls(uri or cfg.checkpoint_uri, cfg.checkpoint.storage_options, cfg.checkpoint.transfer_concurrency)
 
     # ---- listing and verification ----
     def prefix(self, step: int) -> str:
@@ -116,26 +117,34 @@ class CheckpointStore:
         self.storage.delete_prefix(self.prefix(step))
         return True
 
-    def upload(self, step: int, local_dir: Path, names: list[str], retries: int = 3,
+    def upload(self, step: int, local_dir: Path, names: list[str], digests: dict | None = None, retries: int = 3,
                backoff_s: float = 1.0, on_retry: Callable[[str, int, Exception], None] | None = None,
                after_file: Callable[[str], None] | None = None) -> list[dict]:
-        """Upload ``names`` from ``local_dir``; return their manifest entries. Retries with backoff."""
-        entries = []
-        for name in names:
+        """Upload ``names`` from ``local_dir``, up to ``concurrency`` files at once; return their
+        manifest entries. ``digests`` holds (size, sha256) taken when the files were written;
+        others are hashed on the way. Each file is retried with exponential backoff; the first
+        file that still fails raises (after the others finish), and nothing is committed."""
+        digests = digests or {}
+
+        def one(name: str) -> dict:
             for attempt in range(retries + 1):
                 try:
-                    size, sha = self.storage.upload_file(str(local_dir / name), f"{self.prefix(step)}/{name}")
-                    entries.append({"path": name, "size": size, "sha256": sha})
+                    size, sha = self.storage.upload_file(str(local_dir / name), f"{self.prefix(step)}/{name}",
+                                                         known=digests.get(name))
                     if after_file:
                         after_file(name)
-                    break
+                    return {"path": name, "size": size, "sha256": sha}
                 except Exception as e:  # any client error (botocore's have no common base) is retried
                     if attempt == retries:
                         raise
                     if on_retry:
                         on_retry(name, attempt + 1, e)
                     time.sleep(backoff_s * 2 ** attempt)
-        return entries
+            raise AssertionError("unreachable")
+
+        with ThreadPoolExecutor(max_workers=max(1, min(len(names), self.storage.concurrency))) as pool:
+            futures = [pool.submit(one, name) for name in names]
+            return [f.result() for f in futures]
 
     def commit(self, step: int, files: list[dict], meta: dict) -> dict:
         """Write the manifest (the commit point) after every file is durable."""
@@ -204,59 +213,3 @@ def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:
     """Where a node keeps its copy of checkpoint ``step`` of ``uri`` (save staging and restore cache)."""
     key = hashlib.sha256(uri.encode()).hexdigest()[:12]
     return Path(cache_dir) / "checkpoints" / key / f"step_{step:08d}"
-
-
-# ---- DCP staging on local disk (every rank, collective over ``group``) ----
-def write_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group=None,
-                 asynchronous: bool = False):
-    """Write this rank's DCP shards (collective over ``group``) into ``local_dir``. Asynchronously,
-    the state is copied to CPU memory now and written by a background thread: the returned future
-    completes when the files are on disk (None when synchronous)."""
-    local_dir.mkdir(parents=True, exist_ok=True)
-    msd, osd = get_state_dict(model, optimizer)
-    # staging, not the durable copy: skip fsync (the store holds the durable copy)
-    writer = FileSystemWriter(str(local_dir), sync_files=False)
-    state = {"model": msd, "optim": osd}
-    if asynchronous:
-        return dcp.async_save(state, storage_writer=writer, process_group=group)
-    dcp.save(state, storage_writer=writer, process_group=group)
-    return None
-
-
-def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, rank: int,
-                 group=None) -> list[str]:
-    """Write this rank's DCP shards and extra state into ``local_dir``; return the files it wrote."""
-    write_shards(local_dir, model, optimizer, group)
-    torch.save(extra, local_dir / f"extra_rank{rank}.pt")
-    return rank_files(local_dir, rank)
-
-
-def rank_files(local_dir: Path, rank: int) -> list[str]:
-    names = [p.name for p in local_dir.glob(f"__{rank}_*.distcp")] + [f"extra_rank{rank}.pt"]
-    if rank == 0 and (local_dir / ".metadata").is_file():
-        names.append(".metadata")
-    return sorted(names)
-
-
-def load_local(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-               group=None) -> dict:
-    """Load tensors in place from a local copy of a checkpoint (DCP reshards as needed)."""
-    reader = FileSystemReader(str(local_dir))
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=reader, process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
-    else:
-        msd = model.state_dict()
-        dcp.load({"model": msd}, storage_reader=reader, process_group=group)
-        model.load_state_dict(msd)
-    extra = local_dir / f"extra_rank{rank}.pt"
-    if not extra.is_file():  # resharded to more ranks than saved: counters and cursor are global
-        extra = local_dir / "extra_rank0.pt"
-    return torch.load(extra, weights_only=False) if extra.is_file() else {}
-
-
-def clear_dir(path: Path) -> None:
-    if path.exists():
-        shutil.rmtree(path)

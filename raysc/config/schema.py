@@ -140,6 +140,8 @@ class CheckpointConfig:
                            key="async")
     storage_options: dict = opt_dict("fsspec options for the store, e.g. {endpoint_url = \"http://...\", "
                                      "region_name = \"us-east-1\"}; AWS_* environment variables work too")
+    transfer_concurrency: int = opt(0, "parallel ranged GETs per checkpoint file read from an object store "
+                                       "(uploads use the store's multipart parts); 0 = min(8, max(2, CPU cores))", min=0, max=64)
     upload_retries: int = opt(3, "retries (with exponential backoff from 1 s) of a failed upload", min=0)
     mtbf_hours: float = opt(24.0, "mean time between failures assumed for Young's interval advice", gt=0.0)
 

@@ -41,7 +41,7 @@ class CheckpointCoordinator:
         self.cfg = cfg
         self.event = event
         self.wait = wait
-        self.store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
+        self.store = CheckpointStore.for_config(cfg)
         self.load_store = self.store  # where a restore reads from (--resume-from may point elsewhere)
         self.workers: list = []
         self.inflight: dict | None = None
@@ -196,7 +196,7 @@ class CheckpointCoordinator:
         if isinstance(resume, str):
             root, step = parse_resume_from(resume)
             if root.rstrip("/") != self.cfg.checkpoint_uri.rstrip("/"):
-                self.load_store = CheckpointStore(root, self.cfg.checkpoint.storage_options)
+                self.load_store = CheckpointStore.for_config(self.cfg, root)
             reason = self.load_store.verify(step)
             if reason:
                 raise RunFailed(f"cannot resume from {resume}: {reason}")

@@ -23,7 +23,8 @@ import ray
 import torch
 import torch.distributed as dist
 
-from raysc.checkpoint.store import CheckpointStore, load_local, local_copy_dir, rank_files, write_shards
+from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
+from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
@@ -75,7 +76,7 @@ class TrainWorker:
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.ckpt_group = dist.new_group(backend="gloo")
-        self.ckpt = CheckpointStore(self.cfg.checkpoint_uri, self.cfg.checkpoint.storage_options)
+        self.ckpt = CheckpointStore.for_config(self.cfg)
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "coords": dims.coords(self.rank),
                 "threads": torch.get_num_threads(), "device": str(self.trainer.device),
@@ -91,7 +92,7 @@ class TrainWorker:
         SHA-256 (no collectives, so a corrupt file fails here, on every rank, before any load)."""
         getters = {name: (lambda ref=ref: ray.get(ref)) for name, ref in (hot or {}).items()}
         store = self.ckpt if uri == self.cfg.checkpoint_uri else \
-            CheckpointStore(uri, self.cfg.checkpoint.storage_options)
+            CheckpointStore.for_config(self.cfg, uri)
         t0 = time.perf_counter()
         _, source = store.fetch(step, self._local_dir(step, uri), getters)
         return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
@@ -114,24 +115,23 @@ class TrainWorker:
         for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
             (local / stale).unlink(missing_ok=True)
         extra = self.trainer.extra_state()
-        future = write_shards(local, self.trainer.shard.state_module(), self.trainer.optimizer, self.ckpt_group,
+        staged = write_shards(local, self.trainer.shard.state_module(), self.trainer.optimizer, self.ckpt_group,
                               asynchronous=self.cfg.checkpoint.async_save)
         self._save = {"step": step, "done": threading.Event(), "result": None}
-        threading.Thread(target=self._finish_save, args=(step, local, future, extra), daemon=True).start()
+        threading.Thread(target=self._finish_save, args=(step, local, staged, extra), daemon=True).start()
         held = time.perf_counter() - t0
         if not self.cfg.checkpoint.async_save:
             self._save["done"].wait()
         return {"held_s": held, "loader": extra["loader"], "detector": extra["detector"]}
 
-    def _finish_save(self, step: int, local: Path, future, extra: dict) -> None:
+    def _finish_save(self, step: int, local: Path, staged: Staged, extra: dict) -> None:
         retries: list[str] = []
         result: dict = {"rank": self.rank, "step": step, "retries": retries}
         try:
-            if future is not None:
-                future.result()
-            torch.save(extra, local / f"extra_rank{self.rank}.pt")
+            save_extra(staged, local, extra, self.rank)
+            digests = staged.wait()
             fault = self.save_faults.pop(step, None)
-            entries = self.ckpt.upload(step, local, rank_files(local, self.rank),
+            entries = self.ckpt.upload(step, local, rank_files(local, self.rank), digests,
                                        retries=self.cfg.checkpoint.upload_retries,
                                        on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
                                        after_file=(lambda name: (self._announce(fault), fire(fault)))
