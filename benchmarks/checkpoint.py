@@ -63,7 +63,7 @@ def model_and_optimizer():
     return model, opt
 
 
-def throughput(bucket: str, options: dict, repeats: int = 3) -> dict:
+def throughput(bucket: str, options: dict, repeats: int = 5) -> dict:
     model, opt = model_and_optimizer()
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-ckpt-"))
     store = CheckpointStore(f"s3://{bucket}/ours", options)  # default transfer_concurrency

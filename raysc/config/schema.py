@@ -148,7 +148,8 @@ class CheckpointConfig:
 
 @dataclass
 class SupervisorConfig:
-    hang_timeout_s: float = opt(600.0, "fail the run when no worker reports progress for this long", gt=0.0)
+    hang_timeout_s: float = opt(600.0, "treat the fleet as hung when no worker reports progress for this long "
+                                       "(before calibration, and while saving or restoring)", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
     spike_policy: str = opt("skip", "on a loss/grad-norm spike or NaN: skip the update on every rank; "
                                     "rollback = skip, and after spike_patience flagged steps in a row restore "
@@ -163,8 +164,20 @@ class SupervisorConfig:
     max_restarts: int = opt(3, "fleet restarts (restore from the newest checkpoint) before the run gives up; "
                                "0 = fail on the first error", min=0)
     restart_backoff_s: float = opt(1.0, "wait before the first restart, doubled for each further one", min=0.0)
+    sdc_every_steps: int = opt(0, "compare parameter fingerprints across data-parallel replicas "
+                                  "(dp_replicate > 1) every N steps; 0 = off", min=0)
+    timeout_factor: float = opt(4.0, "hang and process-group timeouts = this × the step and collective times "
+                                     "measured in the first steps (with timeout_floor_s as the minimum)",
+                                min=3.0, max=5.0)
+    calibrate_steps: int = opt(5, "steps (after the first) whose times calibrate the timeouts; 0 = keep "
+                                  "hang_timeout_s", min=0)
+    timeout_floor_s: float = opt(10.0, "smallest calibrated timeout (covers report batching and scheduling "
+                                       "jitter)", gt=0.0)
+    stress_s: float = opt(0.0, "after calibration, run collectives at full rate for this long under the "
+                               "calibrated timeout and record any timeout (0 = skip)", min=0.0)
     inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
-                          "KIND one of raise, kill, hang, kill_save, nan, spike (e.g. 'kill@50:0')")
+                          "KIND one of raise, kill, hang, kill_save, nan, spike, bitflip, slow "
+                          "(e.g. 'kill@50:0')")
 
 
 @dataclass

@@ -7,6 +7,9 @@ optimizer step ``STEP``:
 - ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver);
 - ``nan``: that step's loss (and so its gradients) becomes NaN on that rank;
 - ``spike``: that step's loss is multiplied by 1000 on that rank (a loss and grad-norm spike);
+- ``bitflip``: one bit of that rank's first parameter shard is flipped (silent data corruption;
+  found by the next ``supervisor.sdc_every_steps`` check);
+- ``slow``: that rank sleeps ``SLOW_S`` seconds before the step (a straggler);
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
   first file), to prove a half-written checkpoint is never loaded.
 """
@@ -16,9 +19,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import time
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike")
+KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike", "bitflip", "slow")
+SLOW_S = 3.0
 LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}  # factor applied to that step's loss (and so its grads)
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
@@ -59,6 +64,8 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if fault.kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)
+    if fault.kind == "slow":
+        time.sleep(SLOW_S)
 
 
 def consume_faults(text: str, fired: set[str]) -> str:

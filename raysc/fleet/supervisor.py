@@ -15,6 +15,7 @@ error naming the rank; the last committed checkpoint stays resumable
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ from raysc.fleet.errors import RunFailed
 from raysc.fleet.faults import consume_faults
 from raysc.fleet.records import RunRecords
 from raysc.fleet.status import goodput
+from raysc.train.sdc import SilentCorruption
 from raysc.train.stability import SpikeRollback
 from raysc.fleet.worker import TrainWorker
 from raysc.model.flops import param_count
@@ -57,6 +59,11 @@ class Supervisor:
         self.restarts = 0
         self._fired: set[str] = set()
         self._fault_step = 0
+        self.infos: list[dict] = []  # per rank: node, node id, pid (from setup)
+        self.sdc = {"checks": 0, "mismatches": 0, "repairs": 0, "rollbacks": 0, "check_s": 0.0,
+                    "step_s": 0.0, "clean_step": 0}
+        self.quarantine: dict[str, dict] = {}  # node id -> why
+        self.rollbacks = 0
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -66,6 +73,12 @@ class Supervisor:
             self._last_report = time.monotonic()
             self._tps.extend(m["tokens_per_s"] for m in batch)
             self._steps.update((m["step"], m) for m in batch)  # re-run steps replace earlier attempts
+            for m in batch:
+                if "sdc_s" in m:  # a passing replica check at this step
+                    self.sdc["checks"] += 1
+                    self.sdc["check_s"] += m["sdc_s"]
+                    self.sdc["step_s"] += m["step_time"]
+                    self.sdc["clean_step"] = max(self.sdc["clean_step"], m["step"])
         self.records.metrics_batch(batch)
         for m in batch:
             if m.get("skipped"):
@@ -103,7 +116,10 @@ class Supervisor:
         bundle = {"CPU": par.cpus_per_worker}
         if par.device == "cuda":
             bundle["GPU"] = 1
-        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK")
+        avoid = self._avoid_nodes()
+        selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in range(world)] if avoid else None
+        self.pg = placement_group([dict(bundle) for _ in range(world)], strategy="PACK",
+                                  bundle_label_selector=selector)
         ready, _ = ray.wait([self.pg.ready()], timeout=self.cfg.supervisor.start_timeout_s)
         if not ready:
             avail = ray.available_resources()
@@ -114,6 +130,17 @@ class Supervisor:
                 f"{self.cfg.supervisor.start_timeout_s:.0f}s; the cluster has {avail} free. "
                 f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
         self._bundles = self._bundles_in_node_order(world)
+
+    def _avoid_nodes(self) -> list[str]:
+        """Quarantined node ids to keep workers off, when the cluster has another node alive."""
+        if not self.quarantine:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if not alive - set(self.quarantine):
+            self._event("quarantine_ignored", nodes=sorted(q["node"] for q in self.quarantine.values()),
+                        note="every node of the cluster is quarantined; placing workers on them anyway")
+            return []
+        return sorted(set(self.quarantine) & alive)
 
     def _start_workers(self, world: int, data: dict) -> list[dict]:
         """Create the workers in the reserved bundles and form their process group."""
@@ -129,8 +156,12 @@ class Supervisor:
         self._touch()
         infos = self._wait([w.setup.remote((ip, port), data) for w in self.workers],
                            "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
+        self.infos = infos
         self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
                     threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
+        if self.cfg.supervisor.sdc_every_steps and not infos[0]["replicas"]:
+            self._event("sdc_unavailable", note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
+                                                "no rank holds a replica of another's parameters to compare")
         if self.ckpt is not None:
             self.ckpt.workers = self.workers
         return infos
@@ -142,11 +173,57 @@ class Supervisor:
             self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(spike))
             raise RunFailed(f"too many rollbacks/restarts; last: {spike}")
         step = self.ckpt.rollback_to_before(spike.first_step)
+        self.rollbacks += 1
         n = self.cfg.supervisor.skip_batches
         cursor = self._wait([w.skip_batches.remote(n) for w in self.workers], "data skip")[0]
         self._event("spike_rollback", step=spike.step, first_flagged=spike.first_step, resumed_step=step,
                     skipped_batches=n, cursor=cursor, steps_lost=spike.step - step, evidence=spike.evidence)
         return step
+
+    def _heal_sdc(self, err: SilentCorruption) -> int:
+        """Replicas disagreed at ``err.step``: restore the minority from a healthy replica (majority
+        vote), or roll every replica back to a checkpoint no later than the last passing check."""
+        verdicts = self._wait([w.sdc_verdict.remote() for w in self.workers], "SDC verdicts")
+        bad = sorted({v["verdict"]["global_ranks"][b] for v in verdicts if v["verdict"] and not v["verdict"]["ok"]
+                      for b in v["verdict"]["bad"]})
+        majority = all(v["verdict"]["ok"] or v["verdict"]["source"] is not None for v in verdicts if v["verdict"])
+        nodes = sorted({self.infos[r]["node"] for r in bad})
+        self.sdc["mismatches"] += 1
+        evidence = [v["verdict"] for v in verdicts if v["verdict"] and not v["verdict"]["ok"]]
+        self._event("sdc_mismatch", step=err.step, ranks=bad, nodes=nodes,
+                    evidence=[{k: e[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")}
+                              for e in evidence[:4]],
+                    action="restore_from_replica" if majority else "rollback")
+        if majority:
+            t0 = time.monotonic()
+            self._wait([w.sdc_repair.remote() for w in self.workers], "SDC repair (broadcast from healthy replicas)")
+            self._wait([w.sdc_check.remote() for w in self.workers], "SDC re-check after repair")
+            self.sdc["repairs"] += 1
+            self.sdc["clean_step"] = err.step
+            for r in bad:
+                self._quarantine(r, f"parameters diverged from the replica majority at step {err.step}")
+            self._event("sdc_repaired", step=err.step, ranks=bad, steps_lost=0,
+                        seconds=round(time.monotonic() - t0, 3))
+            return err.step
+        self.restarts += 1
+        if self.restarts > self.cfg.supervisor.max_restarts:
+            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(err))
+            raise RunFailed(f"too many rollbacks/restarts; last: {err}")
+        step = self.ckpt.rollback_to_before(self.sdc["clean_step"] + 1)
+        self.sdc["rollbacks"] += 1
+        self.rollbacks += 1
+        self._event("sdc_rollback", step=err.step, resumed_step=step, last_clean_check=self.sdc["clean_step"],
+                    steps_lost=err.step - step, suspects=nodes,
+                    note="two replicas disagree and neither has a majority: both restored from the checkpoint")
+        return step
+
+    def _quarantine(self, rank: int, why: str) -> None:
+        """Record the node of ``rank`` as suspect: later restarts place workers elsewhere when the
+        cluster has other nodes (``quarantine.json`` in the run directory lists them)."""
+        info = self.infos[rank]
+        self.quarantine[info["node_id"]] = {"node": info["node"], "rank": rank, "reason": why, "time": time.time()}
+        (self.run_dir / "quarantine.json").write_text(json.dumps(self.quarantine, indent=1))
+        self._event("node_quarantined", rank=rank, node=info["node"], node_id=info["node_id"], reason=why)
 
     def _recover(self, err: RunFailed, data: dict) -> int:
         """Replace the whole fleet after a failure and continue from the newest checkpoint.
@@ -166,6 +243,10 @@ class Supervisor:
             ray.kill(w, no_restart=True)
         self.workers = []
         time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.restarts - 1))
+        on_quarantined = {b for b in placement_group_table(self.pg).get("bundles_to_node_id", {}).values()}
+        if self._avoid_nodes() and on_quarantined & set(self.quarantine):
+            remove_placement_group(self.pg)  # re-reserve away from the quarantined node(s)
+            self._reserve(self.cfg.parallel.world_size)
         with self._lock:
             self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self._fired)
         self._start_workers(self.cfg.parallel.world_size, data)
@@ -299,6 +380,11 @@ class Supervisor:
                     self._phase = "rolling back"
                     step = self._rollback(e.worker_cause)
                     continue
+                if isinstance(getattr(e, "worker_cause", None), SilentCorruption):
+                    self._phase = "repairing replicas"
+                    step = self._heal_sdc(e.worker_cause)
+                    self._phase = "training"
+                    continue
                 self._phase = "recovering"
                 step = self._recover(e, data)
             self._phase = "training"
@@ -320,7 +406,11 @@ class Supervisor:
             "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
-            "restarts": self.restarts,
+            "restarts": self.restarts, "rollbacks": self.rollbacks,
+            "sdc": {"checks": self.sdc["checks"], "mismatches": self.sdc["mismatches"],
+                    "repairs": self.sdc["repairs"], "rollbacks": self.sdc["rollbacks"],
+                    "overhead": round(self.sdc["check_s"] / self.sdc["step_s"], 4) if self.sdc["step_s"] else None},
+            "quarantined_nodes": sorted(q["node"] for q in self.quarantine.values()),
             "goodput": self._goodput(t_start),
             "skipped_updates": sum(1 for m in self._steps.values() if m.get("skipped")),
             "wall_s": round(time.time() - t_start, 2),

@@ -28,6 +28,7 @@ from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
+from raysc.train.sdc import SilentCorruption, flip_bit
 from raysc.train.trainer import Trainer
 
 REPORT_EVERY_S = 1.0
@@ -49,6 +50,7 @@ class TrainWorker:
         self.trainer: Trainer | None = None
         self._save: dict | None = None
         self._pending_reports: list[dict] = []
+        self._training = threading.Lock()  # held while train() runs: repairs wait for it
         mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank]
         self.faults = {f.step: f for f in mine if f.kind != "kill_save"}
         self.save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
@@ -78,6 +80,7 @@ class TrainWorker:
         self.ckpt_group = dist.new_group(backend="gloo")
         self.ckpt = CheckpointStore.for_config(self.cfg)
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "replicas": self.trainer.replicas.enabled,
                 "coords": dims.coords(self.rank),
                 "threads": torch.get_num_threads(), "device": str(self.trainer.device),
                 "peak_flops": self.trainer.peak_flops}
@@ -145,9 +148,7 @@ class TrainWorker:
     def _announce(self, fault) -> None:
         """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
         ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank, fault.step))
-        if self.rank == 0 and self._pending_reports:
-            self.supervisor.report.remote(list(self._pending_reports))  # arguments are serialised now
-            del self._pending_reports[:]  # the same list train() keeps: sent once, never twice
+        self._flush_reports()
 
     def read_file(self, step: int, name: str) -> bytes:
         """Bytes of one staged checkpoint file. The supervisor calls this right after a commit and
@@ -169,29 +170,63 @@ class TrainWorker:
         Rank 0 sends its per-step metrics in batches at most every ``REPORT_EVERY_S``
         (one fire-and-forget call), which keeps the supervisor's share of a
         2-core machine negligible while hang detection keeps second resolution.
+        Every ``supervisor.sdc_every_steps`` the replicas compare parameter fingerprints
+        (``raysc.train.sdc``); a mismatch raises ``SilentCorruption`` on every rank.
         """
+        with self._training:
+            return self._train(until_step)
+
+    def _train(self, until_step: int) -> dict | None:
         last = None
         pending: list[dict] = []
         self._pending_reports = pending
         sent = time.monotonic()
+        sdc_every = self.cfg.supervisor.sdc_every_steps if self.trainer.replicas.enabled else 0
         while self.trainer.step < until_step:
             fault = self.faults.pop(self.trainer.step + 1, None)
             if fault is not None:
                 self._announce(fault)
                 if fault.kind in LOSS_FAULTS:
                     self.trainer.loss_fault = LOSS_FAULTS[fault.kind]
+                elif fault.kind == "bitflip":
+                    flip_bit(self.trainer.params[0])
                 else:
                     fire(fault)
             last = self.trainer.train_step()
             if self.rank == 0:
                 pending.append(last)
-                if time.monotonic() - sent >= REPORT_EVERY_S:
-                    self.supervisor.report.remote(pending)
-                    pending, sent = [], time.monotonic()
-                    self._pending_reports = pending
-        if pending:
-            self.supervisor.report.remote(pending)
+            if sdc_every and self.trainer.step % sdc_every == 0:
+                t0 = time.perf_counter()
+                try:
+                    self.trainer.replicas.run(self.trainer.step)
+                except SilentCorruption:
+                    self._flush_reports()
+                    raise
+                last["sdc_s"] = time.perf_counter() - t0  # rank 0's dict is still in pending
+            if self.rank == 0 and time.monotonic() - sent >= REPORT_EVERY_S:
+                self.supervisor.report.remote(pending)
+                pending, sent = [], time.monotonic()
+                self._pending_reports = pending
+        self._flush_reports()
         return last
+
+    def _flush_reports(self) -> None:
+        if self.rank == 0 and self._pending_reports:
+            self.supervisor.report.remote(list(self._pending_reports))  # arguments are serialised now
+            del self._pending_reports[:]  # the same list train() keeps: sent once, never twice
+
+    # ---- silent data corruption: verdict, repair, re-check (called after train() raised) ----
+    def sdc_verdict(self) -> dict:
+        with self._training:  # train() has returned on this rank
+            return {"rank": self.rank, "verdict": self.trainer.replicas.verdict}
+
+    def sdc_repair(self) -> bool:
+        with self._training:
+            return self.trainer.replicas.repair(self.trainer.optimizer)
+
+    def sdc_check(self) -> dict:
+        with self._training:
+            return self.trainer.replicas.run(self.trainer.step)
 
     def skip_batches(self, n: int) -> int:
         """Move the data cursor past ``n`` global batches (after a rollback); returns the cursor."""

@@ -29,6 +29,7 @@ from raysc.parallel.dims import ParallelDims
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
 from raysc.train.optim import build_optimizer, build_scheduler
+from raysc.train.sdc import ReplicaCheck
 from raysc.train.stability import SpikeDetector, SpikeRollback
 from raysc.train.throughput import device_peak_flops
 
@@ -91,6 +92,9 @@ class Trainer:
         sup = cfg.supervisor
         self.detector = SpikeDetector(sup.spike_window, sup.spike_sigma, sup.spike_min_history)
         self.skipped_steps = 0
+        # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
+        self.replicas = ReplicaCheck(self.params, mesh["dp_replicate"].get_group()
+                                     if mesh is not None and self.dims.dp_replicate > 1 else None)
 
     # ---- pieces of a step ----
     def _autocast(self) -> contextlib.AbstractContextManager:
