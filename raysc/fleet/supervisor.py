@@ -33,9 +33,12 @@ from raysc.fleet.records import RunRecords
 from raysc.fleet.status import goodput
 from raysc.train.sdc import SilentCorruption
 from raysc.train.stability import SpikeRollback
-from raysc.fleet.worker import TrainWorker
+from raysc.fleet.worker import REPORT_EVERY_S, TrainWorker
 from raysc.model.flops import param_count
 from raysc.parallel.dims import ParallelDims, rank_table
+
+
+SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as slow
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -64,6 +67,7 @@ class Supervisor:
                     "step_s": 0.0, "clean_step": 0}
         self.quarantine: dict[str, dict] = {}  # node id -> why
         self.rollbacks = 0
+        self.timeouts: dict | None = None  # calibrated hang and process-group timeouts
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -80,9 +84,14 @@ class Supervisor:
                     self.sdc["step_s"] += m["step_time"]
                     self.sdc["clean_step"] = max(self.sdc["clean_step"], m["step"])
         self.records.metrics_batch(batch)
+        normal = self.timeouts["step_s"] if self.timeouts else None
         for m in batch:
             if m.get("skipped"):
                 self._event("update_skipped", step=m["step"], action="skip", **m["skipped"])
+            if normal and m["step_time"] > max(SLOW_FACTOR * normal, normal + 0.5):
+                self._event("slow_step", step=m["step"], step_time_s=round(m["step_time"], 3),
+                            normal_s=round(normal, 4), action="none (within the hang timeout)",
+                            note="a straggler: every rank waits for the slowest in each collective")
 
     def _goodput(self, t_start: float) -> float | None:
         """Goodput of this supervisor's run, from the steps reported to it (last attempt wins)."""
@@ -217,6 +226,43 @@ class Supervisor:
                     note="two replicas disagree and neither has a majority: both restored from the checkpoint")
         return step
 
+    def _calibrate(self, first: int, last: int) -> None:
+        """Set the hang timeout and the process-group timeout from measured times: the median step
+        time of steps ``first..last`` (the first step of a fleet, which warms up, is left out) and
+        an all-reduce of gradient size, each times supervisor.timeout_factor, at least
+        supervisor.timeout_floor_s. Optionally stress collectives under the new timeout."""
+        sup = self.cfg.supervisor
+        deadline = time.monotonic() + 5.0
+        while last not in self._steps and time.monotonic() < deadline:  # rank 0's last report in flight
+            time.sleep(0.05)
+        with self._lock:
+            times = sorted(m["step_time"] for s, m in self._steps.items() if first <= s <= last)
+        if not times:
+            return
+        step_s = times[len(times) // 2]
+        coll = self._wait([w.measure_collectives.remote() for w in self.workers], "collective calibration")
+        coll_s = max(c["allreduce_s"] for c in coll)
+        silence_s = max(step_s, REPORT_EVERY_S)  # rank 0 reports once a step, at most once a second
+        self.timeouts = {"step_s": step_s, "collective_s": coll_s, "collective_bytes": coll[0]["bytes"],
+                         "hang_s": max(sup.timeout_floor_s, sup.timeout_factor * silence_s),
+                         "pg_s": max(sup.timeout_floor_s, sup.timeout_factor * max(step_s, coll_s))}
+        self._apply_pg_timeout()
+        self._event("timeouts_calibrated", steps=f"{first}..{last}", step_time_s=round(step_s, 4),
+                    allreduce_s=round(coll_s, 5), allreduce_bytes=coll[0]["bytes"], factor=sup.timeout_factor,
+                    floor_s=sup.timeout_floor_s, hang_timeout_s=round(self.timeouts["hang_s"], 3),
+                    pg_timeout_s=round(self.timeouts["pg_s"], 3))
+        if sup.stress_s:
+            res = self._wait([w.stress.remote(sup.stress_s) for w in self.workers], "collective stress test",
+                             hang_s=sup.stress_s + self.timeouts["pg_s"] + 30)
+            self._event("collective_stress", seconds=sup.stress_s, ops=sum(r["ops"] for r in res),
+                        slowest_op_s=round(max(r["slowest_s"] for r in res), 4),
+                        timeouts=sum(r["timeouts"] for r in res), pg_timeout_s=round(self.timeouts["pg_s"], 3),
+                        errors=[r["error"] for r in res if r["error"]][:2])
+
+    def _apply_pg_timeout(self) -> None:
+        if self.timeouts is not None:
+            self._wait([w.set_timeout.remote(self.timeouts["pg_s"]) for w in self.workers], "set timeouts")
+
     def _quarantine(self, rank: int, why: str) -> None:
         """Record the node of ``rank`` as suspect: later restarts place workers elsewhere when the
         cluster has other nodes (``quarantine.json`` in the run directory lists them)."""
@@ -250,6 +296,7 @@ class Supervisor:
         with self._lock:
             self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self._fired)
         self._start_workers(self.cfg.parallel.world_size, data)
+        self._apply_pg_timeout()
         step = self.ckpt.restore(True) if self.ckpt.store.steps() else 0
         self._event("recovered", attempt=self.restarts, resumed_step=step, steps_lost=failed_at - 1 - step,
                     seconds=round(time.monotonic() - t0, 3))
@@ -274,9 +321,11 @@ class Supervisor:
                                  "tp×cp workers")
         return order
 
-    def _wait(self, refs: list, what: str, timeout: float | None = None) -> list:
-        """ray.get with hang detection: no report and no result for hang_timeout_s (or ``timeout``)
-        fails the run, naming the ranks that did not finish."""
+    def _wait(self, refs: list, what: str, timeout: float | None = None, hang_s: float | None = None) -> list:
+        """ray.get with hang detection: no report and no result for ``hang_s`` (default
+        supervisor.hang_timeout_s), or no result within ``timeout``, fails the run, naming the
+        ranks that did not finish."""
+        hang_s = hang_s or self.cfg.supervisor.hang_timeout_s
         pending = list(refs)
         t0 = time.monotonic()
         while pending:
@@ -304,11 +353,14 @@ class Supervisor:
                 ranks = sorted(refs.index(r) for r in pending)
                 self._event("worker_timeout", during=what, ranks=ranks, seconds=round(timeout, 1))
                 raise RunFailed(f"ranks {ranks} did not finish {what} within {timeout:.0f}s.")
-            if pending and silent > self.cfg.supervisor.hang_timeout_s:
+            if pending and silent > hang_s:
                 ranks = sorted(refs.index(r) for r in pending)
-                self._event("worker_hang", during=what, silent_s=round(silent, 1), ranks=ranks)
+                self._event("worker_hang", during=what, silent_s=round(silent, 1), ranks=ranks,
+                            timeout_s=round(hang_s, 2))
                 raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {ranks} "
-                                f"(supervisor.hang_timeout_s={self.cfg.supervisor.hang_timeout_s}).")
+                                f"(hang timeout {hang_s:.1f}s: "
+                                + ("calibrated" if hang_s != self.cfg.supervisor.hang_timeout_s
+                                   else "supervisor.hang_timeout_s") + ").")
         return ray.get(refs)
 
     def _touch(self) -> None:
@@ -365,9 +417,17 @@ class Supervisor:
             target = min(cfg.train.steps, (step // every + 1) * every)
             try:
                 self._touch()
+                if self.timeouts is None and cfg.supervisor.calibrate_steps:
+                    target = min(target, step + 1 + cfg.supervisor.calibrate_steps)
                 results = self._wait([w.train.remote(target) for w in self.workers],
-                                     f"steps {step + 1}..{target}")
+                                     f"steps {step + 1}..{target}",
+                                     hang_s=self.timeouts["hang_s"] if self.timeouts else None)
                 last = results[0] or last
+                if self.timeouts is None and cfg.supervisor.calibrate_steps:
+                    self._calibrate(step + 2, target)
+                    if target % every and target < cfg.train.steps:
+                        step = target
+                        continue  # not a checkpoint boundary
                 step = target
                 self._phase = "checkpointing"
                 self.ckpt.save(step, last["tokens"] if last else 0)

@@ -228,6 +228,67 @@ class TrainWorker:
         with self._training:
             return self.trainer.replicas.run(self.trainer.step)
 
+    # ---- timeout calibration (raysc.fleet.supervisor._calibrate) ----
+    def _grad_sized(self) -> torch.Tensor:
+        n = min(sum(p.numel() for p in self.trainer.replicas.params), 16 << 20)
+        return torch.ones(n, dtype=torch.float32, device=self.trainer.device)
+
+    def measure_collectives(self, iters: int = 5) -> dict:
+        """Median time of an all-reduce of this rank's gradient size over all ranks (collective)."""
+        buf = self._grad_sized()
+        times = []
+        for _ in range(iters + 1):
+            t0 = time.perf_counter()
+            dist.all_reduce(buf)
+            if buf.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - t0)
+        times = sorted(times[1:])  # the first one warms up
+        return {"allreduce_s": times[len(times) // 2], "bytes": buf.numel() * 4}
+
+    def set_timeout(self, seconds: float) -> None:
+        """The process-group timeout of every training collective (the default group and each mesh
+        group); the checkpoint group keeps its own, longer one."""
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        for g in list(dist.distributed_c10d._world.pg_map):  # every group this rank is in
+            if g is not self.ckpt_group:
+                _set_pg_timeout(timedelta(seconds=seconds), g)
+
+    def stress(self, seconds: float) -> dict:
+        """All-reduce and all-gather back to back for ``seconds`` while a thread keeps a core busy
+        (load), under the calibrated timeout: counts operations, the slowest, and any timeout."""
+        buf = self._grad_sized()
+        stop = threading.Event()
+
+        def burn() -> None:
+            x = torch.randn(256, 256)
+            while not stop.is_set():
+                x = (x @ x).clamp_(-1, 1)
+
+        burner = threading.Thread(target=burn, daemon=True)
+        burner.start()
+        ops, slowest, error = 0, 0.0, None
+        t_end = time.monotonic() + seconds
+        try:
+            while True:
+                go = torch.tensor([1 if time.monotonic() < t_end else 0], device=buf.device)
+                dist.all_reduce(go, op=dist.ReduceOp.MIN)  # every rank runs the same number of rounds
+                if not go.item():
+                    break
+                t0 = time.perf_counter()
+                dist.all_reduce(buf)
+                gathered = [torch.empty(1024, device=buf.device) for _ in range(self.world_size)]
+                dist.all_gather(gathered, buf[:1024])
+                slowest = max(slowest, time.perf_counter() - t0)
+                ops += 2
+        except RuntimeError as e:  # a collective that exceeded the process-group timeout
+            error = str(e).splitlines()[0]
+        finally:
+            stop.set()
+            burner.join()
+        return {"ops": ops, "slowest_s": slowest, "timeouts": int(error is not None), "error": error}
+
     def skip_batches(self, n: int) -> int:
         """Move the data cursor past ``n`` global batches (after a rollback); returns the cursor."""
         self.trainer.loader.skip(n)
