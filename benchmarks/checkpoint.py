@@ -21,13 +21,15 @@ import statistics
 import sys
 import tempfile
 import time
-import uuid
 import warnings
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import common  # noqa: E402
 
 from raysc.checkpoint.staging import load_local, stage_shards  # noqa: E402
 from raysc.checkpoint.store import CheckpointStore  # noqa: E402
@@ -40,18 +42,8 @@ warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
 
 
 def start_s3():
-    import boto3
-    from moto.server import ThreadedMotoServer
-
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server._server.server_address
-    endpoint = f"http://{host}:{port}"
-    bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="k", aws_secret_access_key="s",
-                 region_name="us-east-1").create_bucket(Bucket=bucket)
-    options = {"endpoint_url": endpoint, "key": "k", "secret": "s", "region_name": "us-east-1"}
-    return server, bucket, options
+    server, endpoint, bucket = common.start_s3()
+    return server, bucket, common.s3_options(endpoint)
 
 
 def model_and_optimizer():

@@ -21,12 +21,15 @@ def main() -> int:
     ap.add_argument("--config", required=True, help="TOML config, e.g. jobs/configs/tiny.toml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--resume", action="store_true")
+    ap.add_argument("--inject", metavar="KIND@STEP[:RANK]", help="fault injection drill (docs/resilience.md)")
     args = ap.parse_args()
     argv = ["train", args.config, "--no-progress"]
     for item in args.overrides:
         argv += ["--set", item]
     if args.resume:
         argv.append("--resume")
+    if args.inject:
+        argv += ["--inject", args.inject]
     return raysc_main(argv)
 
 

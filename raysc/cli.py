@@ -22,6 +22,9 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resume-from", metavar="URI/step_N",
                    help="continue from this checkpoint (any run's, any layout: it is resharded)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
+    p.add_argument("--inject", metavar="KIND@STEP[:RANK]", default=None,
+                   help="fault injection drill, same as --set supervisor.inject=... (kinds: raise, kill, "
+                        "hang, nan, spike, bitflip, slow, kill_save; comma-separated)")
 
 
 def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
@@ -34,7 +37,10 @@ def run_training(config: str | Path | None, overrides: list[str], resume: bool, 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    summary = run_training(args.config, args.overrides, args.resume, args.resume_from, not args.no_progress)
+    overrides = list(args.overrides)
+    if args.inject:
+        overrides.append(f"supervisor.inject={json.dumps(args.inject)}")
+    summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress)
     print(json.dumps(summary), flush=True)
     return 0
 

@@ -13,6 +13,9 @@ TINY = [
     "train.seq_len=64", "train.global_batch=8", "train.steps=20", "train.log_every=10",
     "schedule.warmup_steps=5", "data.max_corpus_mb=1.0", "data.tokenizer_sample_mb=0.5",
     "parallel.cpus_per_worker=1",
+    # warm spares cost a process start per rank; on 2 cores that slows every test run, so only the
+    # recovery tests that measure or rely on them turn them on
+    "supervisor.warm_spares=false",
 ]
 
 

@@ -35,7 +35,7 @@ def test_straggler_is_reported_not_restarted(ray_session, make_cfg):
     from raysc.driver import train
 
     cfg = make_cfg("parallel.dp_replicate=2", "train.steps=12", "supervisor.calibrate_steps=3",
-                   'supervisor.inject="slow@8:1"')
+                   'supervisor.inject="slow@8:1"')  # (no warm spares: their start-up slows steps too)
     summary = train(cfg, progress=False)
     slow = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "slow_step"]
     assert [e["step"] for e in slow] == [8] and slow[0]["step_time_s"] >= 3.0

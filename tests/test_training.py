@@ -132,11 +132,11 @@ def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
                 "data.tokenizer_sample_mb=0.5", "parallel.cpus_per_worker=1", "checkpoint.every_steps=0",
                 f'data.cache_dir="{cfg.data.cache_dir}"', f'run.dir="{cfg.run_dir}"'):
         args += ["--set", key]
-    assert main(args) == 0
+    assert main([*args, "--inject", "raise@3"]) == 0  # a drill: the run heals itself
     last = capsys.readouterr().out.strip().splitlines()[-1]
     summary = json.loads(last)
     assert {"run_dir", "steps", "final_loss", "tokens_per_s"} <= set(summary)
-    assert summary["steps"] == 6 and summary["final_loss"] > 0
+    assert summary["steps"] == 6 and summary["final_loss"] > 0 and summary["restarts"] == 1
     advice = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_interval_advice"]
     assert advice and advice[0]["young_interval_s"] > 0  # every_steps unset: Young's interval is advised
 
@@ -187,11 +187,11 @@ def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, m
 def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
     from raysc.driver import train
 
-    with pytest.raises(RunFailed, match="worker rank 0 died during steps 1..20"):
+    with pytest.raises(RunFailed, match=r"worker rank 0 died during steps 1\.\.\d+"):
         train(make_cfg('supervisor.inject="kill@3"', "supervisor.max_restarts=0", run="kill"), progress=False)
     cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", "supervisor.max_restarts=0",
                    run="hang")
-    with pytest.raises(RunFailed, match=r"no progress for \d+s during steps 1..20"):
+    with pytest.raises(RunFailed, match=r"no progress for \d+s during steps 1\.\.\d+"):
         train(cfg, progress=False)
     hang = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "worker_hang"]
     assert hang and hang[0]["silent_s"] >= 3
@@ -217,7 +217,8 @@ def test_fleet_recovers_from_kill_and_raise_bit_exact(ray_session, make_cfg):
     from raysc.driver import train
 
     # synchronous saves, so that each checkpoint is committed before the next fault fires
-    base = ["train.steps=15", "checkpoint.every_steps=5", "checkpoint.async=false", "supervisor.restart_backoff_s=0.1"]
+    base = ["train.steps=15", "checkpoint.every_steps=5", "checkpoint.async=false", "supervisor.restart_backoff_s=0.1",
+            "supervisor.warm_spares=true"]
     ref = make_cfg(*base, run="ref")
     train(ref, progress=False)
     cfg = make_cfg(*base, 'supervisor.inject="kill@7,raise@12"', run="faulty")

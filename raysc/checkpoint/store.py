@@ -164,10 +164,11 @@ class CheckpointStore:
         return doomed
 
     # ---- reading ----
-    def fetch(self, step: int, local_dir: Path, hot: dict | None = None) -> tuple[dict, str]:
+    def fetch(self, step: int, local_dir: Path, hot: dict | None = None, reuse_local: bool = True
+              ) -> tuple[dict, str]:
         """Make ``local_dir`` hold every file of ``step`` with its recorded SHA-256.
 
-        Files already there and intact are kept; the rest come from ``hot`` (name -> bytes
+        Files already there and intact are kept (unless ``reuse_local`` is False); the rest come from ``hot`` (name -> bytes
         getter, the supervisor's in-memory copy) or the store. Returns (manifest, source).
         Raises ``CorruptCheckpoint`` naming the first bad file; nothing is loaded from it.
         """
@@ -178,7 +179,8 @@ class CheckpointStore:
         sources = set()
         for entry in manifest["files"]:
             target = local_dir / entry["path"]
-            if target.is_file() and target.stat().st_size == entry["size"] and file_sha256(target) == entry["sha256"]:
+            if reuse_local and target.is_file() and target.stat().st_size == entry["size"] \
+                    and file_sha256(target) == entry["sha256"]:
                 sources.add("local")
                 continue
             tmp = target.with_name(target.name + f".part{os.getpid()}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import copy
 import hashlib
 import math
 import tomllib
@@ -287,4 +288,8 @@ def dump_config(cfg: Config) -> str:
 
 
 def config_hash(cfg: Config) -> str:
-    return hashlib.sha256(dump_config(cfg).encode()).hexdigest()[:16]
+    """Identity of a run's configuration. Fault-injection drills (``supervisor.inject``, which a
+    restart consumes as faults fire) do not change what is trained, so they are left out."""
+    clean = copy.deepcopy(cfg)
+    clean.supervisor.inject = ""
+    return hashlib.sha256(dump_config(clean).encode()).hexdigest()[:16]

@@ -142,6 +142,8 @@ class CheckpointConfig:
                                      "region_name = \"us-east-1\"}; AWS_* environment variables work too")
     transfer_concurrency: int = opt(0, "parallel ranged GETs per checkpoint file read from an object store "
                                        "(uploads use the store's multipart parts); 0 = min(8, max(2, CPU cores))", min=0, max=64)
+    hot_copy: bool = opt(True, "keep the newest checkpoint in Ray's object store and reuse verified node-local "
+                               "copies for restores; false = every restore reads the durable store")
     upload_retries: int = opt(3, "retries (with exponential backoff from 1 s) of a failed upload", min=0)
     mtbf_hours: float = opt(24.0, "mean time between failures assumed for Young's interval advice", gt=0.0)
 
@@ -161,9 +163,12 @@ class SupervisorConfig:
     spike_sigma: float = opt(6.0, "flag a step whose loss or grad norm is more than this many standard "
                                   "deviations from the window's mean", gt=0.0)
     spike_min_history: int = opt(16, "healthy steps seen before spikes are judged (NaN/Inf always are)", min=2)
-    max_restarts: int = opt(3, "fleet restarts (restore from the newest checkpoint) before the run gives up; "
-                               "0 = fail on the first error", min=0)
-    restart_backoff_s: float = opt(1.0, "wait before the first restart, doubled for each further one", min=0.0)
+    max_restarts: int = opt(3, "restarts and rollbacks in a row (no chunk of training completing in between) "
+                               "before the run gives up; 0 = fail on the first error", min=0)
+    restart_backoff_s: float = opt(1.0, "the first restart is immediate; wait this long before the second, "
+                                        "doubled for each further one", min=0.0)
+    warm_spares: bool = opt(True, "keep one idle, warm replacement worker per rank (no resources of its own, "
+                                  "in the rank's bundle) so a restart skips process start-up")
     sdc_every_steps: int = opt(0, "compare parameter fingerprints across data-parallel replicas "
                                   "(dp_replicate > 1) every N steps; 0 = off", min=0)
     timeout_factor: float = opt(4.0, "hang and process-group timeouts = this × the step and collective times "

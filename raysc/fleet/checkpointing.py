@@ -159,7 +159,8 @@ class CheckpointCoordinator:
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
                                        protect=step)
-        self._keep_hot(step, results)
+        if self.cfg.checkpoint.hot_copy:
+            self._keep_hot(step, results)
         size = sum(f["size"] for f in manifest["files"])
         rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}
         self.saves.append(rec)

@@ -20,6 +20,14 @@ DASHBOARD_METRICS = {
     "mfu": "model FLOPs utilisation",
     "step": "last completed optimizer step",
 }
+HEALTH_METRICS = {
+    "restarts": "fleet restarts after a dead, hung or failing worker",
+    "rollbacks": "restores of an earlier checkpoint (loss spikes, replica disagreement)",
+    "skipped_steps": "optimizer updates skipped by the spike/NaN detector",
+    "sdc_checks": "passing replica fingerprint comparisons",
+    "sdc_mismatches": "replica fingerprint comparisons that found corrupted parameters",
+    "goodput": "time in steps that count toward the final model / wall time so far",
+}
 
 
 class JsonlWriter:
@@ -46,7 +54,7 @@ class RunRecords:
         try:
             from ray.util.metrics import Gauge
 
-            for name, desc in DASHBOARD_METRICS.items():
+            for name, desc in {**DASHBOARD_METRICS, **HEALTH_METRICS}.items():
                 self._gauges[name] = Gauge(f"raysc_{name}", description=desc, tag_keys=("run",))
                 self._gauges[name].set_default_tags({"run": run_name})
         except Exception as e:  # metrics are optional outside a Ray worker; the files are the record
@@ -59,6 +67,12 @@ class RunRecords:
         for name, gauge in self._gauges.items():
             if last.get(name) is not None:
                 gauge.set(float(last[name]))
+
+    def health(self, values: dict[str, float | None]) -> None:
+        """Set the run-health gauges (``HEALTH_METRICS``) to their current totals."""
+        for name, value in values.items():
+            if value is not None and name in self._gauges:
+                self._gauges[name].set(float(value))
 
     def event(self, kind: str, **fields: Any) -> dict:
         rec = {"time": time.time(), "kind": kind, **fields}

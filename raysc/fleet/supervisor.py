@@ -38,6 +38,17 @@ from raysc.model.flops import param_count
 from raysc.parallel.dims import ParallelDims, rank_table
 
 
+def is_peer_failure(exc: BaseException | None) -> bool:
+    """Whether a rank's exception is a collective failing because of a peer (closed connection,
+    timeout): the symptom, not the cause."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        k in str(exc) for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
+
+
 SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as slow
 
 
@@ -59,15 +70,18 @@ class Supervisor:
         self.workers: list = []
         self.pg = None
         self.ckpt: CheckpointCoordinator | None = None
-        self.restarts = 0
+        self.restarts = 0  # every restart and rollback of the run
+        self._strikes = 0  # restarts and rollbacks since training last made progress
         self._fired: set[str] = set()
         self._fault_step = 0
         self.infos: list[dict] = []  # per rank: node, node id, pid (from setup)
+        self.spares: list = []  # warm replacement workers (supervisor.warm_spares)
         self.sdc = {"checks": 0, "mismatches": 0, "repairs": 0, "rollbacks": 0, "check_s": 0.0,
                     "step_s": 0.0, "clean_step": 0}
         self.quarantine: dict[str, dict] = {}  # node id -> why
         self.rollbacks = 0
         self.timeouts: dict | None = None  # calibrated hang and process-group timeouts
+        self._t_start: float | None = None
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -84,6 +98,7 @@ class Supervisor:
                     self.sdc["step_s"] += m["step_time"]
                     self.sdc["clean_step"] = max(self.sdc["clean_step"], m["step"])
         self.records.metrics_batch(batch)
+        self._publish_health()
         normal = self.timeouts["step_s"] if self.timeouts else None
         for m in batch:
             if m.get("skipped"):
@@ -92,6 +107,14 @@ class Supervisor:
                 self._event("slow_step", step=m["step"], step_time_s=round(m["step_time"], 3),
                             normal_s=round(normal, 4), action="none (within the hang timeout)",
                             note="a straggler: every rank waits for the slowest in each collective")
+
+    def _publish_health(self) -> None:
+        with self._lock:
+            skipped = sum(1 for m in self._steps.values() if m.get("skipped"))
+        self.records.health({"restarts": self.restarts - self.rollbacks, "rollbacks": self.rollbacks,
+                             "skipped_steps": skipped, "sdc_checks": self.sdc["checks"],
+                             "sdc_mismatches": self.sdc["mismatches"],
+                             "goodput": self._goodput(self._t_start) if self._t_start else None})
 
     def _goodput(self, t_start: float) -> float | None:
         """Goodput of this supervisor's run, from the steps reported to it (last attempt wins)."""
@@ -151,22 +174,50 @@ class Supervisor:
             return []
         return sorted(set(self.quarantine) & alive)
 
-    def _start_workers(self, world: int, data: dict) -> list[dict]:
-        """Create the workers in the reserved bundles and form their process group."""
+    def _new_worker(self, rank: int, world: int, spare: bool = False):
+        """A TrainWorker in the bundle of ``rank``. A spare takes no resources of its own (the
+        worker it will replace holds them until it dies) and waits, warm, until ``setup``."""
         par = self.cfg.parallel
-        me = ray.get_runtime_context().current_actor
-        cfg_dict = config_to_dict(self.cfg)
-        self.workers = [TrainWorker.options(
-            num_cpus=par.cpus_per_worker, num_gpus=1 if par.device == "cuda" else 0,
+        cpus, gpus = (0, 0) if spare else (par.cpus_per_worker, 1 if par.device == "cuda" else 0)
+        return TrainWorker.options(
+            num_cpus=cpus, num_gpus=gpus,
             scheduling_strategy=PlacementGroupSchedulingStrategy(
                 self.pg, placement_group_bundle_index=self._bundles[rank]),
-        ).remote(cfg_dict, rank, world, me) for rank in range(world)]
+        ).remote(config_to_dict(self.cfg), rank, world, ray.get_runtime_context().current_actor)
+
+    def _take_spares(self, world: int) -> list | None:
+        """The warm spares, if every one of them is alive and ready; else None (they are discarded)."""
+        spares, self.spares = self.spares, []
+        if len(spares) != world:
+            return None
+        refs = [s.address.remote() for s in spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s)
+        try:
+            if len(ready) == len(refs):
+                ray.get(refs)
+                return spares
+        except ray.exceptions.RayError:
+            pass  # a spare died (its node was lost): start a cold fleet
+        for s in spares:
+            ray.kill(s, no_restart=True)
+        return None
+
+    def _start_workers(self, world: int, data: dict, warm: bool = False) -> list[dict]:
+        """Create the workers in the reserved bundles (or activate the warm spares) and form their
+        process group."""
+        cfg_dict = config_to_dict(self.cfg)
+        spares = self._take_spares(world) if warm else None
+        gpu_ids = [i.get("gpu_ids") for i in self.infos] if spares and len(self.infos) == world else [None] * world
+        self.workers = spares or [self._new_worker(rank, world) for rank in range(world)]
         ip, port, _ = ray.get(self.workers[0].address.remote())
         self._touch()
-        infos = self._wait([w.setup.remote((ip, port), data) for w in self.workers],
+        infos = self._wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
                            "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
         self.infos = infos
-        self._event("workers_ready", workers=len(infos), master=f"{ip}:{port}", device=infos[0]["device"],
+        self._event("workers_ready", workers=len(infos), warm=bool(spares), master=f"{ip}:{port}",
+                    pids=[i["pid"] for i in infos],
+                    setup_s=max((i["setup_s"] for i in infos), key=lambda d: sum(d.values())),
+                    device=infos[0]["device"],
                     threads=infos[0]["threads"], peak_flops=infos[0]["peak_flops"])
         if self.cfg.supervisor.sdc_every_steps and not infos[0]["replicas"]:
             self._event("sdc_unavailable", note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
@@ -175,12 +226,30 @@ class Supervisor:
             self.ckpt.workers = self.workers
         return infos
 
+    def _ensure_spares(self) -> None:
+        """Start the next set of warm spares in the background (after a chunk of training, so their
+        start-up does not compete with a restore)."""
+        if self.cfg.supervisor.warm_spares and not self.spares:
+            world = self.cfg.parallel.world_size
+            self.spares = [self._new_worker(rank, world, spare=True) for rank in range(world)]
+
+    def _strike(self, err: RunFailed) -> None:
+        """Count a restart or rollback; after supervisor.max_restarts of them with no chunk of
+        training completed in between, stop the run with ``err``."""
+        self.restarts += 1
+        self._strikes += 1
+        if self._strikes > self.cfg.supervisor.max_restarts:
+            self._event("restarts_exhausted", restarts=self._strikes - 1, error=str(err))
+            raise err
+
+    def _kill_spares(self) -> None:
+        for s in self.spares:
+            ray.kill(s, no_restart=True)
+        self.spares = []
+
     def _rollback(self, spike: SpikeRollback) -> int:
         """PaLM-style: restore the checkpoint before the flagged steps, skip data, continue."""
-        self.restarts += 1
-        if self.restarts > self.cfg.supervisor.max_restarts:
-            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(spike))
-            raise RunFailed(f"too many rollbacks/restarts; last: {spike}")
+        self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {spike}"))
         step = self.ckpt.rollback_to_before(spike.first_step)
         self.rollbacks += 1
         n = self.cfg.supervisor.skip_batches
@@ -214,10 +283,7 @@ class Supervisor:
             self._event("sdc_repaired", step=err.step, ranks=bad, steps_lost=0,
                         seconds=round(time.monotonic() - t0, 3))
             return err.step
-        self.restarts += 1
-        if self.restarts > self.cfg.supervisor.max_restarts:
-            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(err))
-            raise RunFailed(f"too many rollbacks/restarts; last: {err}")
+        self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {err}"))
         step = self.ckpt.rollback_to_before(self.sdc["clean_step"] + 1)
         self.sdc["rollbacks"] += 1
         self.rollbacks += 1
@@ -276,10 +342,7 @@ class Supervisor:
 
         Bounded by ``supervisor.max_restarts`` with exponential backoff; the hot copy makes the
         restore fast. Returns the step training resumes from."""
-        self.restarts += 1
-        if self.restarts > self.cfg.supervisor.max_restarts:
-            self._event("restarts_exhausted", restarts=self.restarts - 1, error=str(err))
-            raise err
+        self._strike(err)
         t0 = time.monotonic()
         with self._lock:
             failed_at = max((self._last or {}).get("step", 0) + 1, self._fault_step)
@@ -288,14 +351,16 @@ class Supervisor:
         for w in self.workers:
             ray.kill(w, no_restart=True)
         self.workers = []
-        time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.restarts - 1))
+        if self._strikes > 1:  # the first restart is immediate; repeated failures back off
+            time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self._strikes - 2))
         on_quarantined = {b for b in placement_group_table(self.pg).get("bundles_to_node_id", {}).values()}
         if self._avoid_nodes() and on_quarantined & set(self.quarantine):
+            self._kill_spares()
             remove_placement_group(self.pg)  # re-reserve away from the quarantined node(s)
             self._reserve(self.cfg.parallel.world_size)
         with self._lock:
             self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self._fired)
-        self._start_workers(self.cfg.parallel.world_size, data)
+        self._start_workers(self.cfg.parallel.world_size, data, warm=True)
         self._apply_pg_timeout()
         step = self.ckpt.restore(True) if self.ckpt.store.steps() else 0
         self._event("recovered", attempt=self.restarts, resumed_step=step, steps_lost=failed_at - 1 - step,
@@ -332,7 +397,7 @@ class Supervisor:
             done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             if pending and self.ckpt is not None:
                 self.ckpt.poll()
-            for ref in done:
+            for ref in self._root_cause_first(done, pending):
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
@@ -363,12 +428,35 @@ class Supervisor:
                                    else "supervisor.hang_timeout_s") + ").")
         return ray.get(refs)
 
+    @staticmethod
+    def _root_cause_first(done: list, pending: list) -> list:
+        """``done`` with dead actors first. When a rank failed inside a collective (its peer
+        vanished), the others get a moment to report: a dead peer is the root cause."""
+
+        def outcome(ref):
+            try:
+                ray.get(ref, timeout=0)
+                return "ok"
+            except ray.exceptions.RayActorError:
+                return "dead"
+            except ray.exceptions.RayTaskError as e:
+                return e.cause
+            except ray.exceptions.RayError:
+                return "error"
+
+        results = {ref: outcome(ref) for ref in done}
+        dead = [ref for ref in done if results[ref] == "dead"]
+        if not dead and pending and any(is_peer_failure(r) for r in results.values() if not isinstance(r, str)):
+            late, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            dead = [ref for ref in late if outcome(ref) == "dead"]
+        return dead + [ref for ref in done if ref not in dead]
+
     def _touch(self) -> None:
         with self._lock:
             self._last_report = time.monotonic()
 
     def run(self) -> dict:
-        t_start = time.time()
+        t_start = self._t_start = time.time()
         cfg = self.cfg
         (self.run_dir / "config.toml").write_text(dump_config(cfg))
         self._event("run_start", run_dir=str(self.run_dir), config_hash=config_hash(cfg),
@@ -385,6 +473,7 @@ class Supervisor:
             for w in self.workers:
                 ray.kill(w, no_restart=True)
             self.workers = []
+            self._kill_spares()
             if self.pg is not None:
                 remove_placement_group(self.pg)
             self.records.close()
@@ -423,6 +512,8 @@ class Supervisor:
                                      f"steps {step + 1}..{target}",
                                      hang_s=self.timeouts["hang_s"] if self.timeouts else None)
                 last = results[0] or last
+                self._strikes = 0
+                self._ensure_spares()
                 if self.timeouts is None and cfg.supervisor.calibrate_steps:
                     self._calibrate(step + 2, target)
                     if target % every and target < cfg.train.steps:
@@ -466,7 +557,7 @@ class Supervisor:
             "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
-            "restarts": self.restarts, "rollbacks": self.rollbacks,
+            "restarts": self.restarts - self.rollbacks, "rollbacks": self.rollbacks,
             "sdc": {"checks": self.sdc["checks"], "mismatches": self.sdc["mismatches"],
                     "repairs": self.sdc["repairs"], "rollbacks": self.sdc["rollbacks"],
                     "overhead": round(self.sdc["check_s"] / self.sdc["step_s"], 4) if self.sdc["step_s"] else None},

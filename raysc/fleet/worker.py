@@ -43,7 +43,6 @@ def free_port() -> int:
 @ray.remote(max_concurrency=2)  # a second thread serves save_wait/save_pending while train() runs
 class TrainWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
-        self.cfg = config_from_dict(cfg_dict, "supervisor")
         self.rank = rank
         self.world_size = world_size
         self.supervisor = supervisor
@@ -51,7 +50,11 @@ class TrainWorker:
         self._save: dict | None = None
         self._pending_reports: list[dict] = []
         self._training = threading.Lock()  # held while train() runs: repairs wait for it
-        mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == rank]
+        self._configure(cfg_dict)
+
+    def _configure(self, cfg_dict: dict) -> None:
+        self.cfg = config_from_dict(cfg_dict, "supervisor")
+        mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == self.rank]
         self.faults = {f.step: f for f in mine if f.kind != "kill_save"}
         self.save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
@@ -61,29 +64,45 @@ class TrainWorker:
         """(node IP, a free port, node id): rank 0's answer is the rendezvous point."""
         return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
-    def setup(self, master: tuple[str, int], data: dict) -> dict:
-        """Join the process group and build this rank's model shard."""
+    def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
+              gpu_ids: list | None = None) -> dict:
+        """Join the process group and build this rank's model shard.
+
+        A warm spare (started earlier without resources, in the bundle of the rank it replaces)
+        gets the current config (injected faults that fired are gone from it) and, on GPU, the
+        device of the worker it replaces, before CUDA is first touched."""
+        t_setup = [time.perf_counter()]
+        if cfg_dict is not None:
+            self._configure(cfg_dict)
+        if gpu_ids:
+            os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         backend = "nccl" if self.cfg.parallel.device == "cuda" else "gloo"
         if self.cfg.parallel.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU assigned to this actor
         dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
                                 rank=self.rank, world_size=self.world_size,
                                 timeout=timedelta(seconds=self.cfg.supervisor.start_timeout_s))
+        t_setup.append(time.perf_counter())
         train_rows = ray.get(data["train"])
         val_rows = ray.get(data["val"])
+        t_setup.append(time.perf_counter())
         dims = ParallelDims.from_config(self.cfg.parallel)
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
+        t_setup.append(time.perf_counter())
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.ckpt_group = dist.new_group(backend="gloo")
         self.ckpt = CheckpointStore.for_config(self.cfg)
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "replicas": self.trainer.replicas.enabled,
+                "gpu_ids": gpu_ids or [str(g) for g in ray.get_gpu_ids()],
                 "coords": dims.coords(self.rank),
                 "threads": torch.get_num_threads(), "device": str(self.trainer.device),
-                "peak_flops": self.trainer.peak_flops}
+                "peak_flops": self.trainer.peak_flops,
+                "setup_s": dict(zip(("process_group", "data", "model", "checkpoint_group"),
+                                    (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()]))))}
 
     # ---- checkpoints ----
     def _local_dir(self, step: int, uri: str | None = None) -> Path:
@@ -97,7 +116,7 @@ class TrainWorker:
         store = self.ckpt if uri == self.cfg.checkpoint_uri else \
             CheckpointStore.for_config(self.cfg, uri)
         t0 = time.perf_counter()
-        _, source = store.fetch(step, self._local_dir(step, uri), getters)
+        _, source = store.fetch(step, self._local_dir(step, uri), getters, reuse_local=self.cfg.checkpoint.hot_copy)
         return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
 
     def load(self, uri: str, step: int) -> int:
@@ -230,8 +249,11 @@ class TrainWorker:
 
     # ---- timeout calibration (raysc.fleet.supervisor._calibrate) ----
     def _grad_sized(self) -> torch.Tensor:
-        n = min(sum(p.numel() for p in self.trainer.replicas.params), 16 << 20)
-        return torch.ones(n, dtype=torch.float32, device=self.trainer.device)
+        """A buffer the size of the largest rank's gradient shard (capped at 64 MB); collective,
+        since every rank must all-reduce the same shape (pipeline stages and shards differ)."""
+        n = torch.tensor([sum(p.numel() for p in self.trainer.replicas.params)], device=self.trainer.device)
+        dist.all_reduce(n, op=dist.ReduceOp.MAX)
+        return torch.ones(min(int(n.item()), 16 << 20), dtype=torch.float32, device=self.trainer.device)
 
     def measure_collectives(self, iters: int = 5) -> dict:
         """Median time of an all-reduce of this rank's gradient size over all ranks (collective)."""
