@@ -31,6 +31,7 @@ bench: dev
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/checkpoint.py
+	$(BIN)/python benchmarks/recovery.py
 
 clean:
 	rm -rf $(VENV) runs .cache
