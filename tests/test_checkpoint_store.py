@@ -33,6 +33,10 @@ def test_only_committed_checkpoints_exist_and_retention_keeps_long_term(tmp_path
     assert store.steps() == [10, 20, 40, 50]
     assert store.discard_uncommitted(60) and not (tmp_path / "ck" / "step_00000060").exists()
     assert not store.discard_uncommitted(50)  # committed: never rewritten
+    manifest = tmp_path / "ck" / "step_00000050" / "manifest.json"
+    old = json.loads(manifest.read_text())
+    manifest.write_text(json.dumps({**old, "format": "raysc-ckpt-v2"}))  # written by an older raysc
+    assert "format 'raysc-ckpt-v2'" in store.verify(50) and store.latest() == 40
 
 
 def test_fetch_verifies_and_prefers_the_hot_copy(tmp_path):

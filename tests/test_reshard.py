@@ -37,7 +37,7 @@ def _same(got: dict[int, dict], ref: dict[int, dict], steps: range) -> None:
         assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=1e-4), s
 
 
-@pytest.mark.parametrize("before,after", [("tp=2", ""), ("pp=2", ""), ("tp=2,pp=2", "dp_shard=4")])
+@pytest.mark.parametrize("before,after", [("tp=2", ""), ("pp=2", ""), ("", "pp=2"), ("tp=2,pp=2", "dp_shard=4")])
 def test_checkpoint_resumes_under_another_layout(reshard_env, before, after):
     work, run, ref = reshard_env
     name = f"{before}->{after or 'single'}".replace("=", "").replace(",", "_")

@@ -210,31 +210,37 @@ def _final_params(run_dir):
     return dict(load_run(run_dir).model.named_parameters())
 
 
-def test_fleet_recovers_from_kill_and_raise_bit_exact(ray_session, make_cfg):
-    """A worker SIGKILLed at step 7 and one raising at step 12: the supervisor replaces the fleet,
-    restores the newest checkpoint (the hot copy) and the run ends with the uninterrupted run's
-    parameters, bit for bit."""
+def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg):
+    """pp=2 × dp_replicate=2: a worker SIGKILLed at step 7, one raising at step 12 and one hanging
+    (SIGSTOP) at step 17. The supervisor replaces the fleet each time (warm spares), restores the
+    newest checkpoint and the run ends with the uninterrupted run's parameters, bit for bit."""
     from raysc.driver import train
 
     # synchronous saves, so that each checkpoint is committed before the next fault fires
-    base = ["train.steps=15", "checkpoint.every_steps=5", "checkpoint.async=false", "supervisor.restart_backoff_s=0.1",
-            "supervisor.warm_spares=true"]
+    base = ["train.steps=20", "checkpoint.every_steps=5", "checkpoint.async=false", "parallel.pp=2",
+            "parallel.dp_replicate=2", "supervisor.restart_backoff_s=0.1", "supervisor.warm_spares=true",
+            "supervisor.timeout_floor_s=2"]
     ref = make_cfg(*base, run="ref")
     train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="kill@7,raise@12"', run="faulty")
+    cfg = make_cfg(*base, 'supervisor.inject="kill@7:1,raise@12:3,hang@17:2"', run="faulty")
     summary = train(cfg, progress=False)
-    assert summary["restarts"] == 2 and summary["steps"] == 15
+    assert summary["restarts"] == 3 and summary["steps"] == 20
     a, b = _final_params(ref.run_dir), _final_params(cfg.run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    detected = [(e["kind"], e.get("rank", e.get("ranks"))) for e in events
+                if e["kind"] in ("worker_died", "worker_error", "worker_hang")]
+    assert detected[0] == ("worker_died", 1) and detected[1] == ("worker_error", 3)
+    assert detected[2][0] in ("worker_hang", "worker_error")  # the calibrated timeout fires either way
     recovered = [e for e in events if e["kind"] == "recovered"]
-    assert [e["resumed_step"] for e in recovered] == [5, 10]
-    assert [e["steps_lost"] for e in recovered] == [1, 1]
+    assert [e["resumed_step"] for e in recovered] == [5, 10, 15]
+    assert [e["steps_lost"] for e in recovered] == [1, 1, 1]
+    assert [e["warm"] for e in events if e["kind"] == "workers_ready"] == [False, True, True, True]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert all(e["source"] == ["hot"] or "local" in e["source"] for e in resumed)
     from raysc.fleet.status import run_status
     st = run_status(cfg.run_dir)
-    assert st["state"] == "finished" and st["restarts"] == 2 and st["step"] == 15
+    assert st["state"] == "finished" and st["restarts"] == 3 and st["step"] == 20
     assert 0 < st["goodput"] < 1 and 0 < summary["goodput"] < 1  # restarts cost time
 
 

@@ -29,11 +29,14 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from raysc.hashing import file_sha256
 
 Digest = tuple[int, str]  # (size in bytes, sha256 hex)
+# optimizer state and param-group settings keyed by parameter name, not by group index: pipeline
+# stages hold different parameters in "group 0", and only per-name keys reshard between layouts
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 WRITE_THREADS = 2
 
 
@@ -106,7 +109,7 @@ def write_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
     the state is copied to CPU memory now and written by a background thread; ``Staged.wait()``
     returns when the files are on disk."""
     local_dir.mkdir(parents=True, exist_ok=True)
-    msd, osd = get_state_dict(model, optimizer)
+    msd, osd = get_state_dict(model, optimizer, options=OPTIONS)
     # staging, not the durable copy: skip fsync (the store holds the durable copy)
     # two writer threads (two files per rank): hashing in the writing threads then costs no time
     writer = FileSystemWriter(str(local_dir), sync_files=False, thread_count=WRITE_THREADS)
@@ -146,10 +149,11 @@ def load_local(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
     """Load tensors in place from a local copy of a checkpoint (DCP reshards as needed)."""
     reader = FileSystemReader(str(local_dir))
     if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer)
+        msd, osd = get_state_dict(model, optimizer, options=OPTIONS)
         state = {"model": msd, "optim": osd}
         dcp.load(state, storage_reader=reader, process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                       options=OPTIONS)
     else:
         msd = model.state_dict()
         dcp.load({"model": msd}, storage_reader=reader, process_group=group)

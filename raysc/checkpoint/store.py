@@ -32,7 +32,7 @@ from typing import Callable
 from raysc.checkpoint.storage import Storage
 from raysc.hashing import file_sha256
 
-FORMAT = "raysc-ckpt-v2"
+FORMAT = "raysc-ckpt-v3"  # v3: optimizer state flattened by parameter name
 MANIFEST = "manifest.json"
 
 
@@ -88,6 +88,9 @@ class CheckpointStore:
         manifest = self.read_manifest(step)
         if manifest is None:
             return "no manifest (never committed)"
+        if manifest.get("format") != FORMAT:
+            return (f"format {manifest.get('format')!r}, this raysc reads {FORMAT!r}: load it with the "
+                    f"raysc version that wrote it")
         for entry in manifest["files"]:
             rel = f"{self.prefix(step)}/{entry['path']}"
             try:

@@ -402,13 +402,14 @@ class Supervisor:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
                     rank = refs.index(ref)
-                    self._event("worker_died", rank=rank, during=what, error=str(e).splitlines()[0])
+                    self._event("worker_died", rank=rank, node=self._node(rank), during=what,
+                                error=str(e).splitlines()[0])
                     raise RunFailed(f"worker rank {rank} died during {what}: {str(e).splitlines()[0]}. "
                                     f"Resume with `raysc train ... --resume`.") from None
                 except ray.exceptions.RayTaskError as e:
                     rank = refs.index(ref)
                     cause = str(e.cause) if e.cause is not None else str(e)
-                    self._event("worker_error", rank=rank, during=what, error=cause)
+                    self._event("worker_error", rank=rank, node=self._node(rank), during=what, error=cause)
                     err = RunFailed(f"worker rank {rank} raised during {what}: {cause}")
                     err.worker_cause = e.cause
                     raise err from None
@@ -421,7 +422,7 @@ class Supervisor:
             if pending and silent > hang_s:
                 ranks = sorted(refs.index(r) for r in pending)
                 self._event("worker_hang", during=what, silent_s=round(silent, 1), ranks=ranks,
-                            timeout_s=round(hang_s, 2))
+                            nodes=sorted({self._node(r) for r in ranks}), timeout_s=round(hang_s, 2))
                 raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {ranks} "
                                 f"(hang timeout {hang_s:.1f}s: "
                                 + ("calibrated" if hang_s != self.cfg.supervisor.hang_timeout_s
@@ -450,6 +451,9 @@ class Supervisor:
             late, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
             dead = [ref for ref in late if outcome(ref) == "dead"]
         return dead + [ref for ref in done if ref not in dead]
+
+    def _node(self, rank: int) -> str | None:
+        return self.infos[rank]["node"] if rank < len(self.infos) else None
 
     def _touch(self) -> None:
         with self._lock:
