@@ -171,47 +171,52 @@ class CheckpointStore:
               ) -> tuple[dict, str]:
         """Make ``local_dir`` hold every file of ``step`` with its recorded SHA-256.
 
-        Files already there and intact are kept (unless ``reuse_local`` is False); the rest come from ``hot`` (name -> bytes
-        getter, the supervisor's in-memory copy) or the store. Returns (manifest, source).
-        Raises ``CorruptCheckpoint`` naming the first bad file; nothing is loaded from it.
+        Files already there and intact are kept (unless ``reuse_local`` is False); the rest come
+        from ``hot`` (name -> bytes getter, the supervisor's in-memory copy) or the store, up to
+        ``concurrency`` files at once. Returns (manifest, source). Raises ``CorruptCheckpoint``
+        naming the first bad file (in manifest order); nothing is loaded from it.
         """
         manifest = self.read_manifest(step)
         if manifest is None:
             raise CorruptCheckpoint(step, MANIFEST, "missing")
         local_dir.mkdir(parents=True, exist_ok=True)
-        sources = set()
-        for entry in manifest["files"]:
-            target = local_dir / entry["path"]
-            if reuse_local and target.is_file() and target.stat().st_size == entry["size"] \
-                    and file_sha256(target) == entry["sha256"]:
-                sources.add("local")
-                continue
-            tmp = target.with_name(target.name + f".part{os.getpid()}")
-            got = None
-            if hot and entry["path"] in hot:
-                try:
-                    data = hot[entry["path"]]()
-                    tmp.write_bytes(data)
-                    got = (len(data), file_sha256(tmp))
-                    sources.add("hot")
-                except Exception:  # the hot copy is a cache: any failure falls back to the store
-                    got = None
-            if got is None or got != (entry["size"], entry["sha256"]):
-                try:
-                    got = self.storage.download_file(f"{self.prefix(step)}/{entry['path']}", str(tmp),
-                                                     size_hint=entry["size"])
-                except FileNotFoundError:
-                    raise CorruptCheckpoint(step, entry["path"], "missing from the store") from None
-                sources.add("store")
-            if got[0] != entry["size"]:
-                tmp.unlink(missing_ok=True)
-                raise CorruptCheckpoint(step, entry["path"], f"size {got[0]} != recorded {entry['size']}")
-            if got[1] != entry["sha256"]:
-                tmp.unlink(missing_ok=True)
-                raise CorruptCheckpoint(step, entry["path"], "sha256 mismatch")
-            tmp.replace(target)
+        files = manifest["files"]
+        with ThreadPoolExecutor(max_workers=max(1, min(len(files), self.storage.concurrency))) as pool:
+            futures = [pool.submit(self._fetch_file, step, entry, local_dir, hot, reuse_local) for entry in files]
+            sources = {f.result() for f in futures}
         source = "store" if "store" in sources else "hot" if "hot" in sources else "local"
         return manifest, source
+
+    def _fetch_file(self, step: int, entry: dict, local_dir: Path, hot: dict | None, reuse_local: bool) -> str:
+        """One file of ``fetch``; returns where its bytes came from."""
+        target = local_dir / entry["path"]
+        if reuse_local and target.is_file() and target.stat().st_size == entry["size"] \
+                and file_sha256(target) == entry["sha256"]:
+            return "local"
+        tmp = target.with_name(target.name + f".part{os.getpid()}")
+        got, source = None, "hot"
+        if hot and entry["path"] in hot:
+            try:
+                data = hot[entry["path"]]()
+                tmp.write_bytes(data)
+                got = (len(data), file_sha256(tmp))
+            except Exception:  # the hot copy is a cache: any failure falls back to the store
+                got = None
+        if got is None or got != (entry["size"], entry["sha256"]):
+            try:
+                got = self.storage.download_file(f"{self.prefix(step)}/{entry['path']}", str(tmp),
+                                                 size_hint=entry["size"])
+            except FileNotFoundError:
+                raise CorruptCheckpoint(step, entry["path"], "missing from the store") from None
+            source = "store"
+        if got[0] != entry["size"]:
+            tmp.unlink(missing_ok=True)
+            raise CorruptCheckpoint(step, entry["path"], f"size {got[0]} != recorded {entry['size']}")
+        if got[1] != entry["sha256"]:
+            tmp.unlink(missing_ok=True)
+            raise CorruptCheckpoint(step, entry["path"], "sha256 mismatch")
+        tmp.replace(target)
+        return source
 
 
 def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:
