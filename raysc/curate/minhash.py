@@ -1,0 +1,123 @@
+"""MinHash signatures and LSH band keys for near-duplicate detection, vectorised with numpy.
+
+A document is the set of its word ``n``-gram shingles (``dedup.shingle``, default 5).
+Each word gets a stable 32-bit hash (``zlib.crc32``: Python's own ``hash`` differs
+between processes); a shingle's 64-bit hash combines its words' hashes with fixed
+odd multipliers, computed for all windows of all documents of a batch at once.
+
+The ``num_perm`` hash functions are multiply-shift hashes ``(a·x + b) mod 2^64 >> 32``
+with random odd ``a`` (a 2-universal family, Dietzfelbinger et al. 1997): applied to the
+shingle hashes of a whole batch as one ``(num_perm, shingles)`` array and reduced per
+document with ``np.minimum.reduceat``. No Python loop runs over hash functions or
+shingles; the only per-document Python work is splitting words.
+
+LSH: the signature is cut into ``bands`` bands of ``rows`` values; two documents become a
+candidate pair when any band matches. Each band is folded to one 64-bit key, so buckets
+are a group-by on (band, key). The probability that a pair with Jaccard similarity
+``s`` becomes a candidate is ``1 - (1 - s^rows)^bands`` (``candidate_probability``).
+"""
+
+from __future__ import annotations
+
+import re
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+_WORD = re.compile(r"\w+", re.UNICODE)
+_MAX_BATCH_CELLS = 1 << 22  # num_perm × shingles per numpy block (32 MiB of uint64)
+
+
+def words(text: str) -> list[str]:
+    return _WORD.findall(text.lower())
+
+
+def candidate_probability(s: float | np.ndarray, bands: int, rows: int):
+    """Chance that two documents with Jaccard similarity ``s`` share at least one LSH band."""
+    return 1.0 - (1.0 - np.asarray(s, dtype=np.float64) ** rows) ** bands
+
+
+@dataclass(frozen=True)
+class MinHasher:
+    num_perm: int = 112
+    bands: int = 14
+    rows: int = 8
+    shingle: int = 5
+    seed: int = 1
+
+    def __post_init__(self) -> None:
+        if self.bands * self.rows != self.num_perm:
+            raise ValueError(f"dedup.bands × dedup.rows must equal dedup.num_perm "
+                             f"({self.bands} × {self.rows} != {self.num_perm})")
+        rng = np.random.default_rng(self.seed)
+        object.__setattr__(self, "_a", rng.integers(1, 2**63, self.num_perm, dtype=np.uint64) * 2 + 1)
+        object.__setattr__(self, "_b", rng.integers(0, 2**63, self.num_perm, dtype=np.uint64))
+        object.__setattr__(self, "_mix", rng.integers(1, 2**63, self.shingle, dtype=np.uint64) * 2 + 1)
+        object.__setattr__(self, "_band_mix", rng.integers(1, 2**63, self.rows, dtype=np.uint64) * 2 + 1)
+
+    def shingle_hashes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """64-bit hashes of every document's word shingles, concatenated, and each document's
+        start offset. A document shorter than ``shingle`` words is one shingle of all its words;
+        one without words gets the hash of nothing, so it matches only other empty documents."""
+        n = self.shingle
+        word_hashes: list[int] = []
+        bounds = [0]
+        for text in texts:
+            word_hashes.extend(zlib.crc32(x.encode()) for x in words(text))
+            bounds.append(len(word_hashes))
+        wh = np.asarray(word_hashes + [0], dtype=np.uint64)  # a pad so empty documents index safely
+        lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+        counts = np.maximum(1, lengths - n + 1)  # windows per document
+        starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
+        total = int(counts.sum())
+        doc_of = np.repeat(np.arange(len(texts)), counts)
+        win_start = np.asarray(bounds[:-1], dtype=np.int64)[doc_of] + (np.arange(total) - starts[doc_of])
+        width = np.minimum(n, lengths)[doc_of]  # short documents: one window of all their words
+        acc = np.zeros(total, dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            for k in range(n):  # n (=5) passes over every window of the batch at once
+                vals = wh[np.minimum(win_start + k, len(wh) - 1)] * self._mix[k]
+                acc += np.where(k < width, vals, np.uint64(0))
+            acc ^= acc >> np.uint64(29)  # a finaliser (splitmix64) spreads the sum's bits
+            acc *= np.uint64(0xBF58476D1CE4E5B9)
+            acc ^= acc >> np.uint64(32)
+        return acc, starts
+
+    def signatures(self, texts: list[str]) -> np.ndarray:
+        """MinHash signatures, shape (documents, num_perm), uint32."""
+        if not texts:
+            return np.zeros((0, self.num_perm), dtype=np.uint32)
+        hashes, starts = self.shingle_hashes(texts)
+        sig = np.empty((len(texts), self.num_perm), dtype=np.uint32)
+        # process documents in blocks so that num_perm × shingles stays bounded
+        ends = np.append(starts[1:], len(hashes))
+        doc = 0
+        while doc < len(texts):
+            last = doc
+            while last + 1 < len(texts) and (ends[last + 1] - starts[doc]) * self.num_perm <= _MAX_BATCH_CELLS:
+                last += 1
+            lo, hi = starts[doc], ends[last]
+            with np.errstate(over="ignore"):
+                permuted = (self._a[:, None] * hashes[None, lo:hi] + self._b[:, None]) >> np.uint64(32)
+            sig[doc:last + 1] = np.minimum.reduceat(permuted, starts[doc:last + 1] - lo, axis=1).T
+            doc = last + 1
+        return sig
+
+    def band_keys(self, sig: np.ndarray) -> np.ndarray:
+        """One 64-bit key per (document, band): shape (documents, bands), uint64."""
+        blocks = sig.reshape(len(sig), self.bands, self.rows).astype(np.uint64)
+        with np.errstate(over="ignore"):
+            keys = (blocks * self._band_mix[None, None, :]).sum(axis=2, dtype=np.uint64)
+            keys ^= np.arange(self.bands, dtype=np.uint64)[None, :] * np.uint64(0x9E3779B97F4A7C15)
+            keys ^= keys >> np.uint64(31)
+        return keys
+
+
+def jaccard(a: str, b: str, shingle: int = 5) -> float:
+    """Exact Jaccard similarity of two documents' word-shingle sets (for audits and tests)."""
+    def grams(t: str) -> set:
+        w = words(t)
+        return {tuple(w[i:i + shingle]) for i in range(max(1, len(w) - shingle + 1))}
+    x, y = grams(a), grams(b)
+    return len(x & y) / len(x | y) if x | y else 1.0

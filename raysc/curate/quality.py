@@ -1,0 +1,193 @@
+"""Document quality rules: Gopher (quality and repetition), C4 and FineWeb, with their published
+default thresholds.
+
+Each rule family turns a document into named measurements (``measure_*``) and the
+thresholds into a verdict (``QualityRules.judge``): ``keep`` and, when dropped, the first
+rule that failed (``reason``). The measurements are returned too, so the curation report
+can histogram them and users can re-threshold without re-reading the data.
+
+Sources (thresholds as published and as datatrove ships them):
+- Gopher: Rae et al. 2021, "Scaling Language Models", appendix A (quality filter and
+  repetition removal);
+- C4: Raffel et al. 2020, section 2.2 (line-level heuristics);
+- FineWeb: Penedo et al. 2024, the three custom filters.
+
+We write these rules ourselves rather than pull in datatrove: they are a few dozen lines of
+string statistics, and datatrove's pipeline runtime would sit beside Ray Data instead of in it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+from raysc.curate.minhash import words as split_words
+
+STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}
+BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "–", "-", "*", "·", "‣", "⁃")
+ELLIPSES = ("...", "…")
+TERMINAL = (".", "!", "?", '"', "'", "”", "’")
+C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
+_ALPHA = re.compile(r"[^\W\d_]", re.UNICODE)
+
+
+@dataclass
+class QualityRules:
+    """Thresholds (defaults as published). ``skip_domains``: domains judged by the repetition
+    rules only (source code fails prose heuristics by design)."""
+
+    # Gopher quality
+    min_words: int = 50
+    max_words: int = 100_000
+    min_avg_word_len: float = 3.0
+    max_avg_word_len: float = 10.0
+    max_symbol_word_ratio: float = 0.1
+    max_bullet_lines_ratio: float = 0.9
+    max_ellipsis_lines_ratio: float = 0.3
+    min_alpha_words_ratio: float = 0.8
+    min_stop_words: int = 2
+    # Gopher repetition
+    max_dup_line_frac: float = 0.3
+    max_dup_para_frac: float = 0.3
+    max_dup_line_char_frac: float = 0.2
+    max_dup_para_char_frac: float = 0.2
+    top_ngram_max: dict = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
+    dup_ngram_max: dict = field(default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
+    # C4
+    c4_min_sentences: int = 5
+    c4_min_words_per_line: int = 3
+    c4_max_word_len: int = 1000
+    # FineWeb
+    fw_min_line_punct_ratio: float = 0.12
+    fw_max_short_line_ratio: float = 0.67
+    fw_short_line_chars: int = 30
+    fw_max_dup_line_char_ratio: float = 0.01
+    fw_max_newline_ratio: float = 0.3
+    skip_domains: tuple = ("code",)
+
+    def judge(self, text: str, domain: str = "") -> dict:
+        """Measurements of every rule family plus ``keep`` and ``reason`` (empty when kept)."""
+        m = {**measure_gopher(text), **measure_repetition(text, self), **measure_c4(text, self),
+             **measure_fineweb(text, self)}
+        reason = self._first_failure(m, prose=domain not in self.skip_domains)
+        return {**m, "keep": not reason, "reason": reason}
+
+    def _first_failure(self, m: dict, prose: bool) -> str:
+        checks = [
+            ("gopher_rep_dup_line_frac", m["dup_line_frac"] > self.max_dup_line_frac),
+            ("gopher_rep_dup_para_frac", m["dup_para_frac"] > self.max_dup_para_frac),
+            ("gopher_rep_dup_line_char_frac", m["dup_line_char_frac"] > self.max_dup_line_char_frac),
+            ("gopher_rep_dup_para_char_frac", m["dup_para_char_frac"] > self.max_dup_para_char_frac),
+            *[(f"gopher_rep_top_{n}gram", m[f"top_{n}gram_frac"] > t) for n, t in self.top_ngram_max.items()],
+            *[(f"gopher_rep_dup_{n}gram", m[f"dup_{n}gram_frac"] > t) for n, t in self.dup_ngram_max.items()],
+        ]
+        if prose:
+            checks = [
+                ("gopher_min_words", m["words"] < self.min_words),
+                ("gopher_max_words", m["words"] > self.max_words),
+                ("gopher_avg_word_len", not self.min_avg_word_len <= m["avg_word_len"] <= self.max_avg_word_len),
+                ("gopher_symbol_word_ratio", m["symbol_word_ratio"] > self.max_symbol_word_ratio),
+                ("gopher_bullet_lines", m["bullet_lines_ratio"] > self.max_bullet_lines_ratio),
+                ("gopher_ellipsis_lines", m["ellipsis_lines_ratio"] > self.max_ellipsis_lines_ratio),
+                ("gopher_alpha_words", m["alpha_words_ratio"] < self.min_alpha_words_ratio),
+                ("gopher_stop_words", m["stop_words"] < self.min_stop_words),
+                *checks,
+                ("c4_lorem_ipsum", m["c4_lorem_ipsum"]),
+                ("c4_curly_bracket", m["c4_curly_bracket"]),
+                ("c4_min_sentences", m["c4_sentences"] < self.c4_min_sentences),
+                ("fineweb_line_punct", m["fw_line_punct_ratio"] < self.fw_min_line_punct_ratio),
+                ("fineweb_short_lines", m["fw_short_line_ratio"] > self.fw_max_short_line_ratio),
+                ("fineweb_dup_line_chars", m["fw_dup_line_char_ratio"] > self.fw_max_dup_line_char_ratio),
+                ("fineweb_newline_ratio", m["fw_newline_ratio"] > self.fw_max_newline_ratio),
+            ]
+        return next((name for name, failed in checks if failed), "")
+
+
+def _lines(text: str) -> list[str]:
+    return [ln.strip() for ln in text.split("\n") if ln.strip()]
+
+
+def measure_gopher(text: str) -> dict:
+    w = text.split()
+    n = max(len(w), 1)
+    lines = _lines(text)
+    nl = max(len(lines), 1)
+    return {
+        "words": len(w),
+        "avg_word_len": sum(len(x) for x in w) / n,
+        "symbol_word_ratio": (text.count("#") + sum(text.count(e) for e in ELLIPSES)) / n,
+        "bullet_lines_ratio": sum(ln.startswith(BULLETS) for ln in lines) / nl,
+        "ellipsis_lines_ratio": sum(ln.endswith(ELLIPSES) for ln in lines) / nl,
+        "alpha_words_ratio": sum(bool(_ALPHA.search(x)) for x in w) / n,
+        "stop_words": sum(1 for x in split_words(text) if x in STOP_WORDS),
+    }
+
+
+def _dup_fracs(items: list[str]) -> tuple[float, float]:
+    """(share of items that repeat an earlier one, share of characters in those repeats)."""
+    if not items:
+        return 0.0, 0.0
+    seen: set[str] = set()
+    dup_n = dup_chars = 0
+    for x in items:
+        if x in seen:
+            dup_n += 1
+            dup_chars += len(x)
+        seen.add(x)
+    return dup_n / len(items), dup_chars / max(sum(map(len, items)), 1)
+
+
+def measure_repetition(text: str, rules: QualityRules) -> dict:
+    lines = _lines(text)
+    paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
+    line_frac, line_chars = _dup_fracs(lines)
+    para_frac, para_chars = _dup_fracs(paras)
+    w = split_words(text)
+    total_chars = max(sum(map(len, w)), 1)
+    out = {"dup_line_frac": line_frac, "dup_line_char_frac": line_chars,
+           "dup_para_frac": para_frac, "dup_para_char_frac": para_chars}
+    for n in rules.top_ngram_max:  # characters in the most frequent n-gram's occurrences
+        grams = Counter(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
+        if grams:
+            gram, count = grams.most_common(1)[0]
+            out[f"top_{n}gram_frac"] = count * sum(map(len, gram)) / total_chars if count > 1 else 0.0
+        else:
+            out[f"top_{n}gram_frac"] = 0.0
+    for n in rules.dup_ngram_max:  # characters covered by n-grams that occur more than once
+        covered = [False] * len(w)
+        seen: set[tuple] = set()
+        for i in range(len(w) - n + 1):
+            g = tuple(w[i:i + n])
+            if g in seen:
+                for j in range(i, i + n):
+                    covered[j] = True
+            seen.add(g)
+        out[f"dup_{n}gram_frac"] = sum(len(x) for x, c in zip(w, covered) if c) / total_chars
+    return out
+
+
+def measure_c4(text: str, rules: QualityRules) -> dict:
+    """C4's document-level signals and its line filter (lines kept: terminal punctuation, at
+    least ``c4_min_words_per_line`` words, no 'javascript', no policy boilerplate)."""
+    lower = text.lower()
+    kept = [ln for ln in _lines(text)
+            if ln.endswith(TERMINAL) and len(ln.split()) >= rules.c4_min_words_per_line
+            and "javascript" not in ln.lower() and not any(p in ln.lower() for p in C4_POLICY)
+            and max((len(x) for x in ln.split()), default=0) <= rules.c4_max_word_len]
+    kept_text = " ".join(kept)
+    sentences = len([s for s in re.split(r"(?<=[.!?])\s+", kept_text) if s.strip()]) if kept_text else 0
+    return {"c4_lorem_ipsum": "lorem ipsum" in lower, "c4_curly_bracket": "{" in text,
+            "c4_kept_lines_ratio": len(kept) / max(len(_lines(text)), 1), "c4_sentences": sentences}
+
+
+def measure_fineweb(text: str, rules: QualityRules) -> dict:
+    lines = _lines(text)
+    nl = max(len(lines), 1)
+    _, dup_chars = _dup_fracs(lines)
+    return {
+        "fw_line_punct_ratio": sum(ln.endswith(TERMINAL) for ln in lines) / nl,
+        "fw_short_line_ratio": sum(len(ln) <= rules.fw_short_line_chars for ln in lines) / nl,
+        "fw_dup_line_char_ratio": dup_chars,
+        "fw_newline_ratio": text.count("\n") / max(len(text.split()), 1),
+    }
