@@ -151,6 +151,18 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_curate(args: argparse.Namespace) -> int:
+    from raysc.curate.pipeline import curate
+    from raysc.driver import ensure_ray
+
+    cfg = load_config(args.config, args.overrides)
+    ensure_ray()
+    report = curate(cfg)
+    print(json.dumps({k: report[k] for k in ("output", "documents", "removed", "domains", "kept_bytes",
+                                             "seconds_total")}), flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="raysc", description="LLM pre-training on Ray")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -196,6 +208,13 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--step", type=int)
         p.set_defaults(func=func)
+
+    p = sub.add_parser("curate", help="dedup, quality-score and tag documents with Ray Data; write Parquet "
+                                      "and a report")
+    p.add_argument("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="e.g. --set curate.input='\"s3://bucket/raw/*.jsonl\"'")
+    p.set_defaults(func=cmd_curate)
 
     p = sub.add_parser("status", help="summarise a running or finished run from its records")
     p.add_argument("run_dir")

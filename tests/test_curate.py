@@ -67,3 +67,62 @@ def test_gopher_c4_fineweb_rules_on_hand_made_documents():
     assert not rules.judge(code, "prose")["keep"]  # prose heuristics reject code ...
     assert rules.judge(code, "code")["keep"]  # ... so the code domain gets the repetition rules only
     assert not QualityRules(min_words=10_000).judge(GOOD)["keep"]  # thresholds are configurable
+
+
+def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, make_cfg, tmp_path):
+    """A JSONL file with exact and near duplicates at known similarity, distinct rewrites, and bad
+    lines; a Parquet file and a text file beside it: the pipeline keeps one of each duplicate group,
+    keeps the distinct ones, counts and samples the bad input, and writes Parquet and a report."""
+    import json as _json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from raysc.curate.pipeline import curate
+    from raysc.data.corpus import iter_documents
+
+    rng = random.Random(3)
+    prose = [d["text"] for d in iter_documents(1.0) if d["domain"] == "prose" and len(d["text"].split()) > 300]
+    base = prose[:24]
+    records = [{"id": f"doc{i:03d}", "text": t, "domain": "prose"} for i, t in enumerate(base)]
+    records.append({"id": "exact-copy", "text": base[0] + "  \n", "domain": "prose"})  # same after normalising
+    near, far = [], []
+    for i in range(1, 9):
+        text = _mutate(base[i], 0.01, rng)  # Jaccard about 0.95
+        near.append((f"doc{i:03d}", f"near{i}", jaccard(base[i], text)))
+        records.append({"id": f"near{i}", "text": text, "domain": "prose"})
+    for i in range(9, 15):
+        text = _mutate(base[i], 0.4, rng)  # Jaccard below 0.3
+        far.append(jaccard(base[i], text))
+        records.append({"id": f"far{i}", "text": text, "domain": "prose"})
+    src = tmp_path / "in"
+    src.mkdir()
+    lines = [_json.dumps(r).encode() for r in records]
+    lines += [b'{"id": "broken", "text": "unterminated', b"\xff\xfe not utf-8 \xff",
+              b'{"id": "no-text", "body": "x"}', b'{"id": "blank", "text": "   \\n  "}']
+    (src / "part-0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    pq.write_table(pa.table({"id": ["pq1"], "text": [prose[30]], "domain": ["prose"]}), src / "part-1.parquet")
+    (src / "notes.txt").write_text(prose[31])
+
+    cfg = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "out"}"')
+    report = curate(cfg, log=lambda *_: None)
+    assert all(s > 0.85 for *_, s in near) and all(s < 0.3 for s in far)
+    kept = pq.read_table(tmp_path / "out" / "documents").to_pydict()
+    dropped = pq.read_table(tmp_path / "out" / "dropped").to_pydict() if (tmp_path / "out" / "dropped").exists() \
+        else {"id": [], "q_reason": []}
+    ids = set(kept["id"]) | set(dropped["id"])  # after dedup, before the quality verdict
+    assert "exact-copy" not in ids and "doc000" in ids
+    for orig, dup, _ in near:  # exactly one survivor per near-duplicate pair: the smallest id
+        assert orig in ids and dup not in ids
+    assert {f"far{i}" for i in range(9, 15)} <= ids and "pq1" in ids  # distinct rewrites and Parquet kept
+    assert "notes.txt" in set(kept["source"]) | set(dropped.get("source", []))  # a plain-text file is a document
+    assert report["removed"]["exact_duplicates"] == 1 and report["removed"]["near_duplicates"] == 8
+    assert report["bad_input"]["by_reason"] == {
+        "malformed JSON (Unterminated string starting at)": 1, "not UTF-8 (invalid start byte at byte 0)": 1,
+        "missing or non-string field 'text'": 1, "empty document": 1}
+    assert {s["where"] for s in report["bad_input"]["samples"]} == {
+        "part-0.jsonl:40", "part-0.jsonl:41", "part-0.jsonl:42", "part-0.jsonl:43"}
+    assert report["documents"]["kept"] == len(kept["id"]) and report["domains"]["prose"] >= 1
+    assert set(dropped["q_reason"]) <= {"", *report["quality"]["dropped_by_rule"]}
+    assert (tmp_path / "out" / "quality_histograms.png").stat().st_size > 1000
+    assert (tmp_path / "out" / "removed_by_stage.png").is_file()

@@ -140,6 +140,17 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 def validate(cfg: Config, origin: str = "config") -> None:
     """Cross-key checks that a single field's rules cannot express."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
+    d = cfg.dedup
+    if d.bands * d.rows != d.num_perm:
+        raise ConfigError(f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "
+                          f"equal dedup.num_perm = {d.num_perm}; e.g. 14 × 8 = 112.")
+    from raysc.curate.quality import parse_ngram_limits
+
+    for key in ("top_ngram_max", "dup_ngram_max"):
+        try:
+            parse_ngram_limits(getattr(cfg.quality, key))
+        except ValueError as e:
+            raise ConfigError(f"{origin}: quality.{key}: {e}") from None
     if m.dim % m.n_heads:
         raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
     if m.head_dim % 2:

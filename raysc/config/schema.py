@@ -186,6 +186,67 @@ class SupervisorConfig:
 
 
 @dataclass
+class CurateConfig:
+    input: str = opt("bundled", "documents to curate: 'bundled' (the stdlib corpus), or a file, directory or glob "
+                                "of JSONL / Parquet / plain-text files at any fsspec URI (s3://, file://)")
+    output: str = opt("", "where the curated Parquet and the report go (any fsspec URI); empty = <run.dir>/curated")
+    text_field: str = opt("text", "field holding a document's text (JSONL and Parquet)")
+    id_field: str = opt("id", "field with the input's document id, kept in the output; missing = a content hash")
+    domain_field: str = opt("domain", "field naming the document's domain; missing = tagged by rules (code/prose)")
+    storage_options: dict = opt_dict("fsspec options for input and output, e.g. {endpoint_url = \"http://...\"}")
+    bad_samples: int = opt(20, "bad input records sampled into the report", min=0)
+
+
+@dataclass
+class DedupConfig:
+    exact: bool = opt(True, "drop documents whose normalised text is identical (one survivor: the smallest id)")
+    near: bool = opt(True, "drop near-duplicates found by MinHash-LSH (one survivor per cluster: the smallest id)")
+    shingle: int = opt(5, "words per shingle", min=1)
+    num_perm: int = opt(112, "MinHash hash functions; must equal bands × rows", min=1)
+    bands: int = opt(14, "LSH bands", min=1)
+    rows: int = opt(8, "signature values per band", min=1)
+    seed: int = opt(1, "seed of the MinHash hash functions")
+    threshold: float = opt(0.7, "a candidate pair from an LSH bucket is a duplicate when its signatures agree "
+                                "on at least this share of hash functions (estimated Jaccard)", min=0.0, max=1.0)
+    max_rounds: int = opt(40, "rounds of the distributed connected-components search before giving up", min=1)
+
+
+@dataclass
+class QualityConfig:
+    enabled: bool = opt(True, "apply the Gopher, C4 and FineWeb rules (measurements are always recorded)")
+    skip_domains: str = opt("code", "comma-separated domains judged by the repetition rules only")
+    min_words: int = opt(50, "Gopher: fewest words", min=0)
+    max_words: int = opt(100_000, "Gopher: most words", min=1)
+    min_avg_word_len: float = opt(3.0, "Gopher: shortest mean word length", min=0.0)
+    max_avg_word_len: float = opt(10.0, "Gopher: longest mean word length", min=0.0)
+    max_symbol_word_ratio: float = opt(0.1, "Gopher: most '#' and ellipses per word", min=0.0)
+    max_bullet_lines_ratio: float = opt(0.9, "Gopher: largest share of lines starting with a bullet", min=0.0)
+    max_ellipsis_lines_ratio: float = opt(0.3, "Gopher: largest share of lines ending with an ellipsis", min=0.0)
+    min_alpha_words_ratio: float = opt(0.8, "Gopher: smallest share of words with a letter", min=0.0)
+    min_stop_words: int = opt(2, "Gopher: fewest English stop words (the, be, to, of, and, that, have, with)",
+                              min=0)
+    max_dup_line_frac: float = opt(0.3, "Gopher repetition: largest share of duplicate lines", min=0.0)
+    max_dup_para_frac: float = opt(0.3, "Gopher repetition: largest share of duplicate paragraphs", min=0.0)
+    max_dup_line_char_frac: float = opt(0.2, "Gopher repetition: largest share of characters in duplicate lines",
+                                        min=0.0)
+    max_dup_para_char_frac: float = opt(0.2, "Gopher repetition: largest share of characters in duplicate "
+                                             "paragraphs", min=0.0)
+    top_ngram_max: str = opt("2:0.20,3:0.18,4:0.16", "Gopher repetition: n:max share of characters in the most "
+                                                      "frequent n-gram")
+    dup_ngram_max: str = opt("5:0.15,6:0.14,7:0.13,8:0.12,9:0.11,10:0.10",
+                             "Gopher repetition: n:max share of characters in repeated n-grams")
+    c4_min_sentences: int = opt(5, "C4: fewest sentences in the lines C4 keeps", min=0)
+    c4_min_words_per_line: int = opt(3, "C4: a kept line has at least this many words", min=0)
+    c4_max_word_len: int = opt(1000, "C4: a kept line has no longer word", min=1)
+    fw_min_line_punct_ratio: float = opt(0.12, "FineWeb: smallest share of lines ending in punctuation", min=0.0)
+    fw_max_short_line_ratio: float = opt(0.67, "FineWeb: largest share of short lines", min=0.0)
+    fw_short_line_chars: int = opt(30, "FineWeb: a short line has at most this many characters", min=0)
+    fw_max_dup_line_char_ratio: float = opt(0.01, "FineWeb: largest share of characters in duplicate lines",
+                                            min=0.0)
+    fw_max_newline_ratio: float = opt(0.3, "FineWeb: most newlines per word", min=0.0)
+
+
+@dataclass
 class RunConfig:
     name: str = opt("tiny", "run name; the default run directory is runs/<name>")
     dir: str = opt("", "run directory; empty = runs/<name>")
@@ -201,6 +262,9 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     supervisor: SupervisorConfig = field(default_factory=SupervisorConfig)
+    curate: CurateConfig = field(default_factory=CurateConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    quality: QualityConfig = field(default_factory=QualityConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property

@@ -66,6 +66,15 @@ class QualityRules:
     fw_max_newline_ratio: float = 0.3
     skip_domains: tuple = ("code",)
 
+    @classmethod
+    def from_config(cls, q) -> "QualityRules":
+        """Rules from a ``QualityConfig`` (every threshold configurable under ``[quality]``)."""
+        scalars = {f: getattr(q, f) for f in cls.__dataclass_fields__
+                   if hasattr(q, f) and f not in ("top_ngram_max", "dup_ngram_max", "skip_domains")}
+        return cls(**scalars, top_ngram_max=parse_ngram_limits(q.top_ngram_max),
+                   dup_ngram_max=parse_ngram_limits(q.dup_ngram_max),
+                   skip_domains=tuple(d.strip() for d in q.skip_domains.split(",") if d.strip()))
+
     def judge(self, text: str, domain: str = "") -> dict:
         """Measurements of every rule family plus ``keep`` and ``reason`` (empty when kept)."""
         m = {**measure_gopher(text), **measure_repetition(text, self), **measure_c4(text, self),
@@ -102,6 +111,20 @@ class QualityRules:
                 ("fineweb_newline_ratio", m["fw_newline_ratio"] > self.fw_max_newline_ratio),
             ]
         return next((name for name, failed in checks if failed), "")
+
+
+def parse_ngram_limits(text: str) -> dict[int, float]:
+    """'2:0.20,3:0.18' -> {2: 0.2, 3: 0.18}."""
+    out = {}
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        n, _, limit = item.partition(":")
+        try:
+            out[int(n)] = float(limit)
+        except ValueError:
+            raise ValueError(f"{item!r} is not N:LIMIT (e.g. '2:0.20,3:0.18')") from None
+        if int(n) < 1:
+            raise ValueError(f"{item!r}: n must be >= 1")
+    return out
 
 
 def _lines(text: str) -> list[str]:
