@@ -157,6 +157,11 @@ def cmd_curate(args: argparse.Namespace) -> int:
 
     cfg = load_config(args.config, args.overrides)
     ensure_ray()
+    if args.audit:
+        from raysc.curate.audit import run_audit
+
+        print(json.dumps(run_audit(cfg)), flush=True)
+        return 0
     report = curate(cfg)
     print(json.dumps({k: report[k] for k in ("output", "documents", "removed", "domains", "kept_bytes",
                                              "seconds_total")}), flush=True)
@@ -214,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="e.g. --set curate.input='\"s3://bucket/raw/*.jsonl\"'")
+    p.add_argument("--audit", action="store_true",
+                   help="inject rewritten copies at known similarity and report near-dedup recall and precision")
     p.set_defaults(func=cmd_curate)
 
     p = sub.add_parser("status", help="summarise a running or finished run from its records")

@@ -126,3 +126,17 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     assert set(dropped["q_reason"]) <= {"", *report["quality"]["dropped_by_rule"]}
     assert (tmp_path / "out" / "quality_histograms.png").stat().st_size > 1000
     assert (tmp_path / "out" / "removed_by_stage.png").is_file()
+
+
+def test_dedup_audit_on_the_bundled_corpus(ray_session, make_cfg, tmp_path):
+    """Rewritten copies at known similarity: the pipeline finds >= 95% of the pairs at similarity
+    >= 0.85 and removes nothing at <= 0.5 (the issue's targets, with the default MinHash settings)."""
+    from raysc.curate.audit import run_audit
+
+    cfg = make_cfg("data.max_corpus_mb=6.0", f'curate.output="{tmp_path / "out"}"')
+    audit = run_audit(cfg, log=lambda *_: None)
+    assert audit["pairs"] == 80 and audit["removed_at_or_below_0.5"] == 0
+    assert audit["recall_at_or_above_0.85"] >= 0.95, audit["bands"]
+    low = [b for b in audit["bands"] if b["similarity"].startswith("[0.00")][0]
+    assert low["pairs"] > 0 and low["removed"] == 0
+    assert (tmp_path / "out" / "audit" / "audit.json").is_file()
