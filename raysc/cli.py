@@ -168,6 +168,20 @@ def cmd_curate(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pack(args: argparse.Namespace) -> int:
+    from raysc.curate.pack import pack_curated
+    from raysc.driver import ensure_ray
+
+    cfg = load_config(args.config, args.overrides)
+    curated = (cfg.curate.output or f"{cfg.run_dir}/curated").rstrip("/")
+    ensure_ray()
+    index = pack_curated(curated, args.tokenizer, cfg.model.vocab_size, cfg.train.seq_len,
+                         args.out or f"{curated}/packed", dict(cfg.curate.storage_options))
+    print(json.dumps({d: {k: v for k, v in m.items() if k != "shards"} for d, m in index["domains"].items()}),
+          flush=True)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="raysc", description="LLM pre-training on Ray")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -222,6 +236,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--audit", action="store_true",
                    help="inject rewritten copies at known similarity and report near-dedup recall and precision")
     p.set_defaults(func=cmd_curate)
+
+    p = sub.add_parser("pack", help="tokenize curated documents into per-domain token shards (train.seq_len)")
+    p.add_argument("config", help="the config used for `raysc curate` (its curate.output is read)")
+    p.add_argument("--tokenizer", required=True, help="tokenizer.json of the run (e.g. runs/tiny/tokenizer.json)")
+    p.add_argument("--out", help="where the shards and index.json go (default <curate.output>/packed)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_pack)
 
     p = sub.add_parser("status", help="summarise a running or finished run from its records")
     p.add_argument("run_dir")

@@ -140,3 +140,40 @@ def test_dedup_audit_on_the_bundled_corpus(ray_session, make_cfg, tmp_path):
     low = [b for b in audit["bands"] if b["similarity"].startswith("[0.00")][0]
     assert low["pairs"] > 0 and low["removed"] == 0
     assert (tmp_path / "out" / "audit" / "audit.json").is_file()
+
+
+def test_curated_documents_pack_into_per_domain_token_shards(ray_session, make_cfg, tmp_path):
+    """curate -> pack: per-domain shards of seq_len + 1 tokens with an index that adds up, document
+    starts recorded, and rows that decode back to the curated text; the mixture loader reads them."""
+    from tokenizers import Tokenizer
+
+    from raysc.curate.pack import load_domains, pack_curated
+    from raysc.curate.pipeline import curate
+    from raysc.data.mixture import MixtureLoader, parse_schedule
+    from raysc.data.tokenizer import EOS_ID, train_tokenizer
+
+    cfg = make_cfg(f'curate.output="{tmp_path / "cur"}"', "quality.enabled=false", "data.max_corpus_mb=1.0")
+    curate(cfg, log=lambda *_: None)
+    import pyarrow.parquet as pq
+
+    texts = pq.read_table(tmp_path / "cur" / "documents").column("text").to_pylist()
+    tok = train_tokenizer(texts[:200], 512)
+    tok.save(str(tmp_path / "tok.json"))
+    index = pack_curated(str(tmp_path / "cur"), str(tmp_path / "tok.json"), 512, 64, str(tmp_path / "packed"),
+                         log=lambda *_: None)
+    domains = load_domains(str(tmp_path / "packed"))
+    assert set(domains) == set(index["domains"]) == {"prose", "code"}
+    for name, rows in domains.items():
+        meta = index["domains"][name]
+        assert rows.shape == (meta["sequences"], 65) and meta["documents"] > 0
+        assert (rows[:-1, -1] == rows[1:, 0]).sum() >= len(rows) - len(meta["shards"])  # rows overlap by one
+    shard = tmp_path / "packed" / index["domains"]["prose"]["shards"][0]
+    starts = np.load(str(shard).replace(".npy", ".starts.npy"))
+    rows = np.load(shard)
+    stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])
+    assert starts[0] == 0 and all(stream[s - 1] == EOS_ID for s in starts[1:])
+    first = Tokenizer.from_file(str(tmp_path / "tok.json")).decode(stream[:starts[1] - 1].tolist())
+    assert first.strip() and first.strip()[:30] in "\n".join(texts)
+    loader = MixtureLoader(domains, parse_schedule("0:prose=0.5,code=0.5"), seed=0, global_batch=4,
+                           tokens_per_sample=64)
+    assert loader.next_batch().shape == (4, 65)
