@@ -77,7 +77,9 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     report = curate(run_cfg, log=log)
     import pyarrow.parquet as pq
 
-    survivors = set(pq.read_table(f"{root}/run/documents", filesystem=_arrow(out, options)).column("id").to_pylist())
+    from raysc.curate.pipeline import _arrow_fs
+
+    survivors = set(pq.read_table(f"{root}/run/documents", filesystem=_arrow_fs(out, options)).column("id").to_pylist())
     rows = []
     d = cfg.dedup
     for lo, hi in BANDS:
@@ -112,9 +114,3 @@ def _detected(pair: dict, survivors: set) -> bool:
     """The pair was treated as duplicates: not both kept (the survivor of their cluster may be a
     third document of the corpus, when the original itself had a near-duplicate)."""
     return not (pair["copy"] in survivors and pair["original"] in survivors)
-
-
-def _arrow(uri: str, options: dict):
-    from raysc.curate.pipeline import _arrow_fs
-
-    return _arrow_fs(uri, options)

@@ -454,17 +454,19 @@ def _write_report(report: dict, out_uri: str, options: dict) -> None:
         for ax, (name, h) in zip(axes.ravel(), hists.items()):
             ax.stairs(h["counts"], h["edges"], fill=True)
             ax.set_title(name, fontsize=9)
-        fig.tight_layout()
-        buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=80)
-        plt.close(fig)
-        fs.pipe_file(f"{root}/quality_histograms.png", buf.getvalue())
+        _save_png(fig, fs, f"{root}/quality_histograms.png")
     fig, ax = plt.subplots(figsize=(6, 3))
     removed = report["removed"]
     ax.bar(list(removed), list(removed.values()))
     ax.set_ylabel("documents removed")
+    _save_png(fig, fs, f"{root}/removed_by_stage.png")
+
+
+def _save_png(fig, fs, path: str) -> None:
+    import matplotlib.pyplot as plt
+
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80)
     plt.close(fig)
-    fs.pipe_file(f"{root}/removed_by_stage.png", buf.getvalue())
+    fs.pipe_file(path, buf.getvalue())
