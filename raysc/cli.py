@@ -175,10 +175,13 @@ def cmd_pack(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     curated = (cfg.curate.output or f"{cfg.run_dir}/curated").rstrip("/")
     ensure_ray()
-    index = pack_curated(curated, args.tokenizer, cfg.model.vocab_size, cfg.train.seq_len,
-                         args.out or f"{curated}/packed", dict(cfg.curate.storage_options))
+    out = args.out or f"{curated}/packed"
+    index = pack_curated(curated, args.tokenizer or cfg.data.tokenizer or None, cfg.model.vocab_size,
+                         cfg.train.seq_len, out, dict(cfg.curate.storage_options),
+                         sample_mb=cfg.data.tokenizer_sample_mb, seed=cfg.train.seed)
     print(json.dumps({d: {k: v for k, v in m.items() if k != "shards"} for d, m in index["domains"].items()}),
           flush=True)
+    print(f"train on it with: --set data.source=\"{out}\" [--set data.schedule=\"0:...\"]", flush=True)
     return 0
 
 
@@ -239,7 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("pack", help="tokenize curated documents into per-domain token shards (train.seq_len)")
     p.add_argument("config", help="the config used for `raysc curate` (its curate.output is read)")
-    p.add_argument("--tokenizer", required=True, help="tokenizer.json of the run (e.g. runs/tiny/tokenizer.json)")
+    p.add_argument("--tokenizer", help="an existing tokenizer.json (default data.tokenizer, else a BPE of "
+                                       "model.vocab_size trained on data.tokenizer_sample_mb of the documents)")
     p.add_argument("--out", help="where the shards and index.json go (default <curate.output>/packed)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_pack)

@@ -4,6 +4,7 @@ rule family on hand-made documents."""
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -142,38 +143,99 @@ def test_dedup_audit_on_the_bundled_corpus(ray_session, make_cfg, tmp_path):
     assert (tmp_path / "out" / "audit" / "audit.json").is_file()
 
 
-def test_curated_documents_pack_into_per_domain_token_shards(ray_session, make_cfg, tmp_path):
+@pytest.fixture(scope="module")
+def packed_corpus(ray_session, cache_dir, tmp_path_factory):
+    """The bundled corpus (1 MB) curated without quality filtering, then packed at seq_len 64 with a
+    512-token tokenizer that `raysc pack` trains itself; shared by the pack and training tests."""
+    from raysc.config import load_config
+    from raysc.curate.pack import pack_curated
+    from raysc.curate.pipeline import curate
+    from conftest import TINY
+
+    root = tmp_path_factory.mktemp("packed-corpus")
+    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'curate.output="{root / "cur"}"',
+                             "quality.enabled=false"])
+    curate(cfg, log=lambda *_: None)
+    index = pack_curated(str(root / "cur"), None, 512, 64, str(root / "packed"), log=lambda *_: None,
+                         sample_mb=0.5)
+    return {"root": root, "index": index, "packed": str(root / "packed")}
+
+
+def test_curated_documents_pack_into_per_domain_token_shards(packed_corpus):
     """curate -> pack: per-domain shards of seq_len + 1 tokens with an index that adds up, document
     starts recorded, and rows that decode back to the curated text; the mixture loader reads them."""
+    import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    from raysc.curate.pack import load_domains, pack_curated
-    from raysc.curate.pipeline import curate
+    from raysc.curate.pack import load_domains
     from raysc.data.mixture import MixtureLoader, parse_schedule
-    from raysc.data.tokenizer import EOS_ID, train_tokenizer
+    from raysc.data.tokenizer import EOS_ID
 
-    cfg = make_cfg(f'curate.output="{tmp_path / "cur"}"', "quality.enabled=false", "data.max_corpus_mb=1.0")
-    curate(cfg, log=lambda *_: None)
-    import pyarrow.parquet as pq
-
-    texts = pq.read_table(tmp_path / "cur" / "documents").column("text").to_pylist()
-    tok = train_tokenizer(texts[:200], 512)
-    tok.save(str(tmp_path / "tok.json"))
-    index = pack_curated(str(tmp_path / "cur"), str(tmp_path / "tok.json"), 512, 64, str(tmp_path / "packed"),
-                         log=lambda *_: None)
-    domains = load_domains(str(tmp_path / "packed"))
+    root, index = packed_corpus["root"], packed_corpus["index"]
+    texts = pq.read_table(root / "cur" / "documents").column("text").to_pylist()
+    domains = load_domains(packed_corpus["packed"])
     assert set(domains) == set(index["domains"]) == {"prose", "code"}
     for name, rows in domains.items():
         meta = index["domains"][name]
         assert rows.shape == (meta["sequences"], 65) and meta["documents"] > 0
         assert (rows[:-1, -1] == rows[1:, 0]).sum() >= len(rows) - len(meta["shards"])  # rows overlap by one
-    shard = tmp_path / "packed" / index["domains"]["prose"]["shards"][0]
+    assert sum(m["documents"] for m in index["domains"].values()) == len(texts)
+    shard = root / "packed" / index["domains"]["prose"]["shards"][0]
     starts = np.load(str(shard).replace(".npy", ".starts.npy"))
     rows = np.load(shard)
     stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])
     assert starts[0] == 0 and all(stream[s - 1] == EOS_ID for s in starts[1:])
-    first = Tokenizer.from_file(str(tmp_path / "tok.json")).decode(stream[:starts[1] - 1].tolist())
+    tok = Tokenizer.from_file(str(root / "packed" / index["tokenizer"]))  # trained by pack, shipped with it
+    assert tok.get_vocab_size() == 512
+    first = tok.decode(stream[:starts[1] - 1].tolist())
     assert first.strip() and first.strip()[:30] in "\n".join(texts)
     loader = MixtureLoader(domains, parse_schedule("0:prose=0.5,code=0.5"), seed=0, global_batch=4,
                            tokens_per_sample=64)
     assert loader.next_batch().shape == (4, 65)
+
+
+def test_curated_corpus_trains_on_a_schedule_and_resumes_it_exactly(packed_corpus, make_cfg):
+    """data.source = the packed directory, a two-phase schedule, dp=2: the loss falls, the run
+    records its domains and schedule, and a worker killed at step 15 resumes the mixture from the
+    step-10 checkpoint: every step's loss equals the uninterrupted run's, bit for bit."""
+    from raysc.driver import train
+    from raysc.fleet.records import read_jsonl
+
+    base = [f'data.source="{packed_corpus["packed"]}"', "parallel.dp_shard=2", "checkpoint.every_steps=10",
+            "checkpoint.async=false", 'data.schedule="0:code=0.8,prose=0.2; 5120:prose=0.8,code=0.2"',
+            "optim.lr=5e-3"]
+    ref = make_cfg(*base, run="ref")
+    train(ref, progress=False)
+    cfg = make_cfg(*base, 'supervisor.inject="kill@15"', "supervisor.restart_backoff_s=0.1", run="kill")
+    summary = train(cfg, progress=False)
+    assert summary["restarts"] == 1 and summary["steps"] == 20
+    want = {m["step"]: m["loss"] for m in read_jsonl(Path(ref.run_dir) / "metrics.jsonl")}
+    got = {m["step"]: m["loss"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")}
+    assert got == want
+    losses = [want[s] for s in sorted(want)]
+    assert np.mean(losses[-3:]) < np.mean(losses[:3]) - 0.5  # from ln(512) = 6.24 to about 5.4 in 20 steps
+    ready = [e for e in read_jsonl(Path(ref.run_dir) / "events.jsonl") if e["kind"] == "data_ready"][0]
+    assert set(ready["domains"]) == {"prose", "code"} and ready["schedule"].startswith("0:code=0.8")
+    from raysc.checkpoint.store import CheckpointStore
+
+    manifest = CheckpointStore(ref.checkpoint_uri).read_manifest(20)
+    loader = manifest["loader"]
+    assert loader["cursor"] == 160 and loader["phase"] == 1  # 10 steps × 8 sequences × 64 tokens = 5120
+    assert loader["phase_start"] == 80
+
+
+def test_bad_data_schedules_fail_before_training(packed_corpus, make_cfg):
+    from raysc.config import ConfigError
+    from raysc.data.prepare import prepare_data
+
+    src = f'data.source="{packed_corpus["packed"]}"'
+    with pytest.raises(ValueError, match=r"unknown domain\(s\) \['math'\]"):
+        prepare_data(make_cfg(src, 'data.schedule="0:prose=0.5,math=0.5"'))
+    with pytest.raises(ValueError, match="needs per-domain token shards.*raysc pack"):
+        prepare_data(make_cfg('data.schedule="0:prose=1"'))
+    with pytest.raises(ValueError, match="packed with seq_len 64 but train.seq_len is 32"):
+        prepare_data(make_cfg(src, "train.seq_len=32"))
+    with pytest.raises(ConfigError, match="data.schedule.*TOKENS:domain=weight"):
+        make_cfg('data.schedule="prose=0.5"')
+    packed, _, info = prepare_data(make_cfg(src))  # no schedule: the natural proportions
+    assert set(packed.train) == {"prose", "code"} and info["schedule"].startswith("0:code=")

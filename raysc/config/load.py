@@ -140,6 +140,13 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
 def validate(cfg: Config, origin: str = "config") -> None:
     """Cross-key checks that a single field's rules cannot express."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
+    if cfg.data.schedule:
+        from raysc.data.mixture import parse_schedule
+
+        try:
+            parse_schedule(cfg.data.schedule)
+        except ValueError as e:
+            raise ConfigError(f"{origin}: data.schedule: {e}") from None
     d = cfg.dedup
     if d.bands * d.rows != d.num_perm:
         raise ConfigError(f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "

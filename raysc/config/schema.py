@@ -120,7 +120,15 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("bundled", "'bundled' (Python stdlib corpus) or a JSONL file / directory with a 'text' field")
+    source: str = opt("bundled", "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field, "
+                                 "or the output of `raysc pack` (a directory or URL with index.json: per-domain "
+                                 "token shards fed by the mixture loader)")
+    schedule: str = opt("", "domain mixture by consumed tokens, 'TOKENS:domain=weight,...; TOKENS:...' (e.g. "
+                            "'0:prose=0.7,code=0.3; 2e6:prose=0.3,code=0.7'); needs a packed data.source; "
+                            "empty = one phase in the domains' natural proportions")
+    prefetch: int = opt(4, "global batches the mixture loader prepares ahead in a thread of each worker", min=1,
+                        max=64)
+    storage_options: dict = opt_dict("fsspec options for reading data.source when it is an object-store URL")
     tokenizer: str = opt("", "path to an existing tokenizer.json; empty = train a byte-level BPE on the corpus")
     tokenizer_sample_mb: float = opt(4.0, "megabytes of corpus text used to train the tokenizer", gt=0.0)
     max_corpus_mb: float = opt(6.0, "cap on the bundled corpus size in megabytes", gt=0.0)

@@ -7,7 +7,10 @@ token, as in ``raysc.data.packing``; a batch's tail shorter than a row is droppe
 counted) and written by the task itself as ``<out>/<domain>/shard-<hash>.npy``, with the
 token offsets where its documents start in ``shard-<hash>.starts.npy``. Only metadata comes
 back to the driver, which writes ``index.json``: per domain its shards, sequences, tokens,
-documents and dropped tail tokens. ``load_domains`` reads the shards back for the mixture loader.
+documents and dropped tail tokens, plus ``seq_len`` and the tokenizer. The tokenizer is copied
+into the output as ``tokenizer.json`` (trained on a seeded sample of the curated documents when
+none is given), so a packed directory is self-contained: ``data.source = <it>`` trains on it
+(``load_packed``). Tasks get the tokenizer as its JSON text, not a path, so they run on any node.
 """
 
 from __future__ import annotations
@@ -21,23 +24,24 @@ import numpy as np
 from raysc.data.packing import encode_corpus
 from raysc.data.tokenizer import EOS_ID
 
-_TOKENIZERS: dict[str, object] = {}
+_TOKENIZERS: dict[str, object] = {}  # tokenizer JSON sha -> Tokenizer, per worker process
 
 
-def _tokenizer(path: str):
-    if path not in _TOKENIZERS:
+def _tokenizer(tokenizer_json: str):
+    key = hashlib.sha256(tokenizer_json.encode()).hexdigest()
+    if key not in _TOKENIZERS:
         from tokenizers import Tokenizer
 
-        _TOKENIZERS[path] = Tokenizer.from_file(path)
-    return _TOKENIZERS[path]
+        _TOKENIZERS[key] = Tokenizer.from_str(tokenizer_json)
+    return _TOKENIZERS[key]
 
 
-def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_path: str, vocab_size: int,
+def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_json: str, vocab_size: int,
                seq_len: int, out_uri: str, options: dict) -> list[dict]:
     """Encode, join and pack one block of documents; write its shards; return their metadata."""
     import fsspec
 
-    tok = _tokenizer(tokenizer_path)
+    tok = _tokenizer(tokenizer_json)
     fs, root = fsspec.core.url_to_fs(out_uri, **options)
     out = []
     for domain in sorted(set(domains)):
@@ -65,19 +69,52 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_p
     return out
 
 
-def pack_curated(curated_uri: str, tokenizer_path: str, vocab_size: int, seq_len: int, out_uri: str,
-                 options: dict | None = None, log=print) -> dict:
-    """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index."""
+def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: float, seed: int) -> str:
+    """Train the BPE tokenizer on a seeded sample of the curated documents; return its JSON."""
+    import pyarrow.dataset as pads
+
+    from raysc.data.tokenizer import sample_texts, train_tokenizer
+
+    texts: list[str] = []
+    for batch in pads.dataset(documents, format="parquet", filesystem=filesystem).to_batches(columns=["text"]):
+        texts.extend(batch.column(0).to_pylist())
+        if sum(map(len, texts)) > 4 * sample_mb * 1e6:  # enough to sample sample_mb from
+            break
+    if not texts:
+        raise ValueError(f"{documents} holds no documents to train a tokenizer on")
+    return train_tokenizer(sample_texts(texts, sample_mb, seed), vocab_size).to_str()
+
+
+def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, seq_len: int, out_uri: str,
+                 options: dict | None = None, log=print, sample_mb: float = 4.0, seed: int = 0) -> dict:
+    """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index.
+
+    ``tokenizer_path`` None trains one (``vocab_size``) on ``sample_mb`` of the documents."""
     import fsspec
     import ray
 
     from raysc.curate.pipeline import _arrow_fs
+    from raysc.data.tokenizer import EOS
 
     options = options or {}
     fs, root = fsspec.core.url_to_fs(curated_uri, **options)
-    docs = ray.data.read_parquet(f"{root}/documents", filesystem=_arrow_fs(curated_uri, options)
-                                 ).select_columns(["id", "text", "domain"])
-    args = (tokenizer_path, vocab_size, seq_len, out_uri.rstrip("/"), options)
+    arrow_fs = _arrow_fs(curated_uri, options)
+    if not fs.exists(f"{root}/documents"):
+        raise FileNotFoundError(f"{curated_uri}/documents does not exist: run `raysc curate` first "
+                                f"(its curate.output is what `raysc pack` reads)")
+    if tokenizer_path:
+        from raysc.data.tokenizer import load_tokenizer
+
+        tok = load_tokenizer(tokenizer_path)
+        if tok.get_vocab_size() > vocab_size:
+            raise ValueError(f"tokenizer {tokenizer_path!r} has {tok.get_vocab_size()} tokens but model.vocab_size "
+                             f"is {vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")
+        tokenizer_json = tok.to_str()
+    else:
+        log(f"pack: training a {vocab_size}-token BPE tokenizer on {sample_mb} MB of the curated documents")
+        tokenizer_json = _sample_tokenizer(f"{root}/documents", arrow_fs, vocab_size, sample_mb, seed)
+    docs = ray.data.read_parquet(f"{root}/documents", filesystem=arrow_fs).select_columns(["id", "text", "domain"])
+    args = (tokenizer_json, vocab_size, seq_len, out_uri.rstrip("/"), options)
 
     def block(batch: dict) -> dict:
         meta = pack_block(list(batch["id"]), list(batch["text"]), list(batch["domain"]), *args)
@@ -86,7 +123,9 @@ def pack_curated(curated_uri: str, tokenizer_path: str, vocab_size: int, seq_len
 
     rows = sorted(docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(),
                   key=lambda r: (r["domain"], r["file"]))
-    index: dict = {"seq_len": seq_len, "tokenizer": tokenizer_path, "domains": {}}
+    index: dict = {"format": "raysc-packed-v1", "seq_len": seq_len, "eos": EOS, "tokenizer": "tokenizer.json",
+                   "tokenizer_source": tokenizer_path or "trained by raysc pack",
+                   "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(), "domains": {}}
     for r in rows:
         d = index["domains"].setdefault(r["domain"], {"shards": [], "sequences": 0, "tokens": 0, "documents": 0,
                                                       "dropped_tokens": 0})
@@ -96,9 +135,21 @@ def pack_curated(curated_uri: str, tokenizer_path: str, vocab_size: int, seq_len
             d[k] += int(r[k])
     out_fs, out_root = fsspec.core.url_to_fs(out_uri, **options)
     out_fs.makedirs(out_root, exist_ok=True)
-    out_fs.pipe_file(f"{out_root}/index.json", json.dumps(index, indent=1).encode())
+    out_fs.pipe_file(f"{out_root}/tokenizer.json", tokenizer_json.encode())
+    out_fs.pipe_file(f"{out_root}/index.json", json.dumps(index, indent=1).encode())  # last: marks it complete
     log(f"pack: " + ", ".join(f"{k}: {v['sequences']} sequences" for k, v in index["domains"].items()))
     return index
+
+
+def read_index(out_uri: str, options: dict | None = None) -> dict | None:
+    """The ``index.json`` of a packed directory, or None when ``out_uri`` is not one."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
+    try:
+        return json.loads(fs.cat_file(f"{root}/index.json"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
 
 
 def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndarray]:
@@ -106,7 +157,9 @@ def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndar
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
-    index = json.loads(fs.cat_file(f"{root}/index.json"))
+    index = read_index(out_uri, options)
+    if index is None:
+        raise FileNotFoundError(f"{out_uri}/index.json does not exist: not the output of `raysc pack`")
     out = {}
     for domain, d in index["domains"].items():
         parts = [np.load(io.BytesIO(fs.cat_file(f"{root}/{f}"))) for f in d["shards"]]

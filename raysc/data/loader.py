@@ -18,6 +18,8 @@ from functools import lru_cache
 import numpy as np
 import torch
 
+from raysc.config.schema import Config
+
 
 class BatchLoader:
     def __init__(self, rows: np.ndarray, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
@@ -69,3 +71,19 @@ class BatchLoader:
         if state["seed"] != self.seed:
             raise ValueError(f"loader seed {self.seed} differs from the checkpoint's {state['seed']}")
         self.cursor = int(state["cursor"])
+
+
+def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank: int, dp_size: int):
+    """The run's loader: ``BatchLoader`` over one array of rows, or, for per-domain rows (a
+    ``raysc pack`` source), a prefetching ``MixtureLoader`` following ``data.schedule``
+    (empty = the domains' natural proportions)."""
+    gb = cfg.train.global_batch_sequences
+    if not isinstance(rows, dict):
+        return BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size)
+    from raysc.data.mixture import MixtureLoader, Prefetcher, parse_schedule
+    from raysc.data.prepare import natural_schedule
+
+    schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})
+    mixture = MixtureLoader(rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len,
+                            dp_rank, dp_size)
+    return Prefetcher(mixture, cfg.data.prefetch)

@@ -127,6 +127,11 @@ class MixtureLoader:
         for _ in range(batches):
             self.next_assignments()
 
+    @property
+    def epoch(self) -> int:
+        """Completed passes over the most-repeated domain (per domain: ``epochs``)."""
+        return max(self.epochs.values())
+
     # ---- state (goes into the checkpoint) ----
     def state_dict(self) -> dict:
         return {"cursor": self.cursor, "phase": self.phase, "phase_start": self.phase_start,
@@ -182,6 +187,19 @@ class Prefetcher:
 
     def state_dict(self) -> dict:
         return dict(self._consumed_state)
+
+    @property
+    def cursor(self) -> int:
+        """Global samples handed out (prefetched ones not counted)."""
+        return int(self._consumed_state["cursor"])
+
+    @property
+    def epochs(self) -> dict[str, int]:
+        return dict(self._consumed_state["epochs"])
+
+    @property
+    def epoch(self) -> int:
+        return max(self._consumed_state["epochs"].values())
 
     def load_state_dict(self, state: dict) -> None:
         self._halt()

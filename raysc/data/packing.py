@@ -25,15 +25,16 @@ from raysc.data.tokenizer import EOS_ID
 
 @dataclass
 class PackedData:
-    """Packed token rows (n, seq_len + 1) split into train and validation rows."""
+    """Packed token rows (n, seq_len + 1) split into train and validation rows; ``train`` is
+    ``{domain: rows}`` when the data comes per domain for the mixture loader."""
 
-    train: np.ndarray
+    train: np.ndarray | dict[str, np.ndarray]
     val: np.ndarray
     info: dict
 
     @property
     def seq_len(self) -> int:
-        return self.train.shape[1] - 1
+        return self.val.shape[1] - 1
 
 
 def pack_tokens(stream: np.ndarray, seq_len: int) -> np.ndarray:

@@ -3,16 +3,26 @@
 Each stage is cached under ``data.cache_dir`` keyed by its inputs, so repeated
 runs (and tests) reuse work; the returned ``info`` records every hash so a run
 can prove which data it saw.
+
+When ``data.source`` is the output of ``raysc pack`` (a directory with ``index.json``),
+the rows come per domain (``PackedData.train`` is ``{domain: rows}``) for the mixture
+loader, with that directory's tokenizer; ``data.schedule`` is checked against its domains here,
+in the driver, before any worker starts.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 from pathlib import Path
 
+import numpy as np
+
 from raysc.config.schema import Config
+from raysc.curate.pack import load_domains, read_index
 from raysc.data.corpus import build_bundled_corpus, corpus_meta, read_documents
-from raysc.data.packing import PackedData, build_packed
+from raysc.data.mixture import parse_schedule
+from raysc.data.packing import PackedData, build_packed, split_rows
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
 from raysc.hashing import file_sha256
 
@@ -20,6 +30,12 @@ from raysc.hashing import file_sha256
 def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     """Return the packed rows, the tokenizer.json path and a description of the data."""
     d = cfg.data
+    index = read_index(d.source, dict(d.storage_options)) if d.source != "bundled" else None
+    if index is not None:
+        return prepare_domains(cfg, index)
+    if d.schedule:
+        raise ValueError(f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
+                         f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory")
     if d.source == "bundled":
         corpus = build_bundled_corpus(d.cache_dir, d.max_corpus_mb)
         meta = corpus_meta(corpus)
@@ -45,6 +61,67 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     packed = build_packed(texts, tok_path, corpus_sha, cfg.train.seq_len, d.val_fraction, d.cache_dir)
     info = {"corpus": meta, "corpus_sha256": corpus_sha, "tokenizer": str(tok_path), **packed.info}
     return packed, tok_path, info
+
+
+def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
+    """Per-domain rows from a ``raysc pack`` directory, each domain split into train/val rows."""
+    d = cfg.data
+    options = dict(d.storage_options)
+    if index.get("seq_len") != cfg.train.seq_len:
+        raise ValueError(f"{d.source} was packed with seq_len {index.get('seq_len')} but train.seq_len is "
+                         f"{cfg.train.seq_len}; set train.seq_len={index.get('seq_len')} or re-run `raysc pack` "
+                         f"with --set train.seq_len={cfg.train.seq_len}")
+    tok_path = _packed_tokenizer(cfg, index)
+    vocab = load_tokenizer(tok_path).get_vocab_size()
+    if vocab > cfg.model.vocab_size:
+        raise ValueError(f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
+                         f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}")
+    domains = load_domains(d.source, options)
+    missing = sorted(set(index["domains"]) - set(domains))
+    if missing:
+        raise ValueError(f"domain(s) {missing} of {d.source} have no sequences (too few tokens for one row of "
+                         f"{cfg.train.seq_len + 1}); drop them from the data or shorten train.seq_len")
+    train, val = {}, []
+    for name, rows in domains.items():
+        train[name], held = split_rows(rows, d.val_fraction)
+        val.append(held)
+    schedule = d.schedule or natural_schedule({k: len(v) for k, v in train.items()})
+    parse_schedule(schedule, list(train))  # unknown domains or a malformed schedule fail here
+    index_sha = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
+    info = {"corpus": {"packed": d.source}, "corpus_sha256": index_sha, "tokenizer": str(tok_path),
+            "tokens": sum(m["tokens"] for m in index["domains"].values()),
+            "documents": sum(m["documents"] for m in index["domains"].values()), "seq_len": cfg.train.seq_len,
+            "train_sequences": sum(len(v) for v in train.values()), "val_sequences": sum(len(v) for v in val),
+            "domains": {k: len(v) for k, v in train.items()}, "schedule": schedule}
+    return PackedData(train, np.concatenate(val), info), tok_path, info
+
+
+def natural_schedule(sequences: dict[str, int]) -> str:
+    """One phase weighting each domain by its share of the sequences (the default schedule)."""
+    return "0:" + ",".join(f"{k}={v}" for k, v in sorted(sequences.items()))
+
+
+def _packed_tokenizer(cfg: Config, index: dict) -> Path:
+    """A local copy of the packed directory's tokenizer (or data.tokenizer when it is the same one)."""
+    import fsspec
+
+    sha = index["tokenizer_sha256"]
+    if cfg.data.tokenizer:
+        if file_sha256(Path(cfg.data.tokenizer)) != sha:
+            raise ValueError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer {cfg.data.source} was "
+                             f"packed with; leave data.tokenizer empty to use the packed one")
+        return Path(cfg.data.tokenizer)
+    local = Path(cfg.data.cache_dir) / "tokenizers" / sha[:16] / "tokenizer.json"
+    if not local.is_file():
+        fs, root = fsspec.core.url_to_fs(cfg.data.source, **dict(cfg.data.storage_options))
+        local.parent.mkdir(parents=True, exist_ok=True)
+        blob = fs.cat_file(f"{root}/{index['tokenizer']}")
+        if hashlib.sha256(blob).hexdigest() != sha:
+            raise ValueError(f"{cfg.data.source}/{index['tokenizer']} does not match its index's SHA-256: the "
+                             f"packed directory is corrupt or half-written; re-run `raysc pack`")
+        local.with_suffix(".tmp").write_bytes(blob)
+        local.with_suffix(".tmp").replace(local)
+    return local
 
 
 def file_sha256_dir(path: Path) -> str:

@@ -103,6 +103,9 @@ class Supervisor:
         for m in batch:
             if m.get("skipped"):
                 self._event("update_skipped", step=m["step"], action="skip", **m["skipped"])
+            if m.get("domain_epochs"):
+                self._event("data_epoch", step=m["step"], epochs=m["domain_epochs"],
+                            note="a domain ran out of sequences and started a new seeded permutation")
             if normal and m["step_time"] > max(SLOW_FACTOR * normal, normal + 0.5):
                 self._event("slow_step", step=m["step"], step_time_s=round(m["step_time"], 3),
                             normal_s=round(normal, 4), action="none (within the hang timeout)",
@@ -488,7 +491,8 @@ class Supervisor:
         packed, tok_path, data_info = prepare_data(cfg)
         (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
         self._event("data_ready", **{k: data_info[k] for k in ("tokens", "documents", "train_sequences",
-                                                               "val_sequences", "corpus_sha256")})
+                                                               "val_sequences", "corpus_sha256", "domains",
+                                                               "schedule") if k in data_info})
         self.ckpt = CheckpointCoordinator(cfg, self._event, self._wait)
         self.ckpt.probe()
         data = {"train": ray.put(packed.train), "val": ray.put(packed.val)}

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from raysc.config.schema import Config
-from raysc.data.loader import BatchLoader
+from raysc.data.loader import build_loader
 from raysc.model.flops import flops_per_token
 from raysc.parallel.clip import clip_grad_norm
 from raysc.parallel.cp import shard_sequence
@@ -52,7 +52,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, rows: np.ndarray, val_rows: np.ndarray | None = None,
+    def __init__(self, cfg: Config, rows: np.ndarray | dict[str, np.ndarray], val_rows: np.ndarray | None = None,
                  rank: int = 0, mesh=None, measure_peak: bool = True) -> None:
         self.cfg = cfg
         self.dims = ParallelDims.from_config(cfg.parallel)
@@ -69,7 +69,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.params, cfg.optim)
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.schedule)
         gb = cfg.train.global_batch_sequences
-        self.loader = BatchLoader(rows, cfg.train.seed, gb, self.dims.dp_rank(rank), self.dims.dp)
+        self.loader = build_loader(cfg, rows, self.dims.dp_rank(rank), self.dims.dp)
+        self._domain_epochs = getattr(self.loader, "epochs", None)  # mixture only: per-domain passes
         self.val_rows = val_rows
         local = gb // self.dims.dp
         self.pp_group = mesh["pp"].get_group() if self.dims.pp > 1 else None
@@ -170,9 +171,13 @@ class Trainer:
         sup = self.cfg.supervisor
         if spike is not None and sup.spike_policy == "rollback" and spike["consecutive"] >= sup.spike_patience:
             raise SpikeRollback(self.step, self.step - spike["consecutive"] + 1, spike)
-        return {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
-                "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
-                "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
+        metrics = {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
+                   "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
+                   "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
+        if self._domain_epochs is not None and self.loader.epochs != self._domain_epochs:
+            self._domain_epochs = self.loader.epochs
+            metrics["domain_epochs"] = self._domain_epochs  # a domain ran out and started a new permutation
+        return metrics
 
     @torch.no_grad()
     def val_loss(self, max_sequences: int = 256) -> float | None:
@@ -201,6 +206,7 @@ class Trainer:
         self.step = int(state["step"])
         self.tokens = int(state["tokens"])
         self.loader.load_state_dict(state["loader"])
+        self._domain_epochs = getattr(self.loader, "epochs", None)
         if "detector" in state:
             self.detector.load_state_dict(state["detector"])
             self.skipped_steps = int(state.get("skipped_steps", 0))
