@@ -27,11 +27,17 @@ run: install
 test: dev
 	$(BIN)/python -m pytest -q
 
-bench: dev
+$(VENV)/.bench-installed: $(VENV)/.dev-installed
+	$(BIN)/pip install -q -e '.[dev,bench]'
+	touch $@
+
+bench: $(VENV)/.bench-installed
 	$(BIN)/python benchmarks/train_overhead.py
 	$(BIN)/python benchmarks/parallel.py
 	$(BIN)/python benchmarks/checkpoint.py
 	$(BIN)/python benchmarks/recovery.py
+	$(BIN)/python benchmarks/dedup.py
+	$(BIN)/python benchmarks/loader.py
 
 clean:
 	rm -rf $(VENV) runs .cache

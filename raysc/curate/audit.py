@@ -36,6 +36,27 @@ def rewrite(text: str, target: float, shingle: int, rng: random.Random) -> str:
     return " ".join(f"audit{rng.getrandbits(40):x}" if rng.random() < frac else w for w in text.split(" "))
 
 
+def inject_pairs(docs: list[dict], shingle: int, seed: int, per_target: int = 8) -> tuple[list[dict], list[dict]]:
+    """Rewritten copies of seeded documents (``per_target`` per similarity in ``TARGETS``):
+    the pairs (original id, copy id, target, measured shingle Jaccard) and the copy documents,
+    whose ids sort after their original's."""
+    rng = random.Random(seed)
+    candidates = [r for r in docs if len(words(r["text"])) >= MIN_WORDS]
+    need = per_target * len(TARGETS)
+    if len(candidates) < need:
+        raise ValueError(f"the audit needs {need} documents of at least {MIN_WORDS} words; the input has "
+                         f"{len(candidates)}")
+    pairs, copies = [], []
+    for i, base in enumerate(rng.sample(candidates, need)):
+        target = TARGETS[i % len(TARGETS)]
+        text = rewrite(base["text"], target, shingle, rng)
+        copy_id = f"{base['id']}~audit{i:04d}"
+        pairs.append({"original": base["id"], "copy": copy_id, "target": target,
+                      "jaccard": jaccard(base["text"], text, shingle)})
+        copies.append({"id": copy_id, "text": text, "domain": base["domain"]})
+    return pairs, copies
+
+
 def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     from raysc.curate.pipeline import curate, list_inputs, parse_file
 
@@ -46,22 +67,7 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
             if not r["bad"]]
     for i, r in enumerate(docs):  # inputs without ids get stable ones, so copies sort after them
         r["id"] = r["id"] or f"doc{i:07d}"
-    rng = random.Random(cfg.train.seed)
-    candidates = [r for r in docs if len(words(r["text"])) >= MIN_WORDS]
-    need = pairs_per_target * len(TARGETS)
-    if len(candidates) < need:
-        raise ValueError(f"the audit needs {need} documents of at least {MIN_WORDS} words; the input has "
-                         f"{len(candidates)}")
-    bases = rng.sample(candidates, need)
-    pairs = []
-    copies = []
-    for i, base in enumerate(bases):
-        target = TARGETS[i % len(TARGETS)]
-        text = rewrite(base["text"], target, cfg.dedup.shingle, rng)
-        copy_id = f"{base['id']}~audit{i:04d}"
-        pairs.append({"original": base["id"], "copy": copy_id, "target": target,
-                      "jaccard": jaccard(base["text"], text, cfg.dedup.shingle)})
-        copies.append({"id": copy_id, "text": text, "domain": base["domain"]})
+    pairs, copies = inject_pairs(docs, cfg.dedup.shingle, cfg.train.seed, pairs_per_target)
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(out, **options)
@@ -84,13 +90,13 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     d = cfg.dedup
     for lo, hi in BANDS:
         inside = [p for p in pairs if lo <= p["jaccard"] < hi]
-        removed = [p for p in inside if _detected(p, survivors)]
+        removed = [p for p in inside if pair_detected(p, survivors)]
         s = np.array([p["jaccard"] for p in inside]) if inside else np.zeros(0)
         rows.append({"similarity": f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}", "pairs": len(inside),
                      "removed": len(removed), "recall": round(len(removed) / len(inside), 3) if inside else None,
                      "lsh_theory": round(float(candidate_probability(s, d.bands, d.rows).mean()), 3)
                      if inside else None})
-    removed_copies = [p for p in pairs if _detected(p, survivors)]
+    removed_copies = [p for p in pairs if pair_detected(p, survivors)]
     false = [p for p in removed_copies if p["jaccard"] <= 0.5]
     audit = {"pairs": len(pairs), "bands": rows, "removed_at_or_below_0.5": len(false),
              "precision": round(1 - len(false) / len(removed_copies), 3) if removed_copies else None,
@@ -107,10 +113,10 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
 def _recall(pairs: list[dict], survivors: set) -> float | None:
     if not pairs:
         return None
-    return round(sum(_detected(p, survivors) for p in pairs) / len(pairs), 3)
+    return round(sum(pair_detected(p, survivors) for p in pairs) / len(pairs), 3)
 
 
-def _detected(pair: dict, survivors: set) -> bool:
+def pair_detected(pair: dict, survivors: set) -> bool:
     """The pair was treated as duplicates: not both kept (the survivor of their cluster may be a
     third document of the corpus, when the original itself had a near-duplicate)."""
     return not (pair["copy"] in survivors and pair["original"] in survivors)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 _WORD = re.compile(r"\w+", re.UNICODE)
-_MAX_BATCH_CELLS = 1 << 22  # num_perm × shingles per numpy block (32 MiB of uint64)
+_MAX_BATCH_CELLS = 1 << 18  # num_perm × shingles per numpy block (2 MiB of uint64: stays in cache)
 
 
 def words(text: str) -> list[str]:
@@ -98,9 +98,11 @@ class MinHasher:
             while last + 1 < len(texts) and (ends[last + 1] - starts[doc]) * self.num_perm <= _MAX_BATCH_CELLS:
                 last += 1
             lo, hi = starts[doc], ends[last]
-            with np.errstate(over="ignore"):
-                permuted = (self._a[:, None] * hashes[None, lo:hi] + self._b[:, None]) >> np.uint64(32)
-            sig[doc:last + 1] = np.minimum.reduceat(permuted, starts[doc:last + 1] - lo, axis=1).T
+            buf = np.empty((self.num_perm, hi - lo), dtype=np.uint64)  # in place: one pass of memory per op
+            np.multiply(self._a[:, None], hashes[None, lo:hi], out=buf)
+            np.add(buf, self._b[:, None], out=buf)
+            np.right_shift(buf, np.uint64(32), out=buf)
+            sig[doc:last + 1] = np.minimum.reduceat(buf, starts[doc:last + 1] - lo, axis=1).T
             doc = last + 1
         return sig
 

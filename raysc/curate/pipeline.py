@@ -327,10 +327,13 @@ def curate(cfg: Config, log=print) -> dict:
             dedup.threshold of the hash functions (the estimated Jaccard similarity)."""
             import pyarrow as pa
 
+            empty = pa.table({"a": pa.array([], pa.string()), "b": pa.array([], pa.string())})
+            if group.num_rows < 2:  # most buckets: checked before any conversion
+                return empty
             by_node = dict(zip(group["node"].to_pylist(), group["sig"].to_pylist()))
             nodes = sorted(by_node)
             if len(nodes) < 2:
-                return pa.table({"a": pa.array([], pa.string()), "b": pa.array([], pa.string())})
+                return empty
             sig = np.stack([np.frombuffer(by_node[n], dtype=np.uint32) for n in nodes])
             if len(nodes) <= 2048:  # every pair of the bucket
                 est = (sig[:, None, :] == sig[None, :, :]).mean(axis=2)
@@ -347,7 +350,8 @@ def curate(cfg: Config, log=print) -> dict:
         n_edges = edges.count()
         log(f"curate: near dedup: {n_edges} candidate pair(s) above dedup.threshold={d.threshold}")
         if n_edges:
-            edges = edges.groupby(["a", "b"], num_partitions=parts).count().select_columns(["a", "b"])  # dedup
+            edges = edges.groupby(["a", "b"], num_partitions=shuffle_partitions(n_edges)).count().select_columns(
+                ["a", "b"]).materialize()  # one row per pair; materialized: connected components reads it twice
             roots, rounds = connected_components(edges, d.max_rounds, log)
             roots = roots.materialize()
             losers = roots.filter(lambda r: r["node"] != r["root"]).select_columns(["node"]).materialize()
