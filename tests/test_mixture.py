@@ -91,7 +91,8 @@ def test_prefetcher_hands_out_the_same_batches_and_consumed_state():
         assert all(torch.equal(pre.next_batch(), ref[b]) for b in range(5))
         state = pre.state_dict()
         assert state["cursor"] == 5 * 8  # what was handed out, not what was prefetched
-        pre.skip(2)
+        pre.skip(2)  # the supervisor's skip_batches after a rollback
+        assert pre.cursor == 7 * 8
         assert torch.equal(pre.next_batch(), ref[7])
         pre.load_state_dict(state)
         assert torch.equal(pre.next_batch(), ref[5])
