@@ -239,3 +239,18 @@ def test_bad_data_schedules_fail_before_training(packed_corpus, make_cfg):
         make_cfg('data.schedule="prose=0.5"')
     packed, _, info = prepare_data(make_cfg(src))  # no schedule: the natural proportions
     assert set(packed.train) == {"prose", "code"} and info["schedule"].startswith("0:code=")
+
+
+def test_removed_ids_drop_the_same_rows_broadcast_or_shuffled(ray_session, monkeypatch):
+    """Near-duplicate losers leave the corpus by a broadcast filter (few ids) or, past
+    BROADCAST_MAX_IDS, by the shuffle anti-join: both keep exactly the other rows."""
+    import raysc.curate.pipeline as pipeline
+
+    docs = ray_session.data.from_items([{"node": f"n{i:03d}", "text": f"doc {i}"} for i in range(50)])
+    losers = ray_session.data.from_items([{"node": f"n{i:03d}"} for i in range(0, 50, 7)])
+    want = {f"n{i:03d}" for i in range(50) if i % 7}
+    broadcast = {r["node"] for r in pipeline.drop_nodes(docs, losers).take_all()}
+    monkeypatch.setattr(pipeline, "BROADCAST_MAX_IDS", 3)
+    shuffled = pipeline.drop_nodes(docs, losers).take_all()
+    assert broadcast == want and {r["node"] for r in shuffled} == want
+    assert all(r["text"] == f"doc {int(r['node'][1:])}" for r in shuffled)

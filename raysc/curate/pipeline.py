@@ -232,6 +232,27 @@ def connected_components(edges, max_rounds: int, log=print):
     return roots, rounds
 
 
+BROADCAST_MAX_IDS = 1_000_000  # up to this many removed ids are broadcast as a set, not shuffled
+
+
+def drop_nodes(docs, losers):
+    """``docs`` without the rows whose ``node`` is in ``losers``. Near duplicates are a small share
+    of a corpus: up to ``BROADCAST_MAX_IDS`` ids go to every task as one object (a filter, no
+    shuffle); beyond that, the shuffle-based ``anti_join``."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+    import ray
+
+    if losers.count() > BROADCAST_MAX_IDS:
+        return anti_join(docs, losers, "node")
+    ids_ref = ray.put(pa.concat_tables(ray.get(losers.to_arrow_refs()))["node"].combine_chunks())
+
+    def keep(t: pa.Table) -> pa.Table:
+        return t.filter(pc.invert(pc.is_in(t["node"], value_set=ray.get(ids_ref))))
+
+    return docs.map_batches(keep, batch_format="pyarrow")
+
+
 def anti_join(left, right, key: str):
     """Rows of ``left`` whose ``key`` is not in ``right`` (a Dataset with that one column), as a
     group-by over the union of both (Ray Data's own join needs polars, which we do not ship)."""
@@ -350,15 +371,14 @@ def curate(cfg: Config, log=print) -> dict:
         n_edges = edges.count()
         log(f"curate: near dedup: {n_edges} candidate pair(s) above dedup.threshold={d.threshold}")
         if n_edges:
-            edges = edges.groupby(["a", "b"], num_partitions=shuffle_partitions(n_edges)).count().select_columns(
-                ["a", "b"]).materialize()  # one row per pair; materialized: connected components reads it twice
+            # a pair found in several bands repeats; connected components merges sets, so repeats are harmless
             roots, rounds = connected_components(edges, d.max_rounds, log)
             roots = roots.materialize()
             losers = roots.filter(lambda r: r["node"] != r["root"]).select_columns(["node"]).materialize()
             clusters = roots.filter(lambda r: r["node"] == r["root"]).count()
             removed_near = losers.count()
             if removed_near:
-                docs = anti_join(docs, losers, "node").materialize()
+                docs = drop_nodes(docs, losers).materialize()
     n_near = docs.count()
     t = stage("near_dedup", t)
     log(f"curate: near dedup removed {removed_near} in {clusters} cluster(s) ({rounds} rounds)")
