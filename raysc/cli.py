@@ -151,6 +151,35 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_scale(args: argparse.Namespace) -> int:
+    from raysc.scaling.chinchilla import format_plan, parse_count, plan
+
+    cfg = load_config(args.config, args.overrides)
+    given = {k: parse_count(v, f"--{k}") for k, v in (("params", args.params), ("compute", args.compute),
+                                                      ("tokens", args.tokens)) if v is not None}
+    if args.global_batch_tokens is not None:
+        batch = parse_count(args.global_batch_tokens, "--global-batch-tokens")
+    else:  # a config file's batch; the built-in default (2,048 tokens) means nothing at scale
+        batch = cfg.train.global_batch_sequences * cfg.train.seq_len if args.config else None
+    result = plan(**given, model=cfg.model, global_batch_tokens=batch, seq_len=cfg.train.seq_len)
+    print(json.dumps(result) if args.json else format_plan(result))
+    return 0
+
+
+def cmd_mup_coord_check(args: argparse.Namespace) -> int:
+    from raysc.scaling.coord_check import format_report, run
+
+    cfg = load_config(args.config, args.overrides)
+    try:
+        widths = [int(w) for w in args.widths.split(",") if w.strip()]
+    except ValueError:
+        raise ValueError(f"--widths {args.widths!r}: expected comma-separated integers, e.g. 64,128,256,512")
+    report = run(cfg, widths, args.steps, args.seeds, args.bound, args.out)
+    print(format_report(report))
+    print(f"wrote {report['files']['json']} and {report['files']['png']}")
+    return 0 if report["passed"] else 1
+
+
 def cmd_curate(args: argparse.Namespace) -> int:
     from raysc.curate.pipeline import curate
     from raysc.driver import ensure_ray
@@ -183,6 +212,21 @@ def cmd_pack(args: argparse.Namespace) -> int:
           flush=True)
     print(f"train on it with: --set data.source=\"{out}\" [--set data.schedule=\"0:...\"]", flush=True)
     return 0
+
+
+def cmd_preflight(args: argparse.Namespace) -> int:
+    from raysc.preflight.run import run_preflight
+
+    cfg = load_config(args.config, args.overrides)
+    report = run_preflight(cfg, steps=args.steps)
+    print(f"report -> {cfg.run_dir}/preflight.json, preflight.md", flush=True)
+    return 0 if report["passed"] else 1
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from raysc.plan.command import run
+
+    return run(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -248,6 +292,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_pack)
 
+    p = sub.add_parser("plan", help="rank every parallel layout of a config on a cluster (memory, tokens/s); "
+                                    "--profile measures the top ones")
+    from raysc.plan.command import add_arguments
+
+    add_arguments(p)
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("preflight", help="run the pre-training checklist on the fleet; preflight.json + .md; "
+                                         "exit 1 on a fail")
+    p.add_argument("config", help="the TOML config of the run to check")
+    p.add_argument("--steps", type=int, default=8, help="steps of the probe run (>= 6)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_preflight)
+
     p = sub.add_parser("status", help="summarise a running or finished run from its records")
     p.add_argument("run_dir")
     p.add_argument("--json", action="store_true")
@@ -256,12 +314,38 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     p.set_defaults(func=cmd_demo)
+
+    p = sub.add_parser("scale", help="Chinchilla compute-optimal params/tokens/compute, loss estimate and "
+                                     "model shapes (docs/scaling.md)")
+    p.add_argument("config", nargs="?", help="TOML config whose vocab, GQA ratio and batch are used")
+    size = p.add_mutually_exclusive_group(required=True)
+    size.add_argument("--params", help="parameters N, e.g. 1.3e9 or 7B")
+    size.add_argument("--compute", help="training FLOPs C, e.g. 1e21")
+    size.add_argument("--tokens", help="training tokens D, e.g. 1.4T")
+    p.add_argument("--global-batch-tokens", help="tokens per optimizer step, for the step count (default: "
+                                                 "the config's batch, when a config is given)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_scale)
+
+    mp = sub.add_parser("mup", help="μP tools").add_subparsers(dest="mup_cmd", required=True)
+    p = mp.add_parser("coord-check", help="train SP and μP models at several widths for a few steps; check that "
+                                          "μP activations stay flat across widths (PNG + JSON)")
+    p.add_argument("config", help="TOML config: depth, head_dim, vocab, data, batch, optim.lr")
+    p.add_argument("--widths", default="64,128,256,512", help="comma-separated model.dim values")
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--seeds", type=int, default=1, help="average the activations over this many seeds")
+    p.add_argument("--bound", type=float, default=0.25, help="largest μP slope of log|activation| vs log width")
+    p.add_argument("--out", help="output folder (default <run.dir>/coord_check)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
+    p.set_defaults(func=cmd_mup_coord_check)
     return ap
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from raysc.fleet.errors import RunFailed
+    from raysc.preflight.run import PreflightRequired
 
     try:
         return args.func(args)
@@ -274,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
     except RunFailed as e:
         print(f"error: run failed: {e}", file=sys.stderr)
         return 1
+    except PreflightRequired as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ def absolutize(cfg: Config) -> Config:
     if not cfg.checkpoint.uri or "://" not in cfg.checkpoint.uri:
         cfg.checkpoint.uri = str((cwd / cfg.checkpoint_uri).resolve())
     cfg.data.cache_dir = str((cwd / cfg.data.cache_dir).resolve())
-    if cfg.data.source != "bundled":
+    if cfg.data.source != "bundled" and "://" not in cfg.data.source:
         cfg.data.source = str((cwd / cfg.data.source).resolve())
     if cfg.data.tokenizer:
         cfg.data.tokenizer = str((cwd / cfg.data.tokenizer).resolve())
@@ -35,9 +35,9 @@ def absolutize(cfg: Config) -> Config:
 
 def preflight(cfg: Config) -> None:
     """Checks that need no Ray: inputs exist. Raises FileNotFoundError naming the key."""
-    if cfg.data.source != "bundled" and not Path(cfg.data.source).exists():
-        raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; "
-                                f"use 'bundled' or a JSONL file or directory")
+    if cfg.data.source != "bundled" and "://" not in cfg.data.source and not Path(cfg.data.source).exists():
+        raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
+                                f"or directory, or a `raysc pack` output directory")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")
@@ -49,16 +49,21 @@ def ensure_ray() -> None:
         ray.init(log_to_driver=True, configure_logging=False)
 
 
-def train(cfg: Config, resume: bool | str = False, progress: bool = True) -> dict:
-    """Run a training job to the end and return its summary (raises ``RunFailed`` on failure)."""
+def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0) -> dict:
+    """Run a training job to the end and return its summary (raises ``RunFailed`` on failure).
+    ``probe_bytes`` > 0 adds the pre-flight probe's measurements (``summary["probe"]``)."""
     from raysc.fleet.supervisor import Supervisor
 
-    ensure_ray()
     cfg = absolutize(cfg)
+    if cfg.train.require_preflight:
+        from raysc.preflight.run import require_passing
+
+        require_passing(cfg)  # before any worker starts
+    ensure_ray()
     node = ray.get_runtime_context().get_node_id()
     sup = Supervisor.options(
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-    ).remote(config_to_dict(cfg), resume)
+    ).remote(config_to_dict(cfg), resume, probe_bytes)
     done_ref = sup.run.remote()
     bar = None
     progress = progress and sys.stderr.isatty()

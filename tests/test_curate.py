@@ -254,3 +254,16 @@ def test_removed_ids_drop_the_same_rows_broadcast_or_shuffled(ray_session, monke
     shuffled = pipeline.drop_nodes(docs, losers).take_all()
     assert broadcast == want and {r["node"] for r in shuffled} == want
     assert all(r["text"] == f"doc {int(r['node'][1:])}" for r in shuffled)
+
+
+def test_preflight_data_item_reads_the_curation_report(packed_corpus, make_cfg):
+    """Pre-flight item 5: a packed source with its curation report passes with the removal shares;
+    a schedule weighting a domain the data lacks fails; a plain corpus warns."""
+    from raysc.preflight.checklist import check_data
+
+    src = f'data.source="{packed_corpus["packed"]}"'
+    item = check_data(make_cfg(src, 'data.schedule="0:prose=0.5,code=0.5"'))
+    assert item.status == "pass", item.summary
+    assert set(item.evidence["removed_share"]) >= {"exact_duplicates", "near_duplicates", "quality"}
+    assert check_data(make_cfg(src, 'data.schedule="0:prose=0.5,math=0.5"')).status == "fail"
+    assert check_data(make_cfg()).status == "warn"

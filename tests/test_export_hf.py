@@ -12,9 +12,11 @@ from raysc.train.trainer import Trainer
 transformers = pytest.importorskip("transformers")
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_export_loads_in_transformers_with_equal_logits(make_cfg, tmp_path, tie):
-    cfg = make_cfg(f"model.tie_embeddings={'true' if tie else 'false'}")
+@pytest.mark.parametrize("tie,mup", [(False, False), (True, False), (False, True)])
+def test_export_loads_in_transformers_with_equal_logits(make_cfg, tmp_path, tie, mup):
+    """μP (width multiplier 2 here) exports with its logit and attention scales folded into the weights."""
+    extra = ["model.mup=true", "model.mup_base_width=32"] if mup else []
+    cfg = make_cfg(f"model.tie_embeddings={'true' if tie else 'false'}", *extra)
     packed, tok_path, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train, measure_peak=False)
     for _ in range(3):  # move the weights away from their initialisation

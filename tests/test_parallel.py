@@ -32,6 +32,8 @@ LAYOUTS = [
     "pp=2,dp_shard=2,tp=2",
     "cp=2,tp=2",
     "dp_replicate=2,dp_shard=2",
+    "dp_shard=2,tp=2,sequence_parallel=true,recompute=full",
+    "pp=2,pp_schedule=1f1b,recompute=full",
 ]
 
 

@@ -41,10 +41,20 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "share the input embedding with the output projection")
     max_seq_len: int = opt(0, "longest sequence the rotary table covers; 0 = train.seq_len", min=0)
     init_std: float = opt(0.02, "standard deviation of the weight initialisation", gt=0.0)
+    mup: bool = opt(False, "maximal update parametrisation (μP, Tensor Programs V): hidden matrices get LR/m and "
+                           "init_std/sqrt(m), logits ×1/m, attention scores 1/head_dim, m = dim/mup_base_width; "
+                           "an LR tuned at the base width transfers to wider models (docs/scaling.md)")
+    mup_base_width: int = opt(0, "μP base width: the model.dim at which optim.lr and init_std were tuned; "
+                                 "0 = model.dim (multiplier 1)", min=0)
 
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+    @property
+    def mup_width_mult(self) -> float:
+        """μP width multiplier m = dim / mup_base_width (1 when the base width is 0 = dim)."""
+        return self.dim / (self.mup_base_width or self.dim)
 
     @property
     def hidden_ffn_dim(self) -> int:
@@ -64,6 +74,9 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree", min=1)
     sequence_parallel: bool = opt(False, "shard norms and activations along the sequence inside TP groups")
+    recompute: str = opt("none", "activation recomputation: none, or full (each block keeps only its input and "
+                                 "recomputes its forward in backward: ~+33% FLOPs, far less activation memory)",
+                         choices=["none", "full"])
     pp_schedule: str = opt(
         "1f1b", "pipeline schedule",
         choices=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"],
@@ -110,6 +123,10 @@ class TrainConfig:
                      choices=["auto", "fp32", "bf16"])
     peak_flops: float = opt(0.0, "peak FLOP/s of one device for MFU; 0 = GPU table or measured CPU matmul", min=0.0)
     log_every: int = opt(10, "print a progress line every N steps", min=1)
+    require_preflight: bool = opt(False, "refuse to start unless <run.dir>/preflight.json (raysc preflight) passed "
+                                         "for this same config")
+    measure_memory: bool = opt(False, "report every rank's peak memory in the run summary (always on with CUDA: "
+                                      "the allocator's peak; on CPU it samples glibc's heap every 2 ms)")
 
     @property
     def global_batch_sequences(self) -> int:
@@ -255,6 +272,13 @@ class QualityConfig:
 
 
 @dataclass
+class ServeConfig:
+    quantization: str = opt("", "the precision the model will be served in (checked by raysc preflight against "
+                                "the training precision); empty = not decided",
+                            choices=["", "bf16", "fp16", "fp8", "int8", "int4"])
+
+
+@dataclass
 class RunConfig:
     name: str = opt("tiny", "run name; the default run directory is runs/<name>")
     dir: str = opt("", "run directory; empty = runs/<name>")
@@ -273,6 +297,7 @@ class Config:
     curate: CurateConfig = field(default_factory=CurateConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     quality: QualityConfig = field(default_factory=QualityConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     @property

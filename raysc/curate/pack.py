@@ -123,7 +123,7 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
 
     rows = sorted(docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(),
                   key=lambda r: (r["domain"], r["file"]))
-    index: dict = {"format": "raysc-packed-v1", "seq_len": seq_len, "eos": EOS, "tokenizer": "tokenizer.json",
+    index: dict = {"format": "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len, "eos": EOS, "tokenizer": "tokenizer.json",
                    "tokenizer_source": tokenizer_path or "trained by raysc pack",
                    "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(), "domains": {}}
     for r in rows:

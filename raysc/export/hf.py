@@ -65,8 +65,13 @@ def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
               dtype: torch.dtype = torch.float32) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    from raysc.scaling.mup import fold_into_weights
+
     tensors = {}
-    for name, p in model.named_parameters():  # a tied output matrix appears once, as embed.weight
+    # a tied output matrix appears once, as embed.weight; μP's logit and attention scales are
+    # folded into the weights, since a Hugging Face Llama applies neither
+    state = fold_into_weights(dict(model.named_parameters()), model.cfg)
+    for name, p in state.items():
         tensors[hf_name(name)] = p.detach().to("cpu", dtype).contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")

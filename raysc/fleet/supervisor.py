@@ -54,9 +54,10 @@ SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Supervisor:
-    def __init__(self, cfg_dict: dict, resume: bool | str = False) -> None:
+    def __init__(self, cfg_dict: dict, resume: bool | str = False, probe_bytes: int = 0) -> None:
         self.cfg = config_from_dict(cfg_dict, "driver")
         self.resume = resume
+        self.probe_bytes = probe_bytes  # > 0: after training, the pre-flight probe (raysc preflight)
         self.run_dir = Path(self.cfg.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.records = RunRecords(self.run_dir, self.cfg.run.name)
@@ -81,6 +82,7 @@ class Supervisor:
         self.quarantine: dict[str, dict] = {}  # node id -> why
         self.rollbacks = 0
         self.timeouts: dict | None = None  # calibrated hang and process-group timeouts
+        self.memory: list[dict] | None = None  # per-rank peak memory (CUDA, or train.measure_memory)
         self._t_start: float | None = None
 
     # ---- called by workers and the driver while run() is busy ----
@@ -520,6 +522,8 @@ class Supervisor:
                                      f"steps {step + 1}..{target}",
                                      hang_s=self.timeouts["hang_s"] if self.timeouts else None)
                 last = results[0] or last
+                if results[0] and "memory" in results[0]:
+                    self.memory = [r["memory"] for r in results]
                 self._strikes = 0
                 self._ensure_spares()
                 if self.timeouts is None and cfg.supervisor.calibrate_steps:
@@ -551,6 +555,10 @@ class Supervisor:
 
         self._phase = "evaluating"
         val = self._wait([w.val_loss.remote() for w in self.workers], "validation")[0]
+        probe = None
+        if self.probe_bytes:
+            self._phase = "probing"
+            probe = self._wait([w.probe.remote(self.probe_bytes) for w in self.workers], "pre-flight probe")
         latest = self.ckpt.store.latest()
         with self._lock:
             tps = self._tps[len(self._tps) // 10:] or [0.0]  # skip warm-up steps
@@ -573,6 +581,9 @@ class Supervisor:
             "goodput": self._goodput(t_start),
             "skipped_updates": sum(1 for m in self._steps.values() if m.get("skipped")),
             "wall_s": round(time.time() - t_start, 2),
+            "peak_memory_gb": [round(m["peak_bytes"] / 1e9, 4) for m in self.memory] if self.memory else None,
         }
-        self._event("run_end", **summary)
+        if probe is not None:
+            summary["probe"] = probe
+        self._event("run_end", **{k: v for k, v in summary.items() if k != "probe"})
         return summary

@@ -28,6 +28,7 @@ from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
 from raysc.parallel.dims import ParallelDims, build_mesh
+from raysc.train.memory import PeakMemory
 from raysc.train.sdc import SilentCorruption, flip_bit
 from raysc.train.trainer import Trainer
 
@@ -47,6 +48,7 @@ class TrainWorker:
         self.world_size = world_size
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
+        self.memory: PeakMemory | None = None
         self._save: dict | None = None
         self._pending_reports: list[dict] = []
         self._training = threading.Lock()  # held while train() runs: repairs wait for it
@@ -91,6 +93,8 @@ class TrainWorker:
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
+        self.memory = PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device) \
+            if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory else None
         t_setup.append(time.perf_counter())
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.ckpt_group = dist.new_group(backend="gloo")
@@ -212,6 +216,8 @@ class TrainWorker:
                 else:
                     fire(fault)
             last = self.trainer.train_step()
+            if self.memory is not None:
+                self.memory.after_step()
             if self.rank == 0:
                 pending.append(last)
             if sdc_every and self.trainer.step % sdc_every == 0:
@@ -227,6 +233,8 @@ class TrainWorker:
                 pending, sent = [], time.monotonic()
                 self._pending_reports = pending
         self._flush_reports()
+        if last is not None and self.memory is not None:
+            last = {**last, "memory": self.memory.report()}  # this rank's, for the run summary
         return last
 
     def _flush_reports(self) -> None:
@@ -267,6 +275,19 @@ class TrainWorker:
             times.append(time.perf_counter() - t0)
         times = sorted(times[1:])  # the first one warms up
         return {"allreduce_s": times[len(times) // 2], "bytes": buf.numel() * 4}
+
+    def probe(self, nbytes: int) -> dict:
+        """Pre-flight measurements on this rank (collective: every rank must call it): bus bandwidth
+        per parallel group and the node's topology (``raysc.preflight.probe``)."""
+        from raysc.preflight.probe import group_bandwidth, node_topology
+
+        dims = ParallelDims.from_config(self.cfg.parallel)
+        sizes = dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), dims.shape))
+        with self._training:
+            bandwidth = group_bandwidth(self.trainer.mesh, sizes, nbytes, self.trainer.device)
+        return {"rank": self.rank, "coords": dims.coords(self.rank), "node": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id(), "bandwidth": bandwidth,
+                "topology": node_topology(self.trainer.device)}
 
     def set_timeout(self, seconds: float) -> None:
         """The process-group timeout of every training collective (the default group and each mesh

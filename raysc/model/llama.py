@@ -12,6 +12,9 @@ parallel plans are applied from outside. To keep that possible:
   stage can drop layers and keep parameter names (and checkpoints) stable;
 - ``embed``, ``norm`` and ``output`` may be ``None`` on middle pipeline stages;
 - ``forward`` takes optional ``positions`` for context-parallel chunks.
+
+Under μP (``model.mup``) three scalars change, all from ``raysc.scaling.mup``:
+hidden-matrix init std, the logit multiplier and the attention softmax scale.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysc.config.schema import ModelConfig
+from raysc.scaling import mup
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,13 +49,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal scaled-dot-product attention; k/v with fewer heads are shared by query-head groups (GQA)."""
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+                     ) -> torch.Tensor:
+    """Causal scaled-dot-product attention; k/v with fewer heads are shared by query-head groups (GQA).
+    ``scale`` multiplies q·k (None = 1/sqrt(head_dim); μP passes 1/head_dim)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 class Rope:
@@ -88,6 +94,7 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
+        self.mup = cfg.mup  # μP: softmax scale 1/head_dim instead of 1/sqrt(head_dim)
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
@@ -102,7 +109,10 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope.tables(seqlen, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.core_attention(q, k, v)
+        if self.mup:  # head_dim read from q: the same on every TP shard (TP splits heads)
+            out = self.core_attention(q, k, v, scale=mup.attention_scale(q.shape[-1]))
+        else:
+            out = self.core_attention(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -148,19 +158,22 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # positions of this module's tokens when not 0..seq-1 (set by context parallelism)
         self.positions: torch.Tensor | None = None
+        # μP readout multiplier 1/m (1 otherwise), applied to the output projection's input
+        self.logit_mult = mup.output_mult(cfg)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2·layers), unit norms."""
+        """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2·layers), unit norms;
+        under μP hidden matrices also by 1/sqrt(width multiplier)."""
         std = self.cfg.init_std
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
         for name, p in self.named_parameters():
             if p.ndim == 1:
                 p.fill_(1.0)
             elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
-                p.normal_(0.0, out_std, generator=generator)
+                p.normal_(0.0, out_std * mup.init_mult(name, self.cfg), generator=generator)
             else:
-                p.normal_(0.0, std, generator=generator)
+                p.normal_(0.0, std * mup.init_mult(name, self.cfg), generator=generator)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) ids, or hidden states on a later pipeline stage; ``positions``
@@ -171,7 +184,10 @@ class Llama(nn.Module):
             h = layer(h, rope)
         if self.norm is not None:
             h = self.norm(h)
-        return self.output(h) if self.output is not None else h
+        if self.output is None:
+            return h
+        # logits·(1/m) = output(h/m): scaling the dim-wide input is cheaper than the vocab-wide logits
+        return self.output(h) if self.logit_mult == 1.0 else self.output(h * self.logit_mult)
 
 
 def build_model(cfg: ModelConfig, max_seq_len: int, seed: int, device: str | torch.device = "cpu") -> Llama:

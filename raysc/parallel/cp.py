@@ -79,14 +79,14 @@ class ContextParallelAttention:
         self.order = torch.argsort(gathered)
         self.mask = q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         k = _GatherChunks.apply(k, self.group)[:, :, self.order]
         v = _GatherChunks.apply(v, self.group)[:, :, self.order]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)  # μP passes 1/head_dim
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,

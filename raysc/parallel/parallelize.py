@@ -1,4 +1,4 @@
-"""Build this rank's share of the model: pipeline split, then CP, TP/SP and FSDP on each stage.
+"""Build this rank's share of the model: pipeline split, then CP, TP/SP, recompute and FSDP on each stage.
 
 Every rank first builds the full model from ``train.seed`` (identical everywhere),
 so each shard starts from exactly the weights a single process would have; the
@@ -20,6 +20,7 @@ from raysc.parallel.cp import apply_cp
 from raysc.parallel.dims import ParallelDims
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
 from raysc.parallel.pp import build_stages
+from raysc.parallel.recompute import apply_recompute
 from raysc.parallel.tp import apply_tp
 
 
@@ -55,6 +56,7 @@ def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: 
                       bf16: bool) -> ModelShard:
     full = build_model(cfg.model, cfg.rope_len, cfg.train.seed, device)
     if dims.world_size == 1:
+        apply_recompute(full, cfg.parallel.recompute)
         return ModelShard([full], [0], 1)
     c = dims.coords(rank)
     virtual = cfg.parallel.pp_virtual_stages if dims.pp > 1 else 1
@@ -68,6 +70,7 @@ def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: 
             apply_cp(part, mesh["cp"].get_group(), c["cp"], dims.cp, cfg.train.seq_len, device)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], cfg.parallel.sequence_parallel)
+        apply_recompute(part, cfg.parallel.recompute)  # inside FSDP's per-block wrapping, as torchtitan orders it
         if dp_mesh is not None:
             apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1)
     return ModelShard(parts, ids, dims.pp * virtual)

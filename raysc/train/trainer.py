@@ -65,8 +65,9 @@ class Trainer:
         self.loss_fault = 1.0  # set by fault injection (nan/spike) for the next step only
         self.model_parts = self.shard.parts
         self.model = self.model_parts[0]
-        self.params = [p for m in self.model_parts for p in m.parameters() if p.requires_grad]
-        self.optimizer = build_optimizer(self.params, cfg.optim)
+        named = [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(named, cfg.optim, cfg.model)  # names: μP groups by parameter name
         self.scheduler = build_scheduler(self.optimizer, cfg.train.steps, cfg.schedule)
         gb = cfg.train.global_batch_sequences
         self.loader = build_loader(cfg, rows, self.dims.dp_rank(rank), self.dims.dp)

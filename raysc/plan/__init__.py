@@ -1,0 +1,1 @@
+"""The layout planner (``raysc plan``): enumerate, estimate, rank and profile parallel layouts."""

@@ -1,0 +1,109 @@
+"""Per-GPU memory of a layout: weights, gradients, AdamW state, FSDP buffers and activations.
+
+Model state (bytes per parameter held by a rank): fp32 master weights 4, fp32 gradients 4,
+AdamW moments 8 — all divided by the FSDP shard size (``dp_shard × cp``, raysc's
+``dp_shard_cp`` mesh) and by ``tp``; a rank holds the parameters of its pipeline stage (the
+first stage also holds the embedding, the last the output head). FSDP adds unsharded copies
+in the compute dtype: the root module's (embedding, head) during forward and backward, and
+two blocks (current + prefetched), plus one block's unsharded fp32 gradients before the
+reduce-scatter. Without FSDP, bf16 autocast caches a bf16 copy of every weight it casts.
+
+Activations follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
+Transformer Models"), recounted for raysc's Llama block — measured with
+``saved_tensors_hooks``, per layer and micro-batch of ``b`` sequences of ``s`` tokens:
+
+- outside the tensor-parallel region: each of the two RMSNorms saves its input, the
+  normalised value and its output, ``6·sbh`` (fp32 upcast for two of the three under bf16);
+  with sequence parallelism those shrink by ``tp`` but the all-gathered linear inputs
+  (``2·sbh``) stay whole, since torch saves them for the weight gradient;
+- inside it (÷ tp): q, k and v (GQA's k/v repeated to every query head), the attention output
+  and the out-projection input, ``5·sbh``; the SwiGLU gate, its SiLU, the up projection and
+  their product, ``4·sbf``. Fused attention stores no ``s×s`` scores, so Korthikanti's
+  ``5as²b`` term (the one selective recomputation removes) is absent.
+- ``recompute = full`` keeps only each block's input (÷ tp under sequence parallelism); the
+  peak adds the larger of one block's recomputed activations and the loss head (the head's
+  tensors are freed before the first block recomputes).
+
+Micro-batches in flight per stage: 1 without pipelining (gradient accumulation frees each
+micro-batch's activations), all ``m`` under GPipe, ``pp − stage`` under 1F1B (the first stage
+holds ``pp``), times ``1 + (pp − 1)/(pp·v)`` for interleaved schedules (Narayanan et al. 2021).
+The last stage adds the loss head: logits, their fp32 copy, the log-softmax cross-entropy saves
+and the logits' gradient (÷ tp, vocabulary-parallel).
+"""
+
+from __future__ import annotations
+
+from raysc.config.schema import ModelConfig
+from raysc.model.flops import param_count
+from raysc.plan.layout import Layout
+
+
+def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_bytes: int) -> float:
+    """Bytes one block saves for backward for one micro-batch, without recomputation."""
+    t, h, f = lay.tp, m.dim, m.hidden_ffn_dim
+    sbh = s * b * h
+    upcast = 0 if act_bytes == 4 else 2 * sbh * (4 - act_bytes)  # RMSNorm's x.float() in each norm
+    if lay.sequence_parallel and t > 1:
+        outside = 4 * sbh / t * act_bytes + 2 * sbh * act_bytes + upcast / t
+    else:
+        outside = 6 * sbh * act_bytes + upcast
+    inside = (5 * sbh + 4 * s * b * f) / t * act_bytes
+    return outside + inside + 2 * s * b * 4  # + the norms' fp32 rsqrt per token
+
+
+def inflight(lay: Layout, microbatches: int, stage: int) -> float:
+    """Micro-batches whose activations stage ``stage`` holds at its peak."""
+    p = lay.pp
+    if p == 1:
+        return 1.0
+    if lay.pp_schedule == "gpipe":
+        return float(microbatches)
+    held = float(min(microbatches, p - stage))
+    if lay.pp_schedule.startswith("interleaved"):
+        held *= 1 + (p - 1) / (p * lay.pp_virtual_stages)
+    return held
+
+
+def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, dtype: str = "bf16") -> dict:
+    """Peak bytes per GPU (the worst pipeline stage) and their breakdown."""
+    pc = param_count(m)
+    t, p = lay.tp, lay.pp
+    act = 2 if dtype == "bf16" else 4
+    fs = lay.dp_shard * lay.cp
+    fsdp = lay.dp_replicate * fs > 1
+    layers_per_stage = m.n_layers / p
+    s = seq_len // lay.cp
+    micro = lay.microbatches(global_batch)
+    per_layer = activation_bytes_per_layer(m, s, lay.micro_batch, lay, act)
+    vocab_head = m.vocab_size * m.dim
+    best: dict | None = None
+    for stage in sorted({0, p - 1}):
+        first, last = stage == 0, stage == p - 1
+        params = layers_per_stage * pc["per_layer"] + (pc["embedding"] if first else 0) + \
+            ((pc["total"] - pc["embedding"] - m.n_layers * pc["per_layer"]) if last else 0)
+        local = params / t
+        state = {"weights": 4 * local / fs, "grads": 4 * local / fs, "optimizer": 8 * local / fs}
+        root = ((vocab_head if first else 0) + (0 if m.tie_embeddings or not last else vocab_head)) / t
+        if fsdp:
+            unsharded = act * root + 2 * act * pc["per_layer"] / t + 4 * pc["per_layer"] / t
+        else:
+            unsharded = (act * local) if act == 2 else 0.0  # autocast's cached bf16 weight copies
+        n_held = inflight(lay, micro, stage)
+        head = 0.0
+        if last:
+            sbv = s * lay.micro_batch * m.vocab_size / t
+            head = sbv * (act + (4 if act < 4 else 0) + 4 + 4) + 3 * s * lay.micro_batch * m.dim * 4
+        if lay.recompute == "full":
+            kept = s * lay.micro_batch * m.dim * act / (t if lay.sequence_parallel and t > 1 else 1)
+            activations = layers_per_stage * kept * n_held
+            # the loss head's tensors are gone by the time the blocks recompute: the larger one counts
+            transient = max(per_layer, head)
+        else:
+            activations = layers_per_stage * per_layer * n_held
+            transient = head  # backward starts with every block's activations and the head's
+        total = sum(state.values()) + unsharded + activations + transient
+        row = {**state, "unsharded": unsharded, "activations": activations, "loss_head": head,
+               "total": total, "stage": stage, "inflight": n_held}
+        if best is None or total > best["total"]:
+            best = row
+    return best

@@ -1,0 +1,1 @@
+"""Scaling recipes: the Chinchilla compute-optimal split, μP and its coordinate check."""
