@@ -215,6 +215,8 @@ class TrainWorker:
                     flip_bit(self.trainer.params[0])
                 else:
                     fire(fault)
+            if self.memory is not None:
+                self.memory.before_step()
             last = self.trainer.train_step()
             if self.memory is not None:
                 self.memory.after_step()

@@ -67,7 +67,7 @@ def persistent_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -
 
 
 class PeakMemory:
-    """Tracks the peak while ``active``; ``after_step`` closes a step's window."""
+    """Tracks the peak of each training step: ``before_step`` opens a window, ``after_step`` closes it."""
 
     def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.parts, self.optimizer, self.device = parts, optimizer, device
@@ -93,6 +93,14 @@ class PeakMemory:
     def _sampler(self) -> None:
         while not self._stop.wait(0.002):
             self._sample()
+
+    def before_step(self) -> None:
+        """Open a step's window: what ran between steps (timeout calibration, the collective stress
+        loop, checkpoint staging) does not count toward the training peak."""
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        elif self._in_use is not None:
+            self._peak = self._in_use()
 
     def after_step(self) -> None:
         """Close one step: from the second step on (AdamW state exists), update the model peak."""
