@@ -86,3 +86,14 @@ def test_layout_string_parsing():
     from raysc.config import ConfigError
     with pytest.raises(ConfigError, match="unknown key 'tpp'"):
         layout_overrides("tpp=2")
+
+
+@pytest.mark.parametrize("layout", ["dp_shard=2,tp=2", "cp=2"])
+def test_mup_layouts_match_single_process(ray_session, parity_dirs, layout):
+    """μP (width multiplier 2) under FSDP + TP and under context parallelism: its per-name LR groups,
+    logit multiplier and 1/head_dim attention scale reproduce the single-process run."""
+    work, overrides = parity_dirs
+    mup = [*overrides, "model.mup=true", "model.mup_base_width=32"]
+    report = run_parity(None, layout, mup, steps=10, rtol=1e-4, work_dir=work, ref_dir=work / "reference-mup")
+    print(report.table())
+    assert report.ok, report.table()
