@@ -17,6 +17,7 @@ non-zero on a mismatch; the tests run the layouts listed in docs/parallelism.md.
 from __future__ import annotations
 
 import dataclasses
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -115,6 +116,9 @@ def run_parity(config: str | Path | None, layout: str, overrides: list[str] = ()
         train(load_config(config, [*common, f'run.dir="{ref_path}"']), progress=progress)
     name = layout.replace(",", "_").replace("=", "") or "single"
     got_path = work / name
+    # the layout's run directory is this harness's scratch: a run of the same layout before (other
+    # overrides) left a committed final checkpoint there, which a fresh run would not overwrite
+    shutil.rmtree(got_path, ignore_errors=True)
     cfg = load_config(config, [*common, *layout_overrides(layout), f'run.dir="{got_path}"'])
     train(cfg, progress=progress)
     return compare_runs(ref_path, got_path, layout, rtol)
