@@ -235,7 +235,7 @@ def connected_components(edges, max_rounds: int, log=print):
 BROADCAST_MAX_IDS = 1_000_000  # up to this many removed ids are broadcast as a set, not shuffled
 
 
-def drop_nodes(docs, losers):
+def drop_nodes(docs, losers, count: int):
     """``docs`` without the rows whose ``node`` is in ``losers``. Near duplicates are a small share
     of a corpus: up to ``BROADCAST_MAX_IDS`` ids go to every task as one object (a filter, no
     shuffle); beyond that, the shuffle-based ``anti_join``."""
@@ -243,7 +243,7 @@ def drop_nodes(docs, losers):
     import pyarrow.compute as pc
     import ray
 
-    if losers.count() > BROADCAST_MAX_IDS:
+    if count > BROADCAST_MAX_IDS:
         return anti_join(docs, losers, "node")
     ids_ref = ray.put(pa.concat_tables(ray.get(losers.to_arrow_refs()))["node"].combine_chunks())
 
@@ -378,7 +378,7 @@ def curate(cfg: Config, log=print) -> dict:
             clusters = roots.filter(lambda r: r["node"] == r["root"]).count()
             removed_near = losers.count()
             if removed_near:
-                docs = drop_nodes(docs, losers).materialize()
+                docs = drop_nodes(docs, losers, removed_near).materialize()
     n_near = docs.count()
     t = stage("near_dedup", t)
     log(f"curate: near dedup removed {removed_near} in {clusters} cluster(s) ({rounds} rounds)")

@@ -24,6 +24,22 @@ from raysc.plan.perf import estimate_step
 from raysc.plan.search import layout_config
 
 
+def measurement_config(cfg: Config, steps: int, run_dir: str | Path, checkpoint: dict | None = None,
+                       supervisor: dict | None = None) -> Config:
+    """``cfg`` as a short measuring run: ``steps`` steps with per-rank peak memory, no fault drills, no
+    warm spares, no pre-flight gate (it is what measures), under ``run_dir``; ``checkpoint`` and
+    ``supervisor`` override fields of those sections (default: no periodic checkpoints or SDC checks)."""
+    run = copy.deepcopy(cfg)
+    run.train = dataclasses.replace(run.train, steps=steps, measure_memory=True, require_preflight=False,
+                                    log_every=steps)
+    run.checkpoint = dataclasses.replace(run.checkpoint, **{"every_steps": 0, "uri": "", "async_save": False,
+                                                            **(checkpoint or {})})
+    run.supervisor = dataclasses.replace(run.supervisor, **{"inject": "", "warm_spares": False, "sdc_every_steps": 0,
+                                                            **(supervisor or {})})
+    run.run = dataclasses.replace(run.run, dir=str(run_dir))
+    return run
+
+
 def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps: int = 6, dtype: str = "fp32",
                     log=print) -> list[dict]:
     """Run each layout for ``steps`` steps; estimated vs measured memory and step time per layout."""
@@ -33,11 +49,7 @@ def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps:
     gb = cfg.train.global_batch_sequences
     out = []
     for i, lay in enumerate(layouts):
-        run = layout_config(copy.deepcopy(cfg), lay)
-        run.train = dataclasses.replace(run.train, steps=steps, measure_memory=True, log_every=steps)
-        run.checkpoint = dataclasses.replace(run.checkpoint, every_steps=0, uri="", async_save=False)
-        run.supervisor = dataclasses.replace(run.supervisor, inject="", warm_spares=False, sdc_every_steps=0)
-        run.run = dataclasses.replace(run.run, dir=str(Path(cfg.run_dir) / "plan" / f"{i:02d}"))
+        run = measurement_config(layout_config(cfg, lay), steps, Path(cfg.run_dir) / "plan" / f"{i:02d}")
         log(f"plan --profile: [{i + 1}/{len(layouts)}] {lay.describe()} for {steps} steps")
         summary = train(run, progress=False)
         times = [m["step_time"] for m in read_jsonl(Path(run.run_dir) / "metrics.jsonl") if m["step"] > 2]

@@ -66,18 +66,14 @@ def _store_speed(cfg: Config, nbytes: int) -> dict:
 
 
 def probe_config(cfg: Config, steps: int) -> Config:
-    run = copy.deepcopy(cfg)
+    from raysc.plan.profile import measurement_config
+
     sup = cfg.supervisor
-    run.train = dataclasses.replace(run.train, steps=steps, measure_memory=True, require_preflight=False,
-                                    log_every=steps)
-    run.checkpoint = dataclasses.replace(run.checkpoint, uri=f"{cfg.checkpoint_uri.rstrip('/')}/_preflight",
-                                         every_steps=max(1, steps // 2), async_save=False)
-    run.supervisor = dataclasses.replace(run.supervisor, inject="", warm_spares=False,
-                                         stress_s=max(sup.stress_s, 2.0),
-                                         calibrate_steps=min(max(sup.calibrate_steps, 2), steps - 2),
-                                         sdc_every_steps=2)  # a few checks, to measure their overhead
-    run.run = dataclasses.replace(run.run, dir=str(Path(cfg.run_dir) / "preflight" / "probe"))
-    return run
+    return measurement_config(
+        cfg, steps, Path(cfg.run_dir) / "preflight" / "probe",
+        checkpoint={"uri": f"{cfg.checkpoint_uri.rstrip('/')}/_preflight", "every_steps": max(1, steps // 2)},
+        supervisor={"stress_s": max(sup.stress_s, 2.0), "calibrate_steps": min(max(sup.calibrate_steps, 2), steps - 2),
+                    "sdc_every_steps": 2})  # a few replica checks, to measure their overhead
 
 
 def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:

@@ -9,7 +9,7 @@ end and from a 2 ms sampling thread, and keep the maximum. That figure also hold
 process's own heap (Python objects, the data rows, gloo buffers); it is removed by
 measuring the heap at a quiescent point after a step and subtracting what the tensors that
 persist across steps (this rank's parameter shards and optimizer state, counted exactly)
-occupy there: ``model_peak = peak − (quiescent − persistent)``. What remains is measured:
+occupy there: ``step peak = peak − (quiescent − persistent)``. What remains is measured:
 gradients, activations, FSDP buffers and temporaries.
 
 Why our own: ``torch.profiler``'s CPU memory events do not give a usable timeline of live
@@ -72,7 +72,7 @@ class PeakMemory:
     def __init__(self, parts: list[nn.Module], optimizer: torch.optim.Optimizer, device: torch.device) -> None:
         self.parts, self.optimizer, self.device = parts, optimizer, device
         self.steps = 0
-        self.model_peak = 0
+        self.step_peaks: list[int] = []  # per step from the second (AdamW state exists)
         self._in_use = None if device.type == "cuda" else _libc_in_use()
         self.available = device.type == "cuda" or self._in_use is not None
         self._peak = 0
@@ -109,18 +109,21 @@ class PeakMemory:
             peak = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             if self.steps > 1:
-                self.model_peak = max(self.model_peak, peak)
+                self.step_peaks.append(peak)
             return
         if self._in_use is None:
             return
         quiescent = self._in_use()
         fixed = quiescent - persistent_bytes(self.parts, self.optimizer)
         if self.steps > 1:
-            self.model_peak = max(self.model_peak, self._peak - fixed)
+            self.step_peaks.append(self._peak - fixed)
         self._peak = quiescent
 
     def report(self) -> dict:
-        return {"peak_bytes": int(self.model_peak), "steps": self.steps,
+        """``peak_bytes``: the median of the steps' peaks (a step is the unit that repeats; one window
+        caught by a between-step allocation freed late must not stand for the run); ``max_bytes``."""
+        peaks = sorted(self.step_peaks) or [0]
+        return {"peak_bytes": int(peaks[len(peaks) // 2]), "max_bytes": int(peaks[-1]), "steps": self.steps,
                 "method": "cuda allocator" if self.device.type == "cuda" else "glibc mallinfo2 minus heap"}
 
     def close(self) -> None:
