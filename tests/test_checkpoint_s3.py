@@ -36,7 +36,7 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     store = CheckpointStore(full.checkpoint_uri, full.checkpoint.storage_options)
     assert store.steps() == [10, 15, 20]  # keep_last=2 plus the keep_every_steps=10 long-term keep
     manifest = store.read_manifest(20)
-    assert {f["path"] for f in manifest["files"]} >= {".metadata", "__0_0.distcp", "extra_rank0.pt"}
+    assert {f["path"] for f in manifest["files"]} >= {".metadata", "__0_0.distcp", "extra_rank0.safetensors"}
     assert manifest["loader"]["cursor"] == 20 * 8 and manifest["layout"]["world_size"] == 1
     assert len(manifest["detectors"]["spike"]["loss"]) == 20  # the detector's window travels with it
     assert store.verify(20, checksums=True) is None

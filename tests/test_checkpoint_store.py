@@ -92,7 +92,7 @@ def test_staging_checksums_the_bytes_dcp_wrote_and_catches_later_corruption(tmp_
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         names, digests = stage_shards(tmp_path / "s", model, opt, {"step": 1}, rank=0)
-    assert set(names) == set(digests) >= {".metadata", "__0_0.distcp", "extra_rank0.pt"}
+    assert set(names) == set(digests) >= {".metadata", "__0_0.distcp", "extra_rank0.safetensors"}
     for name in names:
         path = tmp_path / "s" / name
         assert digests[name] == (path.stat().st_size, file_sha256(path))

@@ -2,7 +2,8 @@
 
 Reads the run's resolved ``config.toml``, finds its newest committed checkpoint
 (or the given step), fetches it into a local cache verifying every file's
-SHA-256, and loads the model tensors in one process; no Ray and no process
+SHA-256 (and the manifest's signature when the run signs its checkpoints), and
+loads the model tensors in one process; no Ray and no process
 group are needed, and DCP reshards whatever layout wrote it.
 """
 
@@ -12,6 +13,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
+from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.staging import load_local
 from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import load_config
@@ -37,7 +39,8 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     cfg = load_config(cfg_path)
     # config.toml has secrets redacted: drop them so the environment's credentials apply
     options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != "***"}
-    store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency)
+    signer = Signer.resolve(cfg.checkpoint.signing_key)  # a signed run's key must be in the environment
+    store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency, signer)
     if step is None:
         step = store.latest()
         if step is None:
@@ -47,5 +50,5 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     model = build_model(cfg.model, cfg.rope_len, cfg.train.seed)
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        load_local(local, model, None, rank=0)
+        load_local(local, model, None, rank=0, step=step)
     return RunModel(model, cfg, rd / "tokenizer.json", f"{cfg.checkpoint_uri}/step_{step:08d}", step)

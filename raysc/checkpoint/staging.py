@@ -11,8 +11,12 @@ manifest's SHA-256 is then the digest of the bytes DCP produced, so:
 - corruption anywhere after DCP wrote a file (local disk, transfer, store) is
   caught by the checksum on load.
 
-Loading goes through DCP's ``FileSystemReader``, which reshards to the current
-layout.
+Loading goes through DCP, which reshards to the current layout, with its two
+unpickling seams replaced (``raysc.checkpoint.safe_dcp``); the per-rank state is
+safetensors + JSON (``raysc.checkpoint.rank_state``). Before any collective load,
+each rank parses ``.metadata`` and its rank-state file itself, so a file that is
+not data is refused on every rank alike (``CorruptCheckpoint``) and the restore
+can fall back to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -27,10 +31,14 @@ from typing import Iterator
 import torch
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from raysc.checkpoint.rank_state import BadRankState, load_rank_state, save_rank_state
+from raysc.checkpoint.safe_dcp import (LOAD_ERRORS, CheckpointRejected, SafeFileSystemReader, SafeLoadPlanner,
+                                       load_metadata, rejection_in)
+from raysc.checkpoint.store import CorruptCheckpoint
 from raysc.hashing import file_sha256
 
 Digest = tuple[int, str]  # (size in bytes, sha256 hex)
@@ -122,9 +130,9 @@ def write_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
 
 
 def save_extra(staged: Staged, local_dir: Path, extra: dict, rank: int) -> None:
-    """This rank's non-tensor state (step, tokens, loader cursor, scheduler, RNG, detectors)."""
-    path = local_dir / f"extra_rank{rank}.pt"
-    torch.save(extra, path)
+    """This rank's non-tensor state (step, tokens, loader cursor, scheduler, RNG, detectors), as data."""
+    path = local_dir / extra_name(rank)
+    save_rank_state(path, extra)
     staged.extra[path.name] = (path.stat().st_size, file_sha256(path))
 
 
@@ -137,28 +145,47 @@ def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optim
     return rank_files(local_dir, rank), staged.wait()
 
 
+def extra_name(rank: int) -> str:
+    return f"extra_rank{rank}.safetensors"
+
+
 def rank_files(local_dir: Path, rank: int) -> list[str]:
-    names = [p.name for p in local_dir.glob(f"__{rank}_*.distcp")] + [f"extra_rank{rank}.pt"]
+    names = [p.name for p in local_dir.glob(f"__{rank}_*.distcp")] + [extra_name(rank)]
     if rank == 0 and (local_dir / ".metadata").is_file():
         names.append(".metadata")
     return sorted(names)
 
 
 def load_local(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-               group=None) -> dict:
-    """Load tensors in place from a local copy of a checkpoint (DCP reshards as needed)."""
-    reader = FileSystemReader(str(local_dir))
-    if optimizer is not None:
-        msd, osd = get_state_dict(model, optimizer, options=OPTIONS)
-        state = {"model": msd, "optim": osd}
-        dcp.load(state, storage_reader=reader, process_group=group)
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                       options=OPTIONS)
-    else:
-        msd = model.state_dict()
-        dcp.load({"model": msd}, storage_reader=reader, process_group=group)
-        model.load_state_dict(msd)
-    extra = local_dir / f"extra_rank{rank}.pt"
+               group=None, step: int = -1) -> dict:
+    """Load tensors in place from a local copy of checkpoint ``step`` (DCP reshards as needed) and
+    return this rank's training state. Raises ``CorruptCheckpoint`` when a file is not data."""
+    extra = local_dir / extra_name(rank)
     if not extra.is_file():  # resharded to more ranks than saved: counters and cursor are global
-        extra = local_dir / "extra_rank0.pt"
-    return torch.load(extra, weights_only=False) if extra.is_file() else {}
+        extra = local_dir / extra_name(0)
+    try:  # parsed here, by every rank, before the collective load: a bad file fails everywhere alike
+        load_metadata((local_dir / ".metadata").read_bytes())
+        state = load_rank_state(extra) if extra.is_file() else {}
+    except CheckpointRejected as e:
+        raise CorruptCheckpoint(step, e.file, e.reason) from None
+    except BadRankState as e:
+        raise CorruptCheckpoint(step, extra.name, str(e).removeprefix(f"{extra.name}: ")) from None
+    reader = SafeFileSystemReader(str(local_dir))
+    planner = SafeLoadPlanner()
+    try:
+        if optimizer is not None:
+            msd, osd = get_state_dict(model, optimizer, options=OPTIONS)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, storage_reader=reader, planner=planner, process_group=group)
+            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
+                           options=OPTIONS)
+        else:
+            msd = model.state_dict()
+            dcp.load({"model": msd}, storage_reader=reader, planner=planner, process_group=group)
+            model.load_state_dict(msd)
+    except LOAD_ERRORS as e:
+        rejected = rejection_in(e)
+        if rejected is None:
+            raise
+        raise CorruptCheckpoint(step, rejected.file, rejected.reason) from None
+    return state

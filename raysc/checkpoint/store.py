@@ -4,9 +4,11 @@ Layout under ``checkpoint.uri``::
 
     step_00000100/
         .metadata, __0_0.distcp, __1_0.distcp ...  torch.distributed.checkpoint shards (model + optimizer)
-        extra_rank0.pt, extra_rank1.pt ...         per rank: step, tokens, loader cursor, scheduler, RNG
+        extra_rank0.safetensors ...                per rank: step, tokens, loader cursor, scheduler, RNG
+                                                   (JSON + tensors, ``raysc.checkpoint.rank_state``)
         manifest.json                              written last: step, tokens, layout, config + hash,
-                                                   every file with size and sha256, loader state
+                                                   every file with size and sha256, loader state,
+                                                   and an HMAC signature when a key is set
 
 Rules (``docs/checkpointing.md``): a checkpoint exists only when its manifest
 exists and every file it lists is there with the recorded size (and, when
@@ -15,6 +17,12 @@ object is rewritten in place: a prefix left by a save that died before its
 commit is deleted before that step is saved again. Retention un-commits (deletes
 the manifest) before deleting files, and never touches the checkpoint being
 restored.
+
+Nothing read from the store is unpickled by raysc: the manifest is JSON, the
+per-rank state is safetensors + JSON, and DCP's files go through
+``raysc.checkpoint.safe_dcp``. With a signing key (``raysc.checkpoint.signing``)
+the manifest's signature is checked before anything else is read, and every
+file's SHA-256 before it is parsed.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,11 +38,15 @@ from pathlib import Path
 from typing import Callable
 
 
+from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import Storage
 from raysc.hashing import file_sha256
 
-FORMAT = "raysc-ckpt-v3"  # v3: optimizer state flattened by parameter name
+# v3: optimizer state flattened by parameter name; v4: per-rank state as safetensors + JSON (v3 pickled it)
+FORMAT = "raysc-ckpt-v4"
+CONVERTIBLE = "raysc-ckpt-v3"  # `raysc ckpt convert` turns it into FORMAT
 MANIFEST = "manifest.json"
+FILE_NAME = re.compile(r"[A-Za-z0-9_.-]+")
 
 
 class CorruptCheckpoint(RuntimeError):
@@ -52,6 +65,7 @@ class CheckpointStore:
     uri: str
     options: dict = field(default_factory=dict)
     concurrency: int = 0  # parallel parts per file transfer (checkpoint.transfer_concurrency); 0 = auto
+    signer: Signer = field(default_factory=Signer)  # signs commits, checks manifests before anything is read
 
     def __post_init__(self) -> None:
         self.storage = Storage(self.uri, self.options, self.concurrency)
@@ -59,7 +73,8 @@ class CheckpointStore:
     @classmethod
     def for_config(cls, cfg, uri: str | None = None) -> "CheckpointStore":
         """The store of ``cfg``'s checkpoint settings at ``uri`` (default: ``cfg.checkpoint_uri``)."""
-        return cls(uri or cfg.checkpoint_uri, cfg.checkpoint.storage_options, cfg.checkpoint.transfer_concurrency)
+        return cls(uri or cfg.checkpoint_uri, cfg.checkpoint.storage_options, cfg.checkpoint.transfer_concurrency,
+                   Signer.resolve(cfg.checkpoint.signing_key))
 
     # ---- listing and verification ----
     def prefix(self, step: int) -> str:
@@ -88,9 +103,9 @@ class CheckpointStore:
         manifest = self.read_manifest(step)
         if manifest is None:
             return "no manifest (never committed)"
-        if manifest.get("format") != FORMAT:
-            return (f"format {manifest.get('format')!r}, this raysc reads {FORMAT!r}: load it with the "
-                    f"raysc version that wrote it")
+        reason = self.check_manifest(step, manifest)
+        if reason:
+            return reason
         for entry in manifest["files"]:
             rel = f"{self.prefix(step)}/{entry['path']}"
             try:
@@ -102,6 +117,29 @@ class CheckpointStore:
             if checksums and self.storage.sha256(rel) != entry["sha256"]:
                 return f"{entry['path']}: sha256 mismatch (altered after commit)"
         return None
+
+    def check_manifest(self, step: int, manifest: dict) -> str | None:
+        """None when ``manifest`` is one this raysc reads and its signature satisfies the signer; else why not."""
+        fmt = manifest.get("format")
+        if fmt == CONVERTIBLE:
+            return (f"format {fmt!r} keeps per-rank state as pickle (extra_rank*.pt), which raysc no longer "
+                    f"unpickles: if you trust whoever could write this store, convert it once with "
+                    f"`raysc ckpt convert {self.uri} --step {step}`")
+        if fmt != FORMAT:
+            return (f"format {fmt!r}, this raysc reads {FORMAT!r}: load it with the raysc version that "
+                    f"wrote it")
+        reason = self.signer.check(manifest)
+        if reason:
+            return reason
+        for entry in manifest.get("files", []):  # names are written under a local directory: no paths
+            if not isinstance(entry.get("path"), str) or not FILE_NAME.fullmatch(entry["path"]) \
+                    or entry["path"] in (".", ".."):
+                return f"file name {entry.get('path')!r} is not a plain checkpoint file name: refused"
+        return None
+
+    def signature_state(self, step: int) -> str:
+        manifest = self.read_manifest(step)
+        return "no manifest" if manifest is None else self.signer.describe(manifest)
 
     def latest(self, on_skip: Callable[[int, str], None] | None = None, checksums: bool = False) -> int | None:
         for step in reversed(self.steps()):
@@ -151,8 +189,8 @@ class CheckpointStore:
 
     def commit(self, step: int, files: list[dict], meta: dict) -> dict:
         """Write the manifest (the commit point) after every file is durable."""
-        manifest = {"format": FORMAT, "step": step, "time": time.time(),
-                    "files": sorted(files, key=lambda f: f["path"]), **meta}
+        manifest = self.signer.sign({"format": FORMAT, "step": step, "time": time.time(),
+                                     "files": sorted(files, key=lambda f: f["path"]), **meta})
         self.storage.write_bytes(f"{self.prefix(step)}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         return manifest
 
@@ -179,6 +217,9 @@ class CheckpointStore:
         manifest = self.read_manifest(step)
         if manifest is None:
             raise CorruptCheckpoint(step, MANIFEST, "missing")
+        reason = self.check_manifest(step, manifest)
+        if reason:  # before any file is fetched, let alone parsed
+            raise CorruptCheckpoint(step, MANIFEST, reason)
         local_dir.mkdir(parents=True, exist_ok=True)
         files = manifest["files"]
         with ThreadPoolExecutor(max_workers=max(1, min(len(files), self.storage.concurrency))) as pool:

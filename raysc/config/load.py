@@ -300,6 +300,8 @@ def dump_config(cfg: Config) -> str:
         out.append(f"[{section.name}]")
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
+            if f.metadata.get("secret") and v:
+                v = "***"
             out.append(f"{key_name(f)} = {_toml_value(redact(v) if isinstance(v, dict) else v)}")
         out.append("")
     return "\n".join(out)

@@ -153,7 +153,7 @@ class CheckpointCoordinator:
             "loader": job["loader"], "detectors": {"spike": job["detector"]},
             "state": {"model": "DCP key 'model' in .metadata + __*.distcp",
                       "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
-                      "scheduler_rng_loader": "extra_rank{r}.pt, one per rank"},
+                      "scheduler_rng_loader": "extra_rank{r}.safetensors (JSON + tensors), one per rank"},
         }
         manifest = self.store.commit(step, files, meta)
         total_s = time.perf_counter() - job["t0"]
