@@ -14,13 +14,15 @@ from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import bubble_fraction, estimate_step
 from raysc.plan.search import heuristic_layout, plan
 
-# published shapes; GPU counts: GPT-3 175B as Megatron-LM trained it (Narayanan et al. 2021: 1,024 A100
-# 80 GB for the 175B row), Llama 3 405B as Meta did (16,384 H100, 16M-token batches of 8K sequences);
-# Llama 3 70B's count is not published: 2,048 H100 assumed. GPT-3's vocabulary is padded to 51,200
-# as Megatron pads it (divisible by tp).
+# published shapes; GPU counts: GPT-3 175B as Narayanan et al. 2021 (Megatron-LM, SC21) size its
+# end-to-end estimate (1,024 A100 80 GB), Llama 3 405B as Meta did (16,384 H100, 16M-token batches of
+# 8K sequences); Llama 3 70B's count is not published: 2,048 H100 assumed. GPT-3's vocabulary is
+# padded to 51,200 as Megatron pads it (divisible by tp); its MLP (two 12,288 x 49,152 matrices) is
+# written as a SwiGLU of the same parameter count and FLOPs (three 12,288 x 32,768), so the model has
+# GPT-3's 175B parameters.
 PUBLISHED = {
     "gpt3-175b": (["model.vocab_size=51200", "model.dim=12288", "model.n_layers=96", "model.n_heads=96",
-                   "model.n_kv_heads=96", "model.ffn_dim=49152", "train.seq_len=2048", "train.global_batch=1536"],
+                   "model.n_kv_heads=96", "model.ffn_dim=32768", "train.seq_len=2048", "train.global_batch=1536"],
                   dict(gpus=1024, gpu_mem_gb=80, peak_tflops=312, intra_gbps=300, inter_gbps=25)),
     "llama3-70b": (["model.vocab_size=128256", "model.dim=8192", "model.n_layers=80", "model.n_heads=64",
                     "model.n_kv_heads=8", "model.ffn_dim=28672", "train.seq_len=8192", "train.global_batch=2048"],
@@ -31,6 +33,10 @@ PUBLISHED = {
 }
 
 
+# the rule of thumb's verdict on each (does its layout fit in memory?), asserted, not branched on
+HEURISTIC_FITS = {"gpt3-175b": True, "llama3-70b": False, "llama3-405b": False}
+
+
 @pytest.mark.parametrize("name", sorted(PUBLISHED))
 def test_planner_choice_fits_and_beats_the_rule_of_thumb(name):
     overrides, cluster_kw = PUBLISHED[name]
@@ -39,17 +45,36 @@ def test_planner_choice_fits_and_beats_the_rule_of_thumb(name):
     result = plan(cfg, cluster)
     best = result["ranked"][0]
     lay = best["layout"]
-    assert lay.world_size == cluster.gpus and lay.tp <= cluster.gpus_per_node
-    assert best["memory"]["total"] <= cluster.usable_bytes
     gb, seq = cfg.train.global_batch_sequences, cfg.train.seq_len
     heur = heuristic_layout(cfg, cluster)
-    heur_fits = estimate_memory(cfg.model, seq, gb, heur)["total"] <= cluster.usable_bytes
-    heur_tps = estimate_step(cfg.model, seq, gb, heur, cluster)["tokens_per_s"]
-    if heur_fits:
-        assert best["estimate"]["tokens_per_s"] >= heur_tps
+    heur_mem = estimate_memory(cfg.model, seq, gb, heur)["total"]
+    assert (heur_mem <= cluster.usable_bytes) == HEURISTIC_FITS[name], (heur, heur_mem / 1e9)
+    if HEURISTIC_FITS[name]:  # it fits, and the planner's choice is faster by the estimator's own measure
+        assert best["estimate"]["tokens_per_s"] > 1.1 * estimate_step(cfg.model, seq, gb, heur, cluster)["tokens_per_s"]
+    assert lay.world_size == cluster.gpus and best["memory"]["total"] <= cluster.usable_bytes
     assert 0.2 < best["estimate"]["mfu"] <= cluster.efficiency  # a plausible model FLOPs utilisation
-    # the fragment is a config the run would accept
-    load_config(None, [*overrides, *lay.overrides(gb)])
+    load_config(None, [*overrides, *lay.overrides(gb)])  # the fragment is a config the run would accept
+
+
+def test_estimate_of_megatrons_published_gpt3_layout_matches_its_throughput():
+    """Narayanan et al. 2021 (Megatron-LM, SC21): GPT-3 175B on 1,024 A100 (312 TFLOP/s bf16 peak),
+    batch 1,536 x 2,048 tokens, 140 TFLOP/s per GPU, counted with their formula
+    96·B·s·l·h²·(1 + s/6h + V/16lh), which includes the activation recomputation's extra forward:
+    1.0e5 tokens/s (their "34 days" for 300B tokens), model FLOPs utilisation 140·72/96 / 312 = 33.7%.
+    The layout: tp 8 (a node), pp 8, dp 16, micro-batch 1, full recomputation, 1F1B. The planner's
+    estimator (default efficiency 0.5, no calibration) must land within 10% of both."""
+    overrides, cluster_kw = PUBLISHED["gpt3-175b"]
+    cfg = load_config(None, overrides)
+    cluster = Cluster(**cluster_kw)
+    l, h, s, v, batch = 96, 12288, 2048, 51200, 1536
+    published_tps = 140e12 * 1024 / (96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
+    assert published_tps == pytest.approx(1.0e5, rel=0.01) and 300e9 / published_tps / 86400 == pytest.approx(34, abs=1)
+    lay = Layout(dp_replicate=16, tp=8, pp=8, micro_batch=1, recompute="full")
+    assert lay.world_size == cluster.gpus
+    assert estimate_memory(cfg.model, s, batch, lay)["total"] <= cluster.usable_bytes  # it fit their 80 GB
+    est = estimate_step(cfg.model, s, batch, lay, cluster)
+    assert est["tokens_per_s"] == pytest.approx(published_tps, rel=0.10), est
+    assert est["mfu"] == pytest.approx(140 * 72 / 96 / 312, rel=0.10), est
 
 
 def test_invalid_layouts_are_rejected_with_the_reason():

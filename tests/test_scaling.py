@@ -248,8 +248,14 @@ def test_mup_coord_check_cli(tmp_path, cache_dir, capsys):
                    f'[run]\ndir = "{tmp_path / "run"}"\n')
     rc = main(["mup", "coord-check", str(cfg), "--widths", "32,64,128", "--steps", "3", "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
-    assert rc in (0, 1) and ("μP PASSES" in out or "μP FAILS" in out)
-    assert (tmp_path / "o" / "coord_check.png").exists() and (tmp_path / "o" / "coord_check.json").exists()
+    # the science (docs/scaling.md): under μP no layer's activations grow with width; under SP with
+    # Adam attention/MLP outputs and the logits grow at least linearly after the first update
+    assert rc == 0 and "μP PASSES" in out, out
+    assert (tmp_path / "o" / "coord_check.png").exists()
+    report = json.loads((tmp_path / "o" / "coord_check.json").read_text())
+    assert report["mup"]["max_slope"] <= report["bound"] == 0.25
+    assert abs(report["mup"]["slopes"]["logits"]) < 0.25 and report["sp"]["slopes"]["logits"] > 0.5
+    assert report["sp"]["max_slope"] > 1.0  # the same check fails SP: it can tell the two apart
     assert main(["mup", "coord-check", str(cfg), "--widths", "32,abc"]) == 2
     assert "--widths" in capsys.readouterr().err
     assert main(["mup", "coord-check", str(cfg), "--widths", "30,64"]) == 2  # 30 is not a multiple of head_dim 16

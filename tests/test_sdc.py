@@ -3,8 +3,10 @@ rollback when two replicas disagree, and no false positives on a healthy run."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
+import pytest
 import torch
 
 from raysc.fleet.records import read_jsonl
@@ -16,11 +18,20 @@ def test_fingerprint_catches_every_single_bit_flip():
     tensors = [torch.randn(64, 32), torch.randn(100).to(torch.bfloat16)]
     ref = fingerprint(tensors)
     for t, bits in ((tensors[0], 32), (tensors[1], 16)):
-        for bit in range(bits - 1):  # every bit of one element, including the lowest mantissa bit
+        for bit in range(bits):  # every bit of one element, from the lowest mantissa bit to the sign bit
+            before = t.reshape(-1)[7].item()
             flip_bit(t, index=7, bit=bit)
+            after = t.reshape(-1)[7].item()
+            assert after != before or math.isnan(after), bit  # the bit asked for did flip
             assert not torch.equal(fingerprint(tensors), ref), bit
             flip_bit(t, index=7, bit=bit)  # flip back
+            assert t.reshape(-1)[7].item() == before, bit
+        flip_bit(t, index=7, bit=bits - 1)
+        assert t.reshape(-1)[7].item() == -before  # the top bit is the sign bit
+        flip_bit(t, index=7, bit=bits - 1)
     assert torch.equal(fingerprint(tensors), ref)
+    with pytest.raises(ValueError):
+        flip_bit(tensors[0], bit=32)
 
 
 def test_vote_finds_the_minority_or_admits_there_is_none():

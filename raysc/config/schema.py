@@ -178,16 +178,22 @@ class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "treat the fleet as hung when no worker reports progress for this long "
                                        "(before calibration, and while saving or restoring)", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
-    spike_policy: str = opt("skip", "on a loss/grad-norm spike or NaN: skip the update on every rank; "
+    spike_policy: str = opt("skip", "on a loss spike or a NaN/Inf loss or grad norm: skip the update on every "
+                                    "rank, and after spike_patience spikes in a row accept the new loss level; "
                                     "rollback = skip, and after spike_patience flagged steps in a row restore "
-                                    "the checkpoint before them and skip skip_batches batches; or off",
+                                    "the checkpoint before them and skip skip_batches batches (once per window: "
+                                    "if they are flagged again, the skip rule applies); or off",
                             choices=["skip", "rollback", "off"])
-    spike_patience: int = opt(3, "consecutive flagged steps that trigger a rollback", min=1)
+    spike_patience: int = opt(3, "flagged steps in a row that trigger a rollback; under skip, the most loss-spike "
+                                 "updates skipped in a row (the weights do not move meanwhile): the next step at "
+                                 "that level is accepted and the window moves to it", min=1)
     skip_batches: int = opt(200, "batches of data skipped after a rollback (PaLM skipped 200-500)", min=0)
     spike_window: int = opt(128, "steps in the rolling window the spike detector compares against", min=2)
-    spike_sigma: float = opt(6.0, "flag a step whose loss or grad norm is more than this many standard "
-                                  "deviations from the window's mean", gt=0.0)
-    spike_min_history: int = opt(16, "healthy steps seen before spikes are judged (NaN/Inf always are)", min=2)
+    spike_sigma: float = opt(6.0, "flag a step whose loss is more than this many standard deviations above the "
+                                  "window's mean (one-sided; the grad norm's z-score is reported, it never flags "
+                                  "a finite step alone)", gt=0.0)
+    spike_min_history: int = opt(16, "accepted steps seen before loss spikes are judged (NaN/Inf always are)",
+                                 min=2)
     max_restarts: int = opt(3, "restarts and rollbacks in a row (no chunk of training completing in between) "
                                "before the run gives up; 0 = fail on the first error", min=0)
     restart_backoff_s: float = opt(1.0, "the first restart is immediate; wait this long before the second, "

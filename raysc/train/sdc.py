@@ -122,7 +122,12 @@ class ReplicaCheck:
 
 @torch.no_grad()
 def flip_bit(t: torch.Tensor, index: int = 0, bit: int = 22) -> None:
-    """Fault injection: flip one bit of element ``index`` of ``t``'s local data, in place."""
+    """Fault injection: flip one bit of element ``index`` of ``t``'s local data, in place (bit 0 =
+    the lowest mantissa bit, 8 * element size - 1 = the sign bit)."""
     flat = local_tensor(t).detach().reshape(-1)
+    width = 8 * flat.element_size()
+    if not 0 <= bit < width:
+        raise ValueError(f"bit {bit} is outside a {width}-bit element")
     ints = flat.view(_INT_VIEW[flat.element_size()])
-    ints[index] ^= 1 << min(bit, 8 * flat.element_size() - 2)
+    # the top bit as a signed integer of that width (1 << (width - 1) overflows it), except uint8
+    ints[index] ^= (1 << bit) - (1 << width if bit == width - 1 and ints.is_signed() else 0)

@@ -92,8 +92,13 @@ class Trainer:
         self.step = 0
         self.tokens = 0
         sup = cfg.supervisor
-        self.detector = SpikeDetector(sup.spike_window, sup.spike_sigma, sup.spike_min_history)
+        self.detector = SpikeDetector(sup.spike_window, sup.spike_sigma, sup.spike_min_history, sup.spike_patience)
         self.skipped_steps = 0
+        # rollback policy: the step that last raised SpikeRollback. A flagged run that starts again
+        # at or before it (after the rollback and the data skip) is not rolled back a second time:
+        # it falls back to the skip policy, whose patience bound accepts a persistent level. Kept in
+        # this process, not in checkpoints (a restore must not forget it).
+        self.rolled_back_at = 0
         # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
         self.replicas = ReplicaCheck(self.params, mesh["dp_replicate"].get_group()
                                      if mesh is not None and self.dims.dp_replicate > 1 else None)
@@ -171,10 +176,15 @@ class Trainer:
         mfu = tps * self.flops_per_token / (self.peak_flops * self.world_size) if self.peak_flops else 0.0
         sup = self.cfg.supervisor
         if spike is not None and sup.spike_policy == "rollback" and spike["consecutive"] >= sup.spike_patience:
-            raise SpikeRollback(self.step, self.step - spike["consecutive"] + 1, spike)
+            first = self.step - spike["consecutive"] + 1
+            if first > self.rolled_back_at:  # at most one rollback for the same window
+                self.rolled_back_at = self.step
+                raise SpikeRollback(self.step, first, spike)
         metrics = {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
                    "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
                    "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
+        if self.detector.shift is not None:
+            metrics["level_shift"] = self.detector.shift  # a persistent loss level was accepted
         if self._domain_epochs is not None and self.loader.epochs != self._domain_epochs:
             self._domain_epochs = self.loader.epochs
             metrics["domain_epochs"] = self._domain_epochs  # a domain ran out and started a new permutation
