@@ -104,7 +104,7 @@ def ray_train_loop(config: dict) -> None:
     start, ckpt = 0, train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
-            state = torch.load(Path(d) / "state.pt", weights_only=False)
+            state = torch.load(Path(d) / "state.pt", weights_only=True)
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optim"])
         start = state["step"]

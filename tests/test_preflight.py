@@ -19,14 +19,16 @@ def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_
     from raysc.driver import train
     from raysc.preflight.run import PreflightRequired, require_passing
 
-    cfg = make_cfg(*FLEET, "checkpoint.every_steps=0")
+    cfg = make_cfg(*FLEET, "checkpoint.every_steps=0", "checkpoint.capacity_gb=0.0001")  # and a 100 kB quota
     path = tmp_path / "cfg.toml"
     path.write_text(dump_config(cfg))
     assert main(["preflight", str(path), "--steps", "6"]) == 1  # no periodic checkpoints: a fail
     report = json.loads((Path(cfg.run_dir) / "preflight.json").read_text())
     status = {i["name"]: i["status"] for i in report["items"]}
     assert not report["passed"] and status["checkpoint"] == "fail"
-    assert "Young's interval" in [i for i in report["items"] if i["name"] == "checkpoint"][0]["summary"]
+    ckpt_item = [i for i in report["items"] if i["name"] == "checkpoint"][0]
+    assert "Young's interval" in ckpt_item["summary"] and "store CANNOT hold" in ckpt_item["summary"]
+    assert ckpt_item["evidence"]["capacity"]["need_bytes"] > ckpt_item["evidence"]["capacity"]["available_bytes"]
     assert (Path(cfg.run_dir) / "preflight.md").read_text().startswith("# Pre-flight report (FAILED")
     gated = make_cfg(*FLEET, "checkpoint.every_steps=0", "train.require_preflight=true")
     with pytest.raises(PreflightRequired, match="failed .*checkpoint"):
@@ -49,6 +51,7 @@ def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_
     assert items["timeouts"]["evidence"]["stress"]["timeouts"] == 0
     assert items["data"]["status"] == "warn" and items["hyperparameters"]["status"] == "warn"  # not curated, no μP
     assert items["checkpoint"]["evidence"]["store"]["write_mb_s"] > 0
+    assert items["checkpoint"]["evidence"]["capacity"]["ok"] is True  # a local store: its free space
     require_passing(make_cfg(*FLEET, "checkpoint.every_steps=50", "train.require_preflight=true"))
     with pytest.raises(PreflightRequired, match="config changed"):
         require_passing(make_cfg(*FLEET, "checkpoint.every_steps=60", "train.require_preflight=true"))

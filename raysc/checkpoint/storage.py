@@ -140,6 +140,14 @@ class Storage:
         if self.fs.exists(self._fresh(self.path(rel))):
             self.fs.rm(self.path(rel), recursive=True)
 
+    def usage(self, rel: str) -> int:
+        """Bytes stored under ``rel`` (0 if nothing is there)."""
+        try:
+            return int(sum(info.get("size", 0) for info in
+                           self.fs.find(self._fresh(self.path(rel)), detail=True).values()))
+        except FileNotFoundError:
+            return 0
+
     def delete(self, rel: str) -> None:
         self.fs.rm_file(self.path(rel))
 

@@ -31,6 +31,7 @@ import hashlib
 import json
 import os
 import re
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -38,6 +39,7 @@ from pathlib import Path
 from typing import Callable
 
 
+from raysc.checkpoint.failures import PermanentStorageError, permanent_reason
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import Storage
 from raysc.hashing import file_sha256
@@ -163,19 +165,28 @@ class CheckpointStore:
                after_file: Callable[[str], None] | None = None) -> list[dict]:
         """Upload ``names`` from ``local_dir``, up to ``concurrency`` files at once; return their
         manifest entries. ``digests`` holds (size, sha256) taken when the files were written;
-        others are hashed on the way. Each file is retried with exponential backoff; the first
-        file that still fails raises (after the others finish), and nothing is committed."""
+        others are hashed on the way. A transient failure (throttling, 5xx, a dropped connection)
+        is retried with exponential backoff; one that retrying cannot fix (no space, quota,
+        permission, missing bucket: ``failures.permanent_reason``) raises ``PermanentStorageError``
+        at once and the files not yet started are not attempted. Nothing is committed here."""
         digests = digests or {}
+        doomed = threading.Event()  # a permanent error: the other files would fail the same way
 
         def one(name: str) -> dict:
             for attempt in range(retries + 1):
+                if doomed.is_set():
+                    raise PermanentStorageError("not attempted", "an earlier file hit a permanent error")
                 try:
                     size, sha = self.storage.upload_file(str(local_dir / name), f"{self.prefix(step)}/{name}",
                                                          known=digests.get(name))
                     if after_file:
                         after_file(name)
                     return {"path": name, "size": size, "sha256": sha}
-                except Exception as e:  # any client error (botocore's have no common base) is retried
+                except Exception as e:  # any client error (botocore's have no common base) is classified
+                    reason = permanent_reason(e)
+                    if reason is not None:
+                        doomed.set()
+                        raise PermanentStorageError(reason, f"{name}: {type(e).__name__}: {e}") from e
                     if attempt == retries:
                         raise
                     if on_retry:
@@ -185,7 +196,21 @@ class CheckpointStore:
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(names), self.storage.concurrency))) as pool:
             futures = [pool.submit(one, name) for name in names]
+            errors = [f.exception() for f in futures]
+            first = next((e for e in errors if isinstance(e, PermanentStorageError) and e.reason != "not attempted"),
+                         next((e for e in errors if e is not None), None))
+            if first is not None:
+                raise first
             return [f.result() for f in futures]
+
+    def discard_failed(self, step: int) -> int:
+        """After a failed save of ``step``: delete what it uploaded (never a committed checkpoint);
+        return the bytes freed."""
+        if self.read_manifest(step) is not None:
+            return 0
+        freed = self.storage.usage(self.prefix(step))
+        self.storage.delete_prefix(self.prefix(step))
+        return freed
 
     def commit(self, step: int, files: list[dict], meta: dict) -> dict:
         """Write the manifest (the commit point) after every file is durable."""

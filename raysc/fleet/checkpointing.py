@@ -6,6 +6,12 @@ the manifest once every rank's files are durable, applies retention, keeps the
 newest checkpoint's files in Ray's object store (owned by the supervisor, so
 they outlive any worker) and, on resume, walks back from the newest checkpoint
 until one fetches intact on every rank.
+
+A failed save deletes what it uploaded (and each rank its staged files), is
+recorded with how much it freed and whether retrying could have helped
+(``raysc.checkpoint.failures``), and raises a ``checkpoint_lagging`` event with
+the newest durable step; ``checkpoint.on_save_failure`` / ``max_failed_saves``
+decide when the run stops instead of training on with its work unsaved.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import re
 import time
 from typing import Callable
 
+from raysc.checkpoint.failures import permanent_reason
 from raysc.checkpoint.storage import StorageError
 from raysc.checkpoint.store import CheckpointStore, CorruptCheckpoint
 from raysc.config.load import config_hash, dump_config
@@ -49,6 +56,9 @@ class CheckpointCoordinator:
         self.hot_step: int | None = None
         self.saves: list[dict] = []
         self._polling = False
+        self.durable_step: int | None = None  # newest checkpoint this run committed or restored
+        self.failed_in_row = 0  # failed saves since the last commit (checkpoint.max_failed_saves)
+        self.failed_saves = 0
 
     # ---- before step 1 ----
     def probe(self) -> None:
@@ -125,9 +135,11 @@ class CheckpointCoordinator:
                 return
         except ray.exceptions.RayError:
             pass  # a rank is gone: its files may be incomplete, so the save stays uncommitted
-        self.event("checkpoint_save_abandoned", step=self.inflight["step"],
-                   note="a rank failed before its upload finished; no manifest written")
-        self.inflight = None
+        except RunFailed:
+            return  # the save failed and its policy says stop: already recorded; the caller's error stands
+        step, self.inflight = self.inflight["step"], None
+        self.event("checkpoint_save_abandoned", step=step, freed_bytes=self._discard(step),
+                   note="a rank failed before its upload finished; no manifest written, its files deleted")
 
     def finish(self) -> None:
         """Wait for the save in flight; commit it if every rank uploaded, else record the failure."""
@@ -141,8 +153,8 @@ class CheckpointCoordinator:
             for note in r.get("retries", []):
                 self.event("checkpoint_upload_retry", step=step, rank=r["rank"], detail=note)
         if failed:
-            self.event("checkpoint_save_failed", step=step, ranks=[r["rank"] for r in failed],
-                       error=failed[0]["error"], note="no manifest written; the previous checkpoint stands")
+            self._save_failed(step, failed[0]["error"], [r["rank"] for r in failed], failed[0].get("permanent"),
+                              sum(r.get("freed_local", 0) for r in failed))
             return
         files = [f for r in results for f in r["files"]]
         par = self.cfg.parallel
@@ -155,7 +167,12 @@ class CheckpointCoordinator:
                       "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
                       "scheduler_rng_loader": "extra_rank{r}.safetensors (JSON + tensors), one per rank"},
         }
-        manifest = self.store.commit(step, files, meta)
+        try:
+            manifest = self.store.commit(step, files, meta)
+        except Exception as e:  # the manifest itself could not be written (a full store, a lost endpoint)
+            self._save_failed(step, f"manifest: {type(e).__name__}: {e}", [], permanent_reason(e), 0)
+            return
+        self.durable_step, self.failed_in_row = step, 0
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
                                        protect=step)
@@ -165,6 +182,38 @@ class CheckpointCoordinator:
         rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}
         self.saves.append(rec)
         self.event("checkpoint_saved", **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
+
+    def _discard(self, step: int) -> int | None:
+        """Delete what a failed save of ``step`` uploaded (never a committed checkpoint); bytes freed."""
+        try:
+            return self.store.discard_failed(step)
+        except Exception as e:  # the store may refuse even deletes; the next save of this step retries it
+            self.event("checkpoint_cleanup_failed", step=step, error=f"{type(e).__name__}: {e}")
+            return None
+
+    def _save_failed(self, step: int, error: str, ranks: list[int], permanent: str | None, freed_local: int) -> None:
+        """Record a failed save, clean up after it and apply ``checkpoint.on_save_failure``."""
+        ck = self.cfg.checkpoint
+        self.failed_in_row += 1
+        self.failed_saves += 1
+        self.event("checkpoint_save_failed", step=step, ranks=ranks, error=error,
+                   kind=f"permanent: {permanent}" if permanent else "transient (retried)",
+                   freed_bytes=self._discard(step), freed_local_bytes=freed_local,
+                   note="no manifest written; the previous checkpoint stands")
+        stop = ck.on_save_failure == "stop" or self.failed_in_row >= ck.max_failed_saves
+        at_risk = step - (self.durable_step or 0)
+        self.event("checkpoint_lagging", step=step, durable_step=self.durable_step, steps_at_risk=at_risk,
+                   failed_in_row=self.failed_in_row, max_failed_saves=ck.max_failed_saves,
+                   action="stop the run" if stop else "keep training; the next checkpoint step tries again")
+        if stop:
+            why = f"{self.failed_in_row} checkpoint save(s) in a row failed" if ck.on_save_failure == "continue" \
+                else "a checkpoint save failed and checkpoint.on_save_failure = 'stop'"
+            err = RunFailed(f"{why} (last: step {step}: {error}). The newest durable checkpoint is "
+                            f"{'step ' + str(self.durable_step) if self.durable_step is not None else 'none'} "
+                            f"({at_risk} steps of work unsaved). Free space or raise the quota/permissions of "
+                            f"{self.cfg.checkpoint_uri} (see docs/checkpointing.md), then continue with --resume.")
+            err.recoverable = False  # a restart would hit the same store
+            raise err
 
     def _keep_hot(self, step: int, results: list[dict]) -> None:
         """Keep the newest checkpoint's files in Ray's object store, owned by the supervisor."""
@@ -182,7 +231,9 @@ class CheckpointCoordinator:
         good = [s for s in self.store.steps() if s < first_bad_step and self.store.verify(s) is None]
         if not good:
             raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
-        return self._fetch_and_load(self.store, good[-1])[0]
+        restored = self._fetch_and_load(self.store, good[-1])[0]
+        self.durable_step = max(good)
+        return restored
 
     def _fetch_and_load(self, store: CheckpointStore, step: int) -> tuple[int, list[dict]]:
         """Every rank fetches ``step`` (verifying each file; no collectives, so a corrupt file
@@ -225,6 +276,8 @@ class CheckpointCoordinator:
                                action="falling back to the previous checkpoint")
                     continue
                 raise
+            if self.load_store is self.store:
+                self.durable_step = step
             manifest = self.load_store.read_manifest(step) or {}
             self.event("resumed", step=restored, uri=self.load_store.uri, from_layout=manifest.get("layout"),
                        source=sorted({i["source"] for i in infos}), fetch_s=round(max(i["seconds"] for i in infos), 3))

@@ -118,6 +118,12 @@ def check_checkpoint(cfg: Config, ev: Evidence) -> Item:
                             f"(save {save_s:.2f} s, MTBF {cfg.checkpoint.mtbf_hours} h)")
     else:
         problems.append("no checkpoint was saved during the probe")
+    ckpt_bytes = max((e["bytes"] for e in saves), default=0)
+    if ckpt_bytes:
+        from raysc.checkpoint.capacity import check_capacity, describe
+
+        cap = evidence["capacity"] = check_capacity(cfg, ckpt_bytes)
+        (warnings if cap["ok"] is None else problems if not cap["ok"] else []).append(describe(cap))
     if cfg.supervisor.spike_policy == "off":
         warnings.append("supervisor.spike_policy='off': no rollback/skip thresholds")
     status = FAIL if problems else WARN if warnings else PASS
