@@ -4,7 +4,10 @@
         --set train.steps=100
 
 Connects to the cluster the job runs in (RAY_ADDRESS is set by the job server),
-starts the supervisor and prints the JSON summary as its last line.
+starts the supervisor and prints the JSON summary as its last line. `ray job stop`
+(SIGTERM) stops it gracefully: it saves a checkpoint, exits 143 and prints the job
+command that resumes it (docs/operations.md, "Stopping"; give the job time with
+`--runtime-env-json '{"env_vars": {"RAY_JOB_STOP_WAIT_TIME_S": "300"}}'`).
 """
 
 import argparse
@@ -30,7 +33,10 @@ def main() -> int:
         argv.append("--resume")
     if args.inject:
         argv += ["--inject", args.inject]
-    return raysc_main(argv)
+    # after `ray job stop` (SIGTERM) the job prints how to continue: the same job with --resume
+    restart = ["ray", "job", "submit", "--working-dir", ".", "--", "python", "jobs/pretrain.py",
+               "--config", args.config, *[a for o in args.overrides for a in ("--set", o)]]
+    return raysc_main(argv, restart_command=restart)
 
 
 if __name__ == "__main__":

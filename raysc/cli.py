@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 from pathlib import Path
 
@@ -37,11 +38,32 @@ def run_training(config: str | Path | None, overrides: list[str], resume: bool, 
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from raysc.fleet.errors import RunStopped
+
     overrides = list(args.overrides)
     if args.inject:
         overrides.append(f"supervisor.inject={json.dumps(args.inject)}")
-    summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress)
+    try:
+        summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress)
+    except RunStopped as e:
+        restart = args.restart_command or ["raysc", "train", args.config,
+                                           *[a for o in args.overrides for a in ("--set", o)]]
+        if e.checkpoint is not None:
+            print(f"resume with: {shlex.join([*restart, '--resume'])}", flush=True)
+        else:  # nothing committed: start over (from the same checkpoint when one was given)
+            again = [*restart, "--resume-from", args.resume_from] if args.resume_from else restart
+            print(f"no checkpoint was committed; start again with: {shlex.join(again)}", flush=True)
+        return e.exit_code
     print(json.dumps(summary), flush=True)
+    return 0
+
+
+def cmd_ckpt_now(args: argparse.Namespace) -> int:
+    from raysc.fleet.stopping import request_checkpoint
+
+    path = request_checkpoint(args.run_dir)
+    print(f"asked the run for a checkpoint at its next step boundary ({path}); its events.jsonl records "
+          f"checkpoint_requested, then checkpoint_saved", flush=True)
     return 0
 
 
@@ -274,6 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
         else:
             p.add_argument("--step", type=int)
         p.set_defaults(func=func)
+    p = ck.add_parser("now", help="ask a running run to commit a checkpoint at its next step boundary and keep "
+                                  "training (a preemption notice; the same as SIGUSR1 to its driver)")
+    p.add_argument("run_dir", help="the run's directory (run.dir) on the driver's machine")
+    p.set_defaults(func=cmd_ckpt_now)
 
     p = sub.add_parser("curate", help="dedup, quality-score and tag documents with Ray Data; write Parquet "
                                       "and a report")
@@ -342,8 +368,11 @@ def build_parser() -> argparse.ArgumentParser:
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, restart_command: list[str] | None = None) -> int:
+    """``restart_command``: how to start this run again (``--resume`` is appended to it in the line a
+    stopped run prints); default ``raysc train CONFIG --set ...``."""
     args = build_parser().parse_args(argv)
+    args.restart_command = restart_command
     from raysc.fleet.errors import RunFailed
     from raysc.preflight.run import PreflightRequired
 

@@ -4,19 +4,34 @@ The driver holds no training state. It resolves relative paths against its own
 working directory (actors may run elsewhere), pins the supervisor to its node so
 the run directory is where the user looks, and polls the supervisor for a
 progress bar.
+
+While a run is in progress it owns SIGINT and SIGTERM (Ctrl-C, `ray job stop`,
+schedulers): the first asks the supervisor to stop at a step boundary, save and
+shut the fleet down (``RunStopped`` is raised when it has); a second one, or
+``train.stop_timeout_s`` passing, aborts at once by killing the supervisor (its
+workers and placement group die with it; an uncommitted save stays invisible).
+SIGUSR1 and ``raysc ckpt now RUN_DIR`` ask for a checkpoint at the next step
+boundary. The previous handlers are restored when ``train`` returns.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
+import time
 from pathlib import Path
+from types import FrameType
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysc.config.load import config_to_dict
 from raysc.config.schema import Config
+from raysc.fleet.errors import RunStopped
+from raysc.fleet.records import JsonlWriter
+from raysc.fleet.stopping import take_request
 
 
 def absolutize(cfg: Config) -> Config:
@@ -50,21 +65,64 @@ def ensure_ray() -> None:
 
 
 def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0) -> dict:
-    """Run a training job to the end and return its summary (raises ``RunFailed`` on failure).
-    ``probe_bytes`` > 0 adds the pre-flight probe's measurements (``summary["probe"]``)."""
-    from raysc.fleet.supervisor import Supervisor
-
+    """Run a training job to the end and return its summary (raises ``RunFailed`` on failure and
+    ``RunStopped`` after SIGINT / SIGTERM). ``probe_bytes`` > 0 adds the pre-flight probe's
+    measurements (``summary["probe"]``)."""
     cfg = absolutize(cfg)
     if cfg.train.require_preflight:
         from raysc.preflight.run import require_passing
 
         require_passing(cfg)  # before any worker starts
     ensure_ray()
+    with StopSignals() as signals:
+        return _follow(cfg, resume, progress, probe_bytes, signals)
+
+
+class _Abort(Exception):
+    """Cut a graceful stop short (after a second stop signal, or when the grace period ends)."""
+
+    def __init__(self, reason: str, why: str) -> None:
+        super().__init__(why)
+        self.reason = reason
+
+
+class StopSignals:
+    """The driver's SIGINT / SIGTERM / SIGUSR1 handlers while ``train`` runs (Python allows them only
+    in the main thread; elsewhere nothing is installed). The handlers only record what arrived, for
+    the driver's loop to act on within a second (an exception raised from a handler would surface
+    inside Ray's C++ calls as a SystemError)."""
+
+    def __init__(self) -> None:
+        self.stop: str | None = None  # the first stop signal's name
+        self.abort: str | None = None  # a second stop signal's name
+        self.checkpoints = 0  # SIGUSR1s not yet passed on
+        self._previous: dict[int, object] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for sig, previous in self._previous.items():  # None: a handler not set from Python (Ray's)
+            signal.signal(sig, previous if previous is not None else signal.SIG_DFL)
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
+        if signum == signal.SIGUSR1:
+            self.checkpoints += 1
+        elif self.stop is None:
+            self.stop = name
+        else:
+            self.abort = name
+
+
+def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, signals: StopSignals) -> dict:
+    """Start the supervisor, relay progress, signals and checkpoint requests until it returns."""
+    from raysc.fleet.supervisor import Supervisor
+
     node = ray.get_runtime_context().get_node_id()
-    sup = Supervisor.options(
-        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-    ).remote(config_to_dict(cfg), resume, probe_bytes)
-    done_ref = sup.run.remote()
     bar = None
     progress = progress and sys.stderr.isatty()
     logged = 0
@@ -73,12 +131,34 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
 
         bar = tqdm(total=cfg.train.steps, desc="starting", unit="step", file=sys.stderr,
                    dynamic_ncols=True, mininterval=0.5)
-    seen = 0
+    seen, step, stop_sent, sup = 0, None, None, None
     try:
+        sup = Supervisor.options(
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
+        ).remote(config_to_dict(cfg), resume, probe_bytes)
+        done_ref = sup.run.remote()
         while True:
             ready, _ = ray.wait([done_ref], timeout=1.0)
+            if signals.abort and not ready:
+                raise _Abort(signals.stop, f"a second {signals.abort} during the graceful stop")
+            if signals.stop and stop_sent is None:
+                sup.request_stop.remote(signals.stop)
+                stop_sent = time.monotonic()
+                _print(bar, f"[raysc] {signals.stop}: stopping at the next step boundary"
+                            f"{' and saving a checkpoint' if cfg.train.save_on_stop else ''} "
+                            f"(at most train.stop_timeout_s={cfg.train.stop_timeout_s:g}s); "
+                            f"press Ctrl-C again to abort")
+            if stop_sent is not None and not ready and time.monotonic() - stop_sent > cfg.train.stop_timeout_s:
+                raise _Abort(signals.stop, f"the graceful stop took longer than train.stop_timeout_s="
+                                           f"{cfg.train.stop_timeout_s:g}s")
+            while signals.checkpoints:
+                signals.checkpoints -= 1
+                sup.request_checkpoint.remote("SIGUSR1")
+            if take_request(cfg.run_dir):
+                sup.request_checkpoint.remote("raysc ckpt now")
             prog = ray.get(sup.progress.remote(seen))
             seen += len(prog["events"])
+            step = prog["last"]["step"] if prog.get("last") else step
             for ev in prog["events"]:
                 _print(bar, format_event(ev))
             if bar is not None:
@@ -86,13 +166,40 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
             else:
                 logged = _log_line(prog, logged, cfg.train.log_every)
             if ready:
-                return ray.get(done_ref)
+                summary = ray.get(done_ref)
+                if summary.get("stopped"):
+                    raise RunStopped(summary["stopped"], summary["step"], summary["checkpoint"], summary=summary)
+                return summary
     except ray.exceptions.RayTaskError as e:
         raise (e.cause if e.cause is not None else e) from None
+    except _Abort as e:
+        if sup is not None:
+            ray.kill(sup)  # its workers, spares and placement group are owned by it and die with it
+        raise _aborted(cfg, e, step) from None
     finally:
         if bar is not None:
             bar.close()
-        ray.kill(sup)
+        if sup is not None:
+            ray.kill(sup)
+
+
+def _aborted(cfg: Config, abort: _Abort, step: int | None) -> RunStopped:
+    """Record an aborted stop in the run's events (the supervisor is gone) and describe it."""
+    from raysc.checkpoint.store import CheckpointStore
+
+    try:
+        latest = CheckpointStore.for_config(cfg).latest()
+    except Exception:  # the store is unreachable: say so rather than fail the report
+        latest = None
+    checkpoint = f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None
+    events = JsonlWriter(Path(cfg.run_dir) / "events.jsonl")
+    events.write({"time": time.time(), "kind": "run_stopped", "reason": abort.reason, "aborted": True,
+                  "why": str(abort), "step": step, "checkpoint_step": latest, "checkpoint": checkpoint,
+                  "note": "the supervisor was killed; a save in flight stays uncommitted (no manifest)"})
+    events.close()
+    print(f"[raysc] run_stopped: aborted ({abort}); newest committed checkpoint: {checkpoint or 'none'}",
+          file=sys.stderr, flush=True)
+    return RunStopped(abort.reason, step, checkpoint, aborted=True)
 
 
 def format_event(ev: dict) -> str:

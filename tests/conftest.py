@@ -64,3 +64,61 @@ def s3_server():
 def s3_options(endpoint: str) -> str:
     return (f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "testing", '
             f'secret = "testing-secret", region_name = "us-east-1"}}')
+
+
+@pytest.fixture(scope="session")
+def ray_head():
+    """A separate local cluster started with `ray start --head` (job server included), as users run
+    one; yields its dashboard address (for `ray job`, `ray.util.state`), its GCS address (RAY_ADDRESS
+    for drivers) and the environment to run Ray commands in. Stopped, with everything it started,
+    at the end of the session."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from raysc.fleet.worker import free_port
+
+    ray_bin = str(Path(sys.executable).parent / "ray")
+    temp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))  # Ray's socket paths must stay short
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_DEDUP_LOGS"] = "0"
+    env["RAY_AUTH_MODE"] = "disabled"  # a loopback-only test cluster: no token to distribute
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
+    ports = {"port": free_port(), "dashboard-port": free_port(), "ray-client-server-port": free_port(),
+             "dashboard-agent-listen-port": free_port(), "dashboard-agent-grpc-port": free_port(),
+             "runtime-env-agent-port": free_port(), "metrics-export-port": free_port(),
+             "node-manager-port": free_port(), "object-manager-port": free_port()}
+    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
+                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
+                             *[f"--{k}={v}" for k, v in ports.items()]],
+                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    address = f"http://127.0.0.1:{ports['dashboard-port']}"
+    try:
+        deadline = time.monotonic() + 90
+        while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
+                             capture_output=True).returncode != 0:
+            assert time.monotonic() < deadline and head.poll() is None, "the head's job server did not start"
+            time.sleep(0.5)
+        yield {"address": address, "gcs": f"127.0.0.1:{ports['port']}", "env": env, "ray": ray_bin}
+    finally:
+        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
+        try:
+            head.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            os.killpg(head.pid, signal.SIGKILL)
+        # anything of that cluster still alive (never `ray stop`: it would stop the test session's Ray)
+        subprocess.run(["pkill", "-9", "-f", str(temp)], check=False)
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def live_actors(address: str) -> list:
+    """Actors of the cluster at ``address`` that are not DEAD (the job server's own excepted)."""
+    from ray.util.state import list_actors
+
+    return [a for a in list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=1000,
+                                   raise_on_missing_output=False)
+            if a.class_name != "JobSupervisor"]

@@ -127,6 +127,10 @@ class TrainConfig:
                                          "for this same config")
     measure_memory: bool = opt(False, "report every rank's peak memory in the run summary (always on with CUDA: "
                                       "the allocator's peak; on CPU it samples glibc's heap every 2 ms)")
+    save_on_stop: bool = opt(True, "on SIGINT / SIGTERM to the driver (Ctrl-C, ray job stop): save a checkpoint of "
+                                   "the step reached unless it is committed, then exit 130 / 143")
+    stop_timeout_s: float = opt(300.0, "longest graceful stop (finish the step, save, shut down); then the run is "
+                                       "aborted, keeping the last committed checkpoint", gt=0.0)
 
     @property
     def global_batch_sequences(self) -> int:

@@ -3,3 +3,22 @@
 
 class RunFailed(RuntimeError):
     """The run stopped; the message says which rank failed, how, and how to resume."""
+
+
+class RunStopped(Exception):
+    """The run was stopped on request (SIGINT / SIGTERM to the driver) before its last step.
+
+    ``step`` is the step reached (None if unknown), ``checkpoint`` the newest committed checkpoint
+    (None if there is none), ``aborted`` whether the graceful stop was cut short (a second signal,
+    or ``train.stop_timeout_s``), ``summary`` the supervisor's stop summary when it finished."""
+
+    def __init__(self, reason: str, step: int | None, checkpoint: str | None, aborted: bool = False,
+                 summary: dict | None = None) -> None:
+        how = "aborted" if aborted else "stopped"
+        super().__init__(f"{how} by {reason} at step {step}; newest committed checkpoint: {checkpoint or 'none'}")
+        self.reason, self.step, self.checkpoint, self.aborted, self.summary = reason, step, checkpoint, aborted, summary
+
+    @property
+    def exit_code(self) -> int:
+        """128 + the signal's number, as a shell reports a process killed by it (130 SIGINT, 143 SIGTERM)."""
+        return {"SIGINT": 130, "SIGTERM": 143}.get(self.reason, 1)

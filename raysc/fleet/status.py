@@ -31,7 +31,8 @@ def run_status(run_dir: str | Path) -> dict:
     starts = [e for e in events if e["kind"] == "run_start"]
     t0 = starts[0]["time"] if starts else events[0]["time"]
     last_event = events[-1]
-    state = {"run_end": "finished", "run_failed": "failed"}.get(last_event["kind"], "running")
+    state = {"run_end": "finished", "run_failed": "failed", "run_stopped": "stopped"}.get(last_event["kind"],
+                                                                                       "running")
     t1 = last_event["time"] if state != "running" else max(last_event["time"], metrics[-1]["time"]
                                                           if metrics else last_event["time"])
     last = metrics[-1] if metrics else {}

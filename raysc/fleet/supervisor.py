@@ -4,13 +4,18 @@ It prepares the data, reserves a placement group (one bundle per rank),
 starts the ``TrainWorker`` actors, forms their process group, drives training
 in chunks that end at checkpoint boundaries, commits checkpoints, writes
 ``metrics.jsonl`` / ``events.jsonl`` and answers progress queries from the
-driver. It runs threaded (``max_concurrency``) so that workers' metric reports
-and the driver's polls are served while ``run`` waits on the workers.
+driver. It runs threaded (``max_concurrency``) so that workers' metric reports,
+the driver's polls and its stop / checkpoint requests are served while ``run``
+waits on the workers.
 
-Failure handling in this version: a worker that dies, raises, or stops
-reporting for ``supervisor.hang_timeout_s`` ends the run with an event and an
-error naming the rank; the last committed checkpoint stays resumable
-(``raysc train --resume``).
+A worker that dies, raises or hangs is replaced with the whole fleet and the run
+continues from the newest checkpoint (``_recover``), up to
+``supervisor.max_restarts`` times; loss spikes and replica disagreement roll
+back or repair (docs/resilience.md). ``request_stop`` (the driver's SIGINT /
+SIGTERM) ends a chunk early at a step every rank agrees on
+(``raysc.fleet.stopping``), saves that step (``train.save_on_stop``), waits for
+the save in flight and returns a summary with ``stopped``; ``request_checkpoint``
+saves at the next step boundary and keeps training.
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ class Supervisor:
         self.timeouts: dict | None = None  # calibrated hang and process-group timeouts
         self.memory: list[dict] | None = None  # per-rank peak memory (CUDA, or train.measure_memory)
         self._t_start: float | None = None
+        self._stop: str | None = None  # why the driver asked the run to stop (SIGINT, SIGTERM)
+        self._ckpt_asked: str | None = None  # who asked for a checkpoint now (raysc ckpt now, SIGUSR1)
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -140,6 +147,32 @@ class Supervisor:
         with self._lock:
             return {"phase": self._phase, "last": self._last, "total_steps": self.cfg.train.steps,
                     "events": self._events[events_seen:]}
+
+    def request_stop(self, reason: str) -> None:
+        """Stop at the next step boundary all ranks agree on, save that step, shut down (``run``
+        returns a summary with ``stopped``)."""
+        with self._lock:
+            first, self._stop = self._stop is None, self._stop or reason
+            workers = list(self.workers)
+        if first:
+            self._event("stop_requested", reason=reason, note="stopping at the next step boundary")
+            for w in workers:
+                w.request.remote("stop")
+
+    def request_checkpoint(self, source: str) -> None:
+        """Save a checkpoint at the next step boundary and keep training (a preemption notice)."""
+        with self._lock:
+            self._ckpt_asked = source
+            workers = list(self.workers)
+        self._event("checkpoint_requested", source=source)
+        for w in workers:
+            w.request.remote("checkpoint")
+
+    def _checkpoint_asked(self) -> bool:
+        """Whether a checkpoint was asked for since the last one (and forget the request)."""
+        with self._lock:
+            asked, self._ckpt_asked = self._ckpt_asked is not None, None
+        return asked
 
     # ---- the run ----
     def _event(self, kind: str, **fields) -> dict:
@@ -512,7 +545,7 @@ class Supervisor:
         every = cfg.checkpoint.every_steps or cfg.train.steps
         step, last = start_step, None
         t_train = time.perf_counter()
-        while step < cfg.train.steps:
+        while step < cfg.train.steps and not self._stop:
             target = min(cfg.train.steps, (step // every + 1) * every)
             try:
                 self._touch()
@@ -526,12 +559,13 @@ class Supervisor:
                     self.memory = [r["memory"] for r in results]
                 self._strikes = 0
                 self._ensure_spares()
+                # a stop or checkpoint request ends a chunk early, after the same step on every rank
+                first, step = step + 2, results[0]["step"] if results[0] else step
                 if self.timeouts is None and cfg.supervisor.calibrate_steps:
-                    self._calibrate(step + 2, target)
-                    if target % every and target < cfg.train.steps:
-                        step = target
-                        continue  # not a checkpoint boundary
-                step = target
+                    self._calibrate(first, step)
+                asked = self._checkpoint_asked()
+                if step % every and step < cfg.train.steps and not asked:
+                    continue  # not a checkpoint boundary (a stop saves after the loop)
                 self._phase = "checkpointing"
                 self.ckpt.save(step, last["tokens"] if last else 0)
                 if step == cfg.train.steps:
@@ -551,6 +585,8 @@ class Supervisor:
                 self._phase = "recovering"
                 step = self._recover(e, data)
             self._phase = "training"
+        if self._stop:
+            return self._stopped(step, start_step, last)
         train_time = time.perf_counter() - t_train
 
         self._phase = "evaluating"
@@ -586,4 +622,20 @@ class Supervisor:
         if probe is not None:
             summary["probe"] = probe
         self._event("run_end", **{k: v for k, v in summary.items() if k != "probe"})
+        return summary
+
+    def _stopped(self, step: int, start_step: int, last: dict | None) -> dict:
+        """After a stop request: save ``step`` unless it is committed (or nothing was trained), wait
+        for the save in flight to commit; the fleet is shut down by ``run``."""
+        self._phase = "stopping"
+        t0 = time.monotonic()
+        if self.cfg.train.save_on_stop and step > start_step:
+            self.ckpt.save(step, last["tokens"] if last else 0)  # waits for a save in flight first
+        self.ckpt.finish()
+        latest = self.ckpt.store.latest()
+        summary = {"run_dir": str(self.run_dir), "stopped": self._stop, "step": step, "steps": self.cfg.train.steps,
+                   "step_in_flight": "finished", "checkpoint_step": latest,
+                   "checkpoint": f"{self.cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
+                   "stop_s": round(time.monotonic() - t0, 3), "wall_s": round(time.time() - self._t_start, 2)}
+        self._event("run_stopped", reason=self._stop, **{k: v for k, v in summary.items() if k != "stopped"})
         return summary

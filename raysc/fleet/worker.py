@@ -27,6 +27,7 @@ from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra,
 from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
+from raysc.fleet.stopping import StepVote
 from raysc.parallel.dims import ParallelDims, build_mesh
 from raysc.train.memory import PeakMemory
 from raysc.train.sdc import SilentCorruption, flip_bit
@@ -41,7 +42,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-@ray.remote(max_concurrency=2)  # a second thread serves save_wait/save_pending while train() runs
+@ray.remote(max_concurrency=2)  # a second thread serves save_wait/save_pending/request while train() runs
 class TrainWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
         self.rank = rank
@@ -52,6 +53,7 @@ class TrainWorker:
         self._save: dict | None = None
         self._pending_reports: list[dict] = []
         self._training = threading.Lock()  # held while train() runs: repairs wait for it
+        self.vote: StepVote | None = None
         self._configure(cfg_dict)
 
     def _configure(self, cfg_dict: dict) -> None:
@@ -98,6 +100,8 @@ class TrainWorker:
         t_setup.append(time.perf_counter())
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.ckpt_group = dist.new_group(backend="gloo")
+        # and stop / checkpoint-now requests theirs (raysc.fleet.stopping)
+        self.vote = StepVote(dist.new_group(backend="gloo") if self.world_size > 1 else None)
         self.ckpt = CheckpointStore.for_config(self.cfg)
         return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id(), "replicas": self.trainer.replicas.enabled,
@@ -187,8 +191,15 @@ class TrainWorker:
     def save_pending(self) -> bool:
         return self._save is not None and not self._save["done"].is_set()
 
+    def request(self, kind: str) -> None:
+        """Ask ``train`` to return early (``stop``), or to return so that the supervisor saves a
+        checkpoint (``checkpoint``), at a step boundary all ranks agree on (``StepVote``)."""
+        if self.vote is not None:
+            self.vote.request(kind)
+
     def train(self, until_step: int) -> dict | None:
-        """Run optimizer steps until ``until_step``; report them to the supervisor.
+        """Run optimizer steps until ``until_step`` (or an agreed stop / checkpoint request, after a
+        finished step); report them to the supervisor.
 
         Rank 0 sends its per-step metrics in batches at most every ``REPORT_EVERY_S``
         (one fire-and-forget call), which keeps the supervisor's share of a
@@ -206,6 +217,8 @@ class TrainWorker:
         sent = time.monotonic()
         sdc_every = self.cfg.supervisor.sdc_every_steps if self.trainer.replicas.enabled else 0
         while self.trainer.step < until_step:
+            if self.vote.poll() is not None:
+                break  # every rank breaks after the same step; the supervisor sees it in the step reached
             fault = self.faults.pop(self.trainer.step + 1, None)
             if fault is not None:
                 self._announce(fault)
@@ -234,6 +247,7 @@ class TrainWorker:
                 self.supervisor.report.remote(pending)
                 pending, sent = [], time.monotonic()
                 self._pending_reports = pending
+        self.vote.finish()
         self._flush_reports()
         if last is not None and self.memory is not None:
             last = {**last, "memory": self.memory.report()}  # this rank's, for the run summary
