@@ -16,12 +16,18 @@ from pathlib import Path
 from raysc.config.load import ConfigError, load_config
 
 
+EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last checkpoint(s) failed to save
+
+
 def _add_train_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set train.steps=50 (repeatable)")
     p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
     p.add_argument("--resume-from", metavar="URI/step_N",
                    help="continue from this checkpoint (any run's, any layout: it is resharded)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
+                        "once this run commits its first checkpoint (never before)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
     p.add_argument("--inject", metavar="KIND@STEP[:RANK]", default=None,
                    help="fault injection drill, same as --set supervisor.inject=... (kinds: raise, kill, "
@@ -29,12 +35,12 @@ def _add_train_args(p: argparse.ArgumentParser) -> None:
 
 
 def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
-                 progress: bool = True) -> dict:
+                 progress: bool = True, overwrite: bool = False) -> dict:
     from raysc.driver import preflight, train
 
     cfg = load_config(config, overrides)
     preflight(cfg)
-    return train(cfg, resume=resume_from or resume, progress=progress)
+    return train(cfg, resume=resume_from or resume, progress=progress, overwrite=overwrite)
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -44,7 +50,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.inject:
         overrides.append(f"supervisor.inject={json.dumps(args.inject)}")
     try:
-        summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress)
+        summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress,
+                               args.overwrite)
     except RunStopped as e:
         restart = args.restart_command or ["raysc", "train", args.config,
                                            *[a for o in args.overrides for a in ("--set", o)]]
@@ -55,6 +62,11 @@ def cmd_train(args: argparse.Namespace) -> int:
             print(f"no checkpoint was committed; start again with: {shlex.join(again)}", flush=True)
         return e.exit_code
     print(json.dumps(summary), flush=True)
+    lag = summary.get("checkpoint_lag_steps") or 0
+    if lag:  # finished, but the newest durable state is behind: a scheduler must be able to see it
+        print(f"error: training finished but the newest committed checkpoint is {lag} steps behind "
+              f"({summary.get('failed_saves')} failed save(s); see the checkpoint_lagging events)", file=sys.stderr)
+        return EXIT_CHECKPOINT_LAG
     return 0
 
 
@@ -107,7 +119,10 @@ def _ckpt_store(args: argparse.Namespace):
     from raysc.checkpoint.storage import parse_storage_options
     from raysc.checkpoint.store import CheckpointStore
 
-    return CheckpointStore(args.uri, parse_storage_options(args.storage_options or ""))
+    from raysc.checkpoint.signing import Signer
+
+    # RAYSC_CHECKPOINT_KEY (and _PREVIOUS_KEYS) verify signatures; without them signatures are shown, not checked
+    return CheckpointStore(args.uri, parse_storage_options(args.storage_options or ""), signer=Signer.resolve())
 
 
 def cmd_ckpt_list(args: argparse.Namespace) -> int:
@@ -124,13 +139,15 @@ def cmd_ckpt_list(args: argparse.Namespace) -> int:
             "bytes": sum(f["size"] for f in m.get("files", [])),
             "layout": ",".join(f"{k}={v}" for k, v in layout.items() if k != "world_size" and v != 1) or "single",
             "verified": "yes" if reason is None else f"no: {reason}",
+            "signature": store.signer.describe(m), "run_id": m.get("run_id"),
         })
     if args.json:
         print(json.dumps(rows))
         return 0
-    print(f"{'step':>10}  {'time':19}  {'size':>10}  {'layout':24}  verified")
+    print(f"{'step':>10}  {'time':19}  {'size':>10}  {'run':12}  {'layout':24}  verified / signature")
     for r in rows:
-        print(f"{r['step']:>10}  {r['time']:19}  {r['bytes'] / 1e6:8.1f}MB  {r['layout']:24}  {r['verified']}")
+        print(f"{r['step']:>10}  {r['time']:19}  {r['bytes'] / 1e6:8.1f}MB  {r['run_id'] or '-':12}  "
+              f"{r['layout']:24}  {r['verified']} / {r['signature']}")
     if not rows:
         print(f"no committed checkpoints under {args.uri}")
     return 0
@@ -145,9 +162,21 @@ def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     bad = 0
     for step in steps:
         reason = store.verify(step, checksums=True)
-        print(f"step {step}: {'ok (sizes and sha256)' if reason is None else 'CORRUPT: ' + reason}")
+        print(f"step {step}: {'ok (sizes and sha256)' if reason is None else 'REFUSED: ' + reason}; "
+              f"{store.signature_state(step)}")
         bad += reason is not None
     return 1 if bad else 0
+
+
+def cmd_ckpt_convert(args: argparse.Namespace) -> int:
+    from raysc.checkpoint.convert import convert_step
+
+    store = _ckpt_store(args)
+    steps = [args.step] if args.step is not None else store.steps()
+    for step in steps:
+        written = convert_step(store, step)
+        print(f"step {step}: " + (f"converted ({', '.join(written)})" if written else "already current"))
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -286,7 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("ckpt", help="inspect checkpoints in a store").add_subparsers(dest="ckpt_cmd", required=True)
     for name, func, text in (("list", cmd_ckpt_list, "list committed checkpoints"),
-                             ("verify", cmd_ckpt_verify, "check every file's size and sha256")):
+                             ("verify", cmd_ckpt_verify, "check every file's size and sha256 and the signature"),
+                             ("convert", cmd_ckpt_convert, "convert checkpoints of the previous format (pickled "
+                                                           "per-rank state) once, deliberately")):
         p = ck.add_parser(name, help=text)
         p.add_argument("uri", help="checkpoint.uri of a run (a path, s3://bucket/prefix, ...)")
         p.add_argument("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\'')

@@ -32,7 +32,7 @@ def run_demo(overrides: list[str] = ()) -> dict:
         print(f"   {domain:6s} {s['documents']:5d} documents {s['bytes'] / 1e6:6.2f} MB", flush=True)
 
     print(f"== 2/4 training {cfg.train.steps} steps (supervisor + TrainWorker actor)", flush=True)
-    summary = train(cfg)
+    summary = train(cfg, overwrite=True)  # each demo replaces the previous demo run's checkpoints
 
     print("== 3/4 export to Hugging Face format", flush=True)
     hf_dir = Path(summary["run_dir"]) / "hf"

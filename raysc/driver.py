@@ -27,6 +27,7 @@ from types import FrameType
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from raysc.checkpoint.signing import Signer
 from raysc.config.load import config_to_dict
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunStopped
@@ -64,18 +65,22 @@ def ensure_ray() -> None:
         ray.init(log_to_driver=True, configure_logging=False)
 
 
-def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0) -> dict:
+def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0,
+          overwrite: bool = False) -> dict:
     """Run a training job to the end and return its summary (raises ``RunFailed`` on failure and
     ``RunStopped`` after SIGINT / SIGTERM). ``probe_bytes`` > 0 adds the pre-flight probe's
     measurements (``summary["probe"]``)."""
     cfg = absolutize(cfg)
+    # the key from RAYSC_CHECKPOINT_KEY travels to the actors inside the config (within the cluster's
+    # trust boundary); every file written to disk shows it as '***'. A short key is refused here.
+    cfg.checkpoint.signing_key = Signer.resolve(cfg.checkpoint.signing_key).key
     if cfg.train.require_preflight:
         from raysc.preflight.run import require_passing
 
         require_passing(cfg)  # before any worker starts
     ensure_ray()
     with StopSignals() as signals:
-        return _follow(cfg, resume, progress, probe_bytes, signals)
+        return _follow(cfg, resume, progress, probe_bytes, overwrite, signals)
 
 
 class _Abort(Exception):
@@ -118,7 +123,8 @@ class StopSignals:
             self.abort = name
 
 
-def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, signals: StopSignals) -> dict:
+def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, overwrite: bool,
+            signals: StopSignals) -> dict:
     """Start the supervisor, relay progress, signals and checkpoint requests until it returns."""
     from raysc.fleet.supervisor import Supervisor
 
@@ -135,7 +141,7 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, s
     try:
         sup = Supervisor.options(
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(config_to_dict(cfg), resume, probe_bytes)
+        ).remote(config_to_dict(cfg), resume, probe_bytes, overwrite)
         done_ref = sup.run.remote()
         while True:
             ready, _ = ray.wait([done_ref], timeout=1.0)

@@ -113,7 +113,8 @@ def run_parity(config: str | Path | None, layout: str, overrides: list[str] = ()
     common = [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\""]
     ref_path = Path(ref_dir) if ref_dir else work / "reference"
     if not (ref_path / "metrics.jsonl").is_file():
-        train(load_config(config, [*common, f'run.dir="{ref_path}"']), progress=progress)
+        train(load_config(config, [*common, f'run.dir="{ref_path}"']), progress=progress,
+              overwrite=True)  # a reference that never finished is scratch
     name = layout.replace(",", "_").replace("=", "") or "single"
     got_path = work / name
     # the layout's run directory is this harness's scratch: a run of the same layout before (other

@@ -124,7 +124,7 @@ def test_quota_on_s3_cleans_up_reports_the_lag_and_exits_non_zero(ray_session, s
     assert not store.storage.fs.exists(f"{bucket}/run/step_00000010")  # the failed save's files are gone
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     failed = [e for e in events if e["kind"] == "checkpoint_save_failed"]
-    assert [e["step"] for e in failed] == [10] and failed[0]["kind"] == "permanent: quota exceeded (QuotaExceeded)"
+    assert [e["step"] for e in failed] == [10] and failed[0]["failure"] == "permanent: quota exceeded (QuotaExceeded)"
     assert failed[0]["freed_bytes"] is not None
     assert not [e for e in events if e["kind"] == "checkpoint_upload_retry" and e["step"] == 10]
     assert quota.hits == 1  # one attempt, not upload_retries + 1

@@ -209,6 +209,9 @@ def test_curated_corpus_trains_on_a_schedule_and_resumes_it_exactly(packed_corpu
     cfg = make_cfg(*base, 'supervisor.inject="kill@15"', "supervisor.restart_backoff_s=0.1", run="kill")
     summary = train(cfg, progress=False)
     assert summary["restarts"] == 1 and summary["steps"] == 20
+    # a resume from the step-10 checkpoint (not a restart from step 0): steps 11..14 were lost and re-run
+    recovered = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "recovered"]
+    assert [(e["resumed_step"], e["steps_lost"]) for e in recovered] == [(10, 4)]
     want = {m["step"]: m["loss"] for m in read_jsonl(Path(ref.run_dir) / "metrics.jsonl")}
     got = {m["step"]: m["loss"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")}
     assert got == want

@@ -1,7 +1,8 @@
 """Rebuild a trained model from a run directory or a checkpoint URI (export, generation, parity).
 
 Reads the run's resolved ``config.toml``, finds its newest committed checkpoint
-(or the given step), fetches it into a local cache verifying every file's
+(or the given step) among those its run wrote (``run.json``: never another run's
+that happens to share the store), fetches it into a local cache verifying every file's
 SHA-256 (and the manifest's signature when the run signs its checkpoints), and
 loads the model tensors in one process; no Ray and no process
 group are needed, and DCP reshards whatever layout wrote it.
@@ -15,7 +16,7 @@ from pathlib import Path
 
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.staging import load_local
-from raysc.checkpoint.store import CheckpointStore, local_copy_dir
+from raysc.checkpoint.store import CheckpointStore, local_copy_dir, read_run_id
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.model.llama import Llama, build_model
@@ -41,10 +42,18 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != "***"}
     signer = Signer.resolve(cfg.checkpoint.signing_key)  # a signed run's key must be in the environment
     store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency, signer)
+    run_id = read_run_id(rd)
+    owners = {s: (store.read_manifest(s) or {}).get("run_id") for s in store.steps()}
+    mine = [s for s, o in owners.items() if run_id is None or o in (None, run_id)]
     if step is None:
-        step = store.latest()
+        step = next((s for s in reversed(mine) if store.verify(s) is None), None)
         if step is None:
-            raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}")
+            others = sorted(s for s in owners if s not in mine)
+            raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}"
+                                    + (f" (steps {others} there belong to another run)" if others else ""))
+    elif step in owners and step not in mine:
+        raise ValueError(f"checkpoint step {step} under {cfg.checkpoint_uri} was written by run "
+                              f"{owners[step]}, not by the run in {rd} ({run_id}); refusing to mix runs")
     local = local_copy_dir(cfg.data.cache_dir, cfg.checkpoint_uri, step)
     store.fetch(step, local)
     model = build_model(cfg.model, cfg.rope_len, cfg.train.seed)

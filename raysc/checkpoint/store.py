@@ -219,14 +219,18 @@ class CheckpointStore:
         self.storage.write_bytes(f"{self.prefix(step)}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         return manifest
 
+    def delete_committed(self, step: int) -> None:
+        """Delete committed checkpoint ``step``: un-commit (delete the manifest) first, then its files."""
+        self.storage.delete(f"{self.prefix(step)}/{MANIFEST}")
+        self.storage.delete_prefix(self.prefix(step))
+
     def retention(self, keep_last: int, keep_every: int = 0, protect: int | None = None) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep_last`` (sparing multiples of
         ``keep_every`` and ``protect``); return the deleted steps."""
         steps = self.steps()
         doomed = [s for s in steps[:-keep_last] if s != protect and not (keep_every and s % keep_every == 0)]
         for s in doomed:
-            self.storage.delete(f"{self.prefix(s)}/{MANIFEST}")  # un-commit first
-            self.storage.delete_prefix(self.prefix(s))
+            self.delete_committed(s)
         return doomed
 
     # ---- reading ----
@@ -283,6 +287,17 @@ class CheckpointStore:
             raise CorruptCheckpoint(step, entry["path"], "sha256 mismatch")
         tmp.replace(target)
         return source
+
+
+RUN_FILE = "run.json"  # in a run directory: {"run_id": ..., "checkpoint_uri": ...}; manifests carry the id
+
+
+def read_run_id(run_dir: str | Path) -> str | None:
+    """The id a run directory's run put into its manifests (None for a run before run ids)."""
+    try:
+        return json.loads((Path(run_dir) / RUN_FILE).read_text()).get("run_id")
+    except (FileNotFoundError, json.JSONDecodeError, AttributeError):
+        return None
 
 
 def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:

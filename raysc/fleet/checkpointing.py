@@ -16,14 +16,17 @@ decide when the run stops instead of training on with its work unsaved.
 
 from __future__ import annotations
 
+import json
 import math
 import re
 import time
+import uuid
+from pathlib import Path
 from typing import Callable
 
 from raysc.checkpoint.failures import permanent_reason
 from raysc.checkpoint.storage import StorageError
-from raysc.checkpoint.store import CheckpointStore, CorruptCheckpoint
+from raysc.checkpoint.store import RUN_FILE, CheckpointStore, CorruptCheckpoint, read_run_id
 from raysc.config.load import config_hash, dump_config
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunFailed
@@ -59,6 +62,44 @@ class CheckpointCoordinator:
         self.durable_step: int | None = None  # newest checkpoint this run committed or restored
         self.failed_in_row = 0  # failed saves since the last commit (checkpoint.max_failed_saves)
         self.failed_saves = 0
+        self.run_id = ""  # recorded in run.json and every manifest (``claim``)
+        self.replacing: list[int] = []  # another run's steps, deleted once this run commits (--overwrite)
+
+    # ---- whose checkpoints these are ----
+    def claim(self, resume: bool | str, overwrite: bool, run_dir: Path) -> str:
+        """Decide this run's id before any worker starts, and refuse to start a fresh run over another
+        run's committed checkpoints unless ``overwrite`` (which deletes nothing until this run commits).
+        The id goes to ``run_dir/run.json`` and into every manifest; restores take only this run's."""
+        committed = self.store.steps()
+        own_store = not isinstance(resume, str) or \
+            parse_resume_from(resume)[0].rstrip("/") == self.cfg.checkpoint_uri.rstrip("/")
+        if resume is False or not own_store:
+            if committed and not overwrite:
+                owners = sorted({o or "unknown" for o in self._owners(committed).values()})
+                raise RunFailed(
+                    f"checkpoint.uri {self.cfg.checkpoint_uri} already holds committed checkpoints (steps "
+                    f"{committed}) of run {', '.join(owners)}; a fresh run would mix its checkpoints with them. "
+                    f"Continue that run with --resume, start a new one with another run.dir or checkpoint.uri, "
+                    f"or pass --overwrite to replace them (nothing is deleted until this run commits its first "
+                    f"checkpoint).")
+            self.run_id = uuid.uuid4().hex[:12]
+            self.replacing = committed if overwrite else []
+            if self.replacing:
+                self.event("checkpoint_overwrite_pending", steps=committed,
+                           note="--overwrite: these are deleted once this run commits its first checkpoint")
+        else:
+            recorded = read_run_id(run_dir)
+            newest = self._owners(committed[-1:]).get(committed[-1]) if committed else None
+            self.run_id = recorded or newest or uuid.uuid4().hex[:12]
+        (run_dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id, "checkpoint_uri": self.cfg.checkpoint_uri}))
+        return self.run_id
+
+    def _owners(self, steps: list[int]) -> dict[int, str | None]:
+        return {s: (self.store.read_manifest(s) or {}).get("run_id") for s in steps}
+
+    def own_steps(self) -> list[int]:
+        """Committed steps written by this run (or by a raysc that recorded no run id), oldest first."""
+        return [s for s, o in self._owners(self.store.steps()).items() if o in (None, self.run_id)]
 
     # ---- before step 1 ----
     def probe(self) -> None:
@@ -97,7 +138,16 @@ class CheckpointCoordinator:
                 self.event("checkpoint_save_delayed", step=step, waiting_for=self.inflight["step"])
             self.finish()
         if not self.store.discard_uncommitted(step):
-            return  # already committed (a resumed run reaching a step it had saved)
+            owner = (self.store.read_manifest(step) or {}).get("run_id")
+            if owner in (None, self.run_id):
+                return  # already committed by this run (a resumed run reaching a step it had saved)
+            if step not in self.replacing:  # never deleted without --overwrite: this save cannot happen
+                self._save_failed(step, f"step {step} already holds a checkpoint of run {owner}", [],
+                                  "another run's checkpoint is in the way (move it, or start with --overwrite)", 0)
+                return
+            self.store.delete_committed(step)  # --overwrite: another run's checkpoint at a step this run saves
+            self.replacing.remove(step)
+            self.event("checkpoint_replaced", step=step, note="--overwrite: the other run's checkpoint at this step")
         t0 = time.perf_counter()
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
         self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"],
@@ -159,7 +209,7 @@ class CheckpointCoordinator:
         files = [f for r in results for f in r["files"]]
         par = self.cfg.parallel
         meta = {
-            "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
+            "run_id": self.run_id, "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
             "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp,
                        "cp": par.cp, "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
             "loader": job["loader"], "detectors": {"spike": job["detector"]},
@@ -173,6 +223,11 @@ class CheckpointCoordinator:
             self._save_failed(step, f"manifest: {type(e).__name__}: {e}", [], permanent_reason(e), 0)
             return
         self.durable_step, self.failed_in_row = step, 0
+        if self.replacing:  # --overwrite: this run has a checkpoint of its own now
+            for old in self.replacing:
+                self.store.delete_committed(old)
+            self.event("previous_run_deleted", steps=self.replacing, note="--overwrite, after this run's first commit")
+            self.replacing = []
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
                                        protect=step)
@@ -197,7 +252,7 @@ class CheckpointCoordinator:
         self.failed_in_row += 1
         self.failed_saves += 1
         self.event("checkpoint_save_failed", step=step, ranks=ranks, error=error,
-                   kind=f"permanent: {permanent}" if permanent else "transient (retried)",
+                   failure=f"permanent: {permanent}" if permanent else "transient (retried)",
                    freed_bytes=self._discard(step), freed_local_bytes=freed_local,
                    note="no manifest written; the previous checkpoint stands")
         stop = ck.on_save_failure == "stop" or self.failed_in_row >= ck.max_failed_saves
@@ -228,7 +283,7 @@ class CheckpointCoordinator:
     def rollback_to_before(self, first_bad_step: int) -> int:
         """Restore, in place, the newest committed checkpoint taken before ``first_bad_step``."""
         self.finish()
-        good = [s for s in self.store.steps() if s < first_bad_step and self.store.verify(s) is None]
+        good = [s for s in self.own_steps() if s < first_bad_step and self.store.verify(s) is None]
         if not good:
             raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
         restored = self._fetch_and_load(self.store, good[-1])[0]
@@ -254,15 +309,16 @@ class CheckpointCoordinator:
                 raise RunFailed(f"cannot resume from {resume}: {reason}")
             return [step]
         steps = []
-        for step in reversed(self.store.steps()):
-            reason = self.store.verify(step)
+        for step, owner in reversed(self._owners(self.store.steps()).items()):
+            reason = self.store.verify(step) if owner in (None, self.run_id) else \
+                f"written by run {owner}, not by this run ({self.run_id}); name it with --resume-from to use it"
             if reason is None:
                 steps.append(step)
             else:
                 self.event("checkpoint_skipped", step=step, reason=reason)
         if not steps:
-            raise RunFailed(f"--resume: no committed checkpoint under {self.cfg.checkpoint_uri}; "
-                            f"start without --resume.")
+            raise RunFailed(f"--resume: no committed checkpoint of run {self.run_id} under "
+                            f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N).")
         return steps
 
     def restore(self, resume: bool | str) -> int:

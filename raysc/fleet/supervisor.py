@@ -59,9 +59,11 @@ SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as
 
 @ray.remote(num_cpus=0, max_concurrency=8)
 class Supervisor:
-    def __init__(self, cfg_dict: dict, resume: bool | str = False, probe_bytes: int = 0) -> None:
+    def __init__(self, cfg_dict: dict, resume: bool | str = False, probe_bytes: int = 0,
+                 overwrite: bool = False) -> None:
         self.cfg = config_from_dict(cfg_dict, "driver")
         self.resume = resume
+        self.overwrite = overwrite  # a fresh run may replace another run's checkpoints (--overwrite)
         self.probe_bytes = probe_bytes  # > 0: after training, the pre-flight probe (raysc preflight)
         self.run_dir = Path(self.cfg.run_dir).resolve()
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -400,7 +402,7 @@ class Supervisor:
             self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self._fired)
         self._start_workers(self.cfg.parallel.world_size, data, warm=True)
         self._apply_pg_timeout()
-        step = self.ckpt.restore(True) if self.ckpt.store.steps() else 0
+        step = self.ckpt.restore(True) if self.ckpt.own_steps() else 0
         self._event("recovered", attempt=self.restarts, resumed_step=step, steps_lost=failed_at - 1 - step,
                     seconds=round(time.monotonic() - t0, 3))
         return step
@@ -500,7 +502,6 @@ class Supervisor:
     def run(self) -> dict:
         t_start = self._t_start = time.time()
         cfg = self.cfg
-        (self.run_dir / "config.toml").write_text(dump_config(cfg))
         self._event("run_start", run_dir=str(self.run_dir), config_hash=config_hash(cfg),
                     params=param_count(cfg.model)["total"], resume=bool(self.resume))
         try:
@@ -522,14 +523,17 @@ class Supervisor:
 
     def _run(self, t_start: float) -> dict:
         cfg = self.cfg
+        self.ckpt = CheckpointCoordinator(cfg, self._event, self._wait)
+        self.ckpt.probe()
+        # before anything in the run directory is written: a refused run leaves the other run's files alone
+        self.ckpt.claim(self.resume, self.overwrite, self.run_dir)
+        (self.run_dir / "config.toml").write_text(dump_config(cfg))
         self._phase = "preparing data"
         packed, tok_path, data_info = prepare_data(cfg)
         (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
         self._event("data_ready", **{k: data_info[k] for k in ("tokens", "documents", "train_sequences",
                                                                "val_sequences", "corpus_sha256", "domains",
                                                                "schedule") if k in data_info})
-        self.ckpt = CheckpointCoordinator(cfg, self._event, self._wait)
-        self.ckpt.probe()
         data = {"train": ray.put(packed.train), "val": ray.put(packed.val)}
 
         self._phase = "starting workers"
@@ -609,6 +613,9 @@ class Supervisor:
             "mfu": last["mfu"] if last else None, "params": param_count(cfg.model)["total"],
             "checkpoint": f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
+            # steps of work the newest durable checkpoint lacks (> 0 only when saves failed): non-zero exit
+            "checkpoint_lag_steps": cfg.train.steps - (latest if latest is not None else 0),
+            "failed_saves": self.ckpt.failed_saves,
             "restarts": self.restarts - self.rollbacks, "rollbacks": self.rollbacks,
             "sdc": {"checks": self.sdc["checks"], "mismatches": self.sdc["mismatches"],
                     "repairs": self.sdc["repairs"], "rollbacks": self.sdc["rollbacks"],

@@ -23,6 +23,7 @@ import ray
 import torch
 import torch.distributed as dist
 
+from raysc.checkpoint.failures import PermanentStorageError
 from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
 from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
@@ -34,6 +35,17 @@ from raysc.train.sdc import SilentCorruption, flip_bit
 from raysc.train.trainer import Trainer
 
 REPORT_EVERY_S = 1.0
+
+
+def _discard_staged(local: Path, rank: int) -> int:
+    """Remove this rank's staged files of a save that failed (they will never be committed); bytes freed."""
+    freed = 0
+    for name in rank_files(local, rank):
+        path = local / name
+        if path.is_file():
+            freed += path.stat().st_size
+            path.unlink(missing_ok=True)
+    return freed
 
 
 def free_port() -> int:
@@ -131,7 +143,7 @@ class TrainWorker:
         """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG
         (DCP reshards it when it was written under another layout)."""
         extra = load_local(self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer,
-                           self.rank, self.ckpt_group)
+                           self.rank, self.ckpt_group, step=step)
         self.trainer.load_extra_state(extra)
         return self.trainer.step
 
@@ -167,8 +179,10 @@ class TrainWorker:
                                        after_file=(lambda name: (self._announce(fault), fire(fault)))
                                        if fault else None)
             result.update(ok=True, files=entries)
-        except Exception as e:  # reported to the supervisor, which records it and keeps training
-            result.update(ok=False, error=f"{type(e).__name__}: {e}")
+        except Exception as e:  # reported to the supervisor, which records it and applies its policy
+            result.update(ok=False, error=f"{type(e).__name__}: {e}",
+                          permanent=getattr(e, "reason", None) if isinstance(e, PermanentStorageError) else None,
+                          freed_local=_discard_staged(local, self.rank))
         self._save["result"] = result
         self._save["done"].set()
 

@@ -51,7 +51,7 @@ def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps:
     for i, lay in enumerate(layouts):
         run = measurement_config(layout_config(cfg, lay), steps, Path(cfg.run_dir) / "plan" / f"{i:02d}")
         log(f"plan --profile: [{i + 1}/{len(layouts)}] {lay.describe()} for {steps} steps")
-        summary = train(run, progress=False)
+        summary = train(run, progress=False, overwrite=True)  # scratch runs: a rerun replaces them
         times = [m["step_time"] for m in read_jsonl(Path(run.run_dir) / "metrics.jsonl") if m["step"] > 2]
         mem_est = estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype)["total"]
         step_est = estimate_step(cfg.model, cfg.train.seq_len, gb, lay, cluster, dtype)["step_s"]

@@ -89,7 +89,8 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
     log(f"preflight: probing the fleet for {steps} steps ({cfg.parallel.world_size} worker(s))")
     store = _store_speed(cfg, (8 if cpu else 32) << 20)
     probe_cfg = probe_config(cfg, steps)
-    summary = train(probe_cfg, progress=False, probe_bytes=(4 if cpu else 64) << 20)
+    summary = train(probe_cfg, progress=False, probe_bytes=(4 if cpu else 64) << 20,
+                    overwrite=True)  # a probe left by an interrupted pre-flight is scratch
     events = read_jsonl(Path(probe_cfg.run_dir) / "events.jsonl")
     times = [m["step_time"] for m in read_jsonl(Path(probe_cfg.run_dir) / "metrics.jsonl") if m["step"] > 1]
     t = cfg.train
