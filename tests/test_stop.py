@@ -148,3 +148,40 @@ def test_second_ctrl_c_aborts_at_once_and_commits_nothing_partial(ray_head, cach
     assert store.steps() and all(store.verify(s, checksums=True) is None for s in store.steps())
     assert out.strip().splitlines()[-1].endswith(" --resume")
     _wait(lambda: not live_actors(ray_head["address"]), "every actor to be dead", timeout=30)
+
+
+def _vote_rank(rank: int, port: int, out: dict) -> None:
+    import torch.distributed as dist
+
+    from raysc.fleet.stopping import StepVote
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    vote = StepVote(dist.new_group(backend="gloo"))
+    decided = []
+    for step in range(1, 40):
+        if rank == 0 and step == 5:
+            vote.request("checkpoint")  # seen by rank 0 alone, as an actor call would be
+        if rank == 1 and step == 9 + rank:
+            vote.request("stop")
+        if rank == 1:
+            time.sleep(0.01)  # the ranks do not run in lockstep
+        kind = vote.poll()
+        if kind:
+            decided.append((step, kind))
+            if kind == "stop":
+                break
+    vote.finish()
+    out[rank] = decided
+    dist.destroy_process_group()
+
+
+def test_ranks_agree_on_the_step_a_request_takes_effect():
+    """A request seen by one rank only takes effect on every rank after the same step."""
+    import torch.multiprocessing as mp
+
+    from raysc.fleet.worker import free_port
+
+    out = mp.Manager().dict()
+    mp.spawn(_vote_rank, args=(free_port(), out), nprocs=2)
+    assert out[0] == out[1] and [k for _, k in out[0]] == ["checkpoint", "stop"], dict(out)
+    assert out[0][0][0] in (6, 7) and out[0][1][0] in (11, 12)  # one or two steps after the request
