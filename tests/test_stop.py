@@ -151,12 +151,15 @@ def test_second_ctrl_c_aborts_at_once_and_commits_nothing_partial(ray_head, cach
 
 
 def _vote_rank(rank: int, port: int, out: dict) -> None:
+    from datetime import timedelta
+
     import torch.distributed as dist
 
     from raysc.fleet.stopping import StepVote
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    vote = StepVote(dist.new_group(backend="gloo"))
+    timeout = timedelta(seconds=20)  # ranks that disagree fail here rather than hang
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=timeout)
+    vote = StepVote(dist.new_group(backend="gloo", timeout=timeout))
     decided = []
     for step in range(1, 40):
         if rank == 0 and step == 5:
