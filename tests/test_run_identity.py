@@ -46,8 +46,8 @@ def test_fresh_run_refuses_overwrite_replaces_only_after_commit_and_export_keeps
     assert second != first and _owners(a) == {3: second, 6: second}
     events = read_jsonl(Path(a.run_dir) / "events.jsonl")
     deleted = [e for e in events if e["kind"] == "previous_run_deleted"]
-    saved = [e["time"] for e in events if e["kind"] == "checkpoint_saved" and e["step"] == 3]
-    assert deleted[-1]["steps"] == [5, 10] and deleted[-1]["time"] >= saved[-1]
+    committed = CheckpointStore.for_config(a).read_manifest(3)["time"]  # this run's first commit
+    assert deleted[-1]["steps"] == [5, 10] and deleted[-1]["time"] >= committed
 
     # a foreign checkpoint in a run's store (newer than its own) is neither restored nor exported
     b = make_cfg("train.steps=4", "checkpoint.every_steps=2", run="b")
@@ -65,3 +65,5 @@ def test_fresh_run_refuses_overwrite_replaces_only_after_commit_and_export_keeps
     assert [e["step"] for e in events if e["kind"] == "resumed"] == [4]
     skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
     assert skipped[0]["step"] == 6 and "written by run" in skipped[0]["reason"]
+    own = {s for s, o in _owners(b).items() if o != second}
+    assert _owners(b)[6] == second and max(own) == 5  # the other run's checkpoint untouched, never counted

@@ -224,10 +224,12 @@ class CheckpointStore:
         self.storage.delete(f"{self.prefix(step)}/{MANIFEST}")
         self.storage.delete_prefix(self.prefix(step))
 
-    def retention(self, keep_last: int, keep_every: int = 0, protect: int | None = None) -> list[int]:
-        """Delete committed checkpoints beyond the newest ``keep_last`` (sparing multiples of
-        ``keep_every`` and ``protect``); return the deleted steps."""
-        steps = self.steps()
+    def retention(self, keep_last: int, keep_every: int = 0, protect: int | None = None,
+                  steps: list[int] | None = None) -> list[int]:
+        """Delete committed checkpoints beyond the newest ``keep_last`` of ``steps`` (default: all;
+        a run passes its own), sparing multiples of ``keep_every`` and ``protect``; return the
+        deleted steps."""
+        steps = self.steps() if steps is None else sorted(steps)
         doomed = [s for s in steps[:-keep_last] if s != protect and not (keep_every and s % keep_every == 0)]
         for s in doomed:
             self.delete_committed(s)

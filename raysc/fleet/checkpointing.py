@@ -101,6 +101,10 @@ class CheckpointCoordinator:
         """Committed steps written by this run (or by a raysc that recorded no run id), oldest first."""
         return [s for s, o in self._owners(self.store.steps()).items() if o in (None, self.run_id)]
 
+    def latest(self) -> int | None:
+        """This run's newest committed checkpoint that verifies (sizes), or None."""
+        return next((s for s in reversed(self.own_steps()) if self.store.verify(s) is None), None)
+
     # ---- before step 1 ----
     def probe(self) -> None:
         """Write-read-delete probe of checkpoint.uri, and Young's interval advice when every_steps is unset."""
@@ -230,7 +234,7 @@ class CheckpointCoordinator:
             self.replacing = []
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
-                                       protect=step)
+                                       protect=step, steps=self.own_steps())  # never another run's
         if self.cfg.checkpoint.hot_copy:
             self._keep_hot(step, results)
         size = sum(f["size"] for f in manifest["files"])

@@ -599,7 +599,7 @@ class Supervisor:
         if self.probe_bytes:
             self._phase = "probing"
             probe = self._wait([w.probe.remote(self.probe_bytes) for w in self.workers], "pre-flight probe")
-        latest = self.ckpt.store.latest()
+        latest = self.ckpt.latest()
         with self._lock:
             tps = self._tps[len(self._tps) // 10:] or [0.0]  # skip warm-up steps
         steps_run = cfg.train.steps - start_step
@@ -639,7 +639,7 @@ class Supervisor:
         if self.cfg.train.save_on_stop and step > start_step:
             self.ckpt.save(step, last["tokens"] if last else 0)  # waits for a save in flight first
         self.ckpt.finish()
-        latest = self.ckpt.store.latest()
+        latest = self.ckpt.latest()
         summary = {"run_dir": str(self.run_dir), "stopped": self._stop, "step": step, "steps": self.cfg.train.steps,
                    "step_in_flight": "finished", "checkpoint_step": latest,
                    "checkpoint": f"{self.cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None,
