@@ -182,7 +182,7 @@ def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
     store.storage.fs.pipe_file(shard, bytes(data))
     capsys.readouterr()
     assert main(["ckpt", "verify", cfg.checkpoint_uri, "--storage-options", so, "--step", "6"]) == 1
-    assert "CORRUPT: __0_0.distcp: sha256 mismatch" in capsys.readouterr().out
+    assert "REFUSED: __0_0.distcp: sha256 mismatch" in capsys.readouterr().out
 
 
 def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server, make_cfg, monkeypatch):
