@@ -30,7 +30,7 @@ def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_
     assert "Young's interval" in ckpt_item["summary"] and "store CANNOT hold" in ckpt_item["summary"]
     assert ckpt_item["evidence"]["capacity"]["need_bytes"] > ckpt_item["evidence"]["capacity"]["available_bytes"]
     assert (Path(cfg.run_dir) / "preflight.md").read_text().startswith("# Pre-flight report (FAILED")
-    gated = make_cfg(*FLEET, "checkpoint.every_steps=0", "train.require_preflight=true")
+    gated = make_cfg(*FLEET, "checkpoint.every_steps=0", "checkpoint.capacity_gb=0.0001", "train.require_preflight=true")
     with pytest.raises(PreflightRequired, match="failed .*checkpoint"):
         train(gated, progress=False)
 
