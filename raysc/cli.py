@@ -13,6 +13,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from raysc.ckpt_cli import cmd_ckpt_convert, cmd_ckpt_list, cmd_ckpt_now, cmd_ckpt_verify
 from raysc.config.load import ConfigError, load_config
 
 
@@ -70,15 +71,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_ckpt_now(args: argparse.Namespace) -> int:
-    from raysc.fleet.stopping import request_checkpoint
-
-    path = request_checkpoint(args.run_dir)
-    print(f"asked the run for a checkpoint at its next step boundary ({path}); its events.jsonl records "
-          f"checkpoint_requested, then checkpoint_saved", flush=True)
-    return 0
-
-
 def cmd_export(args: argparse.Namespace) -> int:
     from raysc.checkpoint.restore import load_run
     from raysc.export.hf import export_hf
@@ -113,70 +105,6 @@ def cmd_parity(args: argparse.Namespace) -> int:
                         work_dir=args.work_dir, progress=False)
     print(report.table())
     return 0 if report.ok else 1
-
-
-def _ckpt_store(args: argparse.Namespace):
-    from raysc.checkpoint.storage import parse_storage_options
-    from raysc.checkpoint.store import CheckpointStore
-
-    from raysc.checkpoint.signing import Signer
-
-    # RAYSC_CHECKPOINT_KEY (and _PREVIOUS_KEYS) verify signatures; without them signatures are shown, not checked
-    return CheckpointStore(args.uri, parse_storage_options(args.storage_options or ""), signer=Signer.resolve())
-
-
-def cmd_ckpt_list(args: argparse.Namespace) -> int:
-    import datetime
-
-    store = _ckpt_store(args)
-    rows = []
-    for step in store.steps():
-        m = store.read_manifest(step) or {}
-        reason = store.verify(step, checksums=args.checksums)
-        layout = m.get("layout", {})
-        rows.append({
-            "step": step, "time": datetime.datetime.fromtimestamp(m.get("time", 0)).isoformat(timespec="seconds"),
-            "bytes": sum(f["size"] for f in m.get("files", [])),
-            "layout": ",".join(f"{k}={v}" for k, v in layout.items() if k != "world_size" and v != 1) or "single",
-            "verified": "yes" if reason is None else f"no: {reason}",
-            "signature": store.signer.describe(m), "run_id": m.get("run_id"),
-        })
-    if args.json:
-        print(json.dumps(rows))
-        return 0
-    print(f"{'step':>10}  {'time':19}  {'size':>10}  {'run':12}  {'layout':24}  verified / signature")
-    for r in rows:
-        print(f"{r['step']:>10}  {r['time']:19}  {r['bytes'] / 1e6:8.1f}MB  {r['run_id'] or '-':12}  "
-              f"{r['layout']:24}  {r['verified']} / {r['signature']}")
-    if not rows:
-        print(f"no committed checkpoints under {args.uri}")
-    return 0
-
-
-def cmd_ckpt_verify(args: argparse.Namespace) -> int:
-    store = _ckpt_store(args)
-    steps = [args.step] if args.step is not None else store.steps()
-    if not steps:
-        print(f"error: no committed checkpoints under {args.uri}", file=sys.stderr)
-        return 1
-    bad = 0
-    for step in steps:
-        reason = store.verify(step, checksums=True)
-        print(f"step {step}: {'ok (sizes and sha256)' if reason is None else 'REFUSED: ' + reason}; "
-              f"{store.signature_state(step)}")
-        bad += reason is not None
-    return 1 if bad else 0
-
-
-def cmd_ckpt_convert(args: argparse.Namespace) -> int:
-    from raysc.checkpoint.convert import convert_step
-
-    store = _ckpt_store(args)
-    steps = [args.step] if args.step is not None else store.steps()
-    for step in steps:
-        written = convert_step(store, step)
-        print(f"step {step}: " + (f"converted ({', '.join(written)})" if written else "already current"))
-    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:

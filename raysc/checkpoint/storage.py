@@ -19,6 +19,7 @@ from typing import Any, Iterator
 
 import fsspec
 
+from raysc.config.secrets import redact  # noqa: F401  (re-exported: callers redact storage options)
 from raysc.hashing import pump
 
 WHOLE_OBJECT_MAX = 512 << 20  # files up to this size move in memory (in parallel parts where the store allows)
@@ -45,22 +46,6 @@ def _hash_in_thread(parts: list[bytes]):
     t = threading.Thread(target=run)
     t.start()
     return lambda: (t.join(), out[0])[1]
-
-
-SECRET_WORDS = ("secret", "password", "token", "key", "credential", "session")
-
-
-def redact(options: dict[str, Any]) -> dict[str, Any]:
-    """``options`` with every value whose key looks secret replaced by '***' (recursively)."""
-    out: dict[str, Any] = {}
-    for k, v in options.items():
-        if isinstance(v, dict):
-            out[k] = redact(v)
-        elif any(w in k.lower() for w in SECRET_WORDS):
-            out[k] = "***"
-        else:
-            out[k] = v
-    return out
 
 
 def parse_storage_options(text: str) -> dict[str, Any]:

@@ -292,7 +292,7 @@ def _toml_value(v: Any) -> str:
 def dump_config(cfg: Config) -> str:
     """The resolved config as TOML, secrets redacted; ``load_config`` reads it back to an equal Config
     (but for redacted values)."""
-    from raysc.checkpoint.storage import redact
+    from raysc.config.secrets import redact
 
     out = []
     for section in dataclasses.fields(cfg):
