@@ -31,6 +31,7 @@ from raysc.checkpoint.signing import Signer
 from raysc.config.load import config_to_dict
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunStopped
+from raysc.fleet.events import EventKind
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
 
@@ -199,7 +200,7 @@ def _aborted(cfg: Config, abort: _Abort, step: int | None) -> RunStopped:
         latest = None
     checkpoint = f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None
     events = JsonlWriter(Path(cfg.run_dir) / "events.jsonl")
-    events.write({"time": time.time(), "kind": "run_stopped", "reason": abort.reason, "aborted": True,
+    events.write({"time": time.time(), "kind": EventKind.RUN_STOPPED.value, "reason": abort.reason, "aborted": True,
                   "why": str(abort), "step": step, "checkpoint_step": latest, "checkpoint": checkpoint,
                   "note": "the supervisor was killed; a save in flight stays uncommitted (no manifest)"})
     events.close()

@@ -29,7 +29,8 @@ from raysc.checkpoint.storage import StorageError
 from raysc.checkpoint.store import RUN_FILE, CheckpointStore, CorruptCheckpoint, read_run_id
 from raysc.config.load import config_hash, dump_config
 from raysc.config.schema import Config
-from raysc.fleet.errors import RunFailed
+from raysc.fleet.errors import Failure, FailureKind, RunFailed
+from raysc.fleet.events import EventKind
 from raysc.model.flops import param_count
 
 
@@ -85,7 +86,7 @@ class CheckpointCoordinator:
             self.run_id = uuid.uuid4().hex[:12]
             self.replacing = committed if overwrite else []
             if self.replacing:
-                self.event("checkpoint_overwrite_pending", steps=committed,
+                self.event(EventKind.CHECKPOINT_OVERWRITE_PENDING, steps=committed,
                            note="--overwrite: these are deleted once this run commits its first checkpoint")
         else:
             recorded = read_run_id(run_dir)
@@ -113,7 +114,7 @@ class CheckpointCoordinator:
             self.store.storage.probe()
         except StorageError as e:
             raise RunFailed(str(e)) from None
-        self.event("checkpoint_store_ok", uri=self.cfg.checkpoint_uri, probe_s=round(time.perf_counter() - t0, 3))
+        self.event(EventKind.CHECKPOINT_STORE_OK, uri=self.cfg.checkpoint_uri, probe_s=round(time.perf_counter() - t0, 3))
         if not self.cfg.checkpoint.every_steps:
             self._advise_interval()
 
@@ -129,7 +130,7 @@ class CheckpointCoordinator:
         self.store.storage.delete(rel)
         save_s = ckpt_bytes / (sample / dt)
         mtbf_s = self.cfg.checkpoint.mtbf_hours * 3600
-        self.event("checkpoint_interval_advice", estimated_save_s=round(save_s, 3),
+        self.event(EventKind.CHECKPOINT_INTERVAL_ADVICE, estimated_save_s=round(save_s, 3),
                    mtbf_hours=self.cfg.checkpoint.mtbf_hours,
                    young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
                    note="checkpoint.every_steps is unset: set it to about this many seconds of training")
@@ -139,7 +140,7 @@ class CheckpointCoordinator:
         """Start saving ``step`` (waiting first for the save in flight, if any)."""
         if self.inflight is not None:
             if any(self.wait([w.save_pending.remote() for w in self.workers], "checkpoint status")):
-                self.event("checkpoint_save_delayed", step=step, waiting_for=self.inflight["step"])
+                self.event(EventKind.CHECKPOINT_SAVE_DELAYED, step=step, waiting_for=self.inflight["step"])
             self.finish()
         if not self.store.discard_uncommitted(step):
             owner = (self.store.read_manifest(step) or {}).get("run_id")
@@ -151,7 +152,7 @@ class CheckpointCoordinator:
                 return
             self.store.delete_committed(step)  # --overwrite: another run's checkpoint at a step this run saves
             self.replacing.remove(step)
-            self.event("checkpoint_replaced", step=step, note="--overwrite: the other run's checkpoint at this step")
+            self.event(EventKind.CHECKPOINT_REPLACED, step=step, note="--overwrite: the other run's checkpoint at this step")
         t0 = time.perf_counter()
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
         self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"],
@@ -192,7 +193,7 @@ class CheckpointCoordinator:
         except RunFailed:
             return  # the save failed and its policy says stop: already recorded; the caller's error stands
         step, self.inflight = self.inflight["step"], None
-        self.event("checkpoint_save_abandoned", step=step, freed_bytes=self._discard(step),
+        self.event(EventKind.CHECKPOINT_SAVE_ABANDONED, step=step, freed_bytes=self._discard(step),
                    note="a rank failed before its upload finished; no manifest written, its files deleted")
 
     def finish(self) -> None:
@@ -205,7 +206,7 @@ class CheckpointCoordinator:
         failed = [r for r in results if not r["ok"]]
         for r in results:
             for note in r.get("retries", []):
-                self.event("checkpoint_upload_retry", step=step, rank=r["rank"], detail=note)
+                self.event(EventKind.CHECKPOINT_UPLOAD_RETRY, step=step, rank=r["rank"], detail=note)
         if failed:
             self._save_failed(step, failed[0]["error"], [r["rank"] for r in failed], failed[0].get("permanent"),
                               sum(r.get("freed_local", 0) for r in failed))
@@ -214,8 +215,7 @@ class CheckpointCoordinator:
         par = self.cfg.parallel
         meta = {
             "run_id": self.run_id, "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
-            "layout": {"dp_replicate": par.dp_replicate, "dp_shard": par.dp_shard, "tp": par.tp, "pp": par.pp,
-                       "cp": par.cp, "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
+            "layout": {**par.dims.as_dict(), "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
             "loader": job["loader"], "detectors": {"spike": job["detector"]},
             "state": {"model": "DCP key 'model' in .metadata + __*.distcp",
                       "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
@@ -230,7 +230,7 @@ class CheckpointCoordinator:
         if self.replacing:  # --overwrite: this run has a checkpoint of its own now
             for old in self.replacing:
                 self.store.delete_committed(old)
-            self.event("previous_run_deleted", steps=self.replacing, note="--overwrite, after this run's first commit")
+            self.event(EventKind.PREVIOUS_RUN_DELETED, steps=self.replacing, note="--overwrite, after this run's first commit")
             self.replacing = []
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
@@ -240,14 +240,14 @@ class CheckpointCoordinator:
         size = sum(f["size"] for f in manifest["files"])
         rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}
         self.saves.append(rec)
-        self.event("checkpoint_saved", **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
+        self.event(EventKind.CHECKPOINT_SAVED, **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
 
     def _discard(self, step: int) -> int | None:
         """Delete what a failed save of ``step`` uploaded (never a committed checkpoint); bytes freed."""
         try:
             return self.store.discard_failed(step)
         except Exception as e:  # the store may refuse even deletes; the next save of this step retries it
-            self.event("checkpoint_cleanup_failed", step=step, error=f"{type(e).__name__}: {e}")
+            self.event(EventKind.CHECKPOINT_CLEANUP_FAILED, step=step, error=f"{type(e).__name__}: {e}")
             return None
 
     def _save_failed(self, step: int, error: str, ranks: list[int], permanent: str | None, freed_local: int) -> None:
@@ -255,24 +255,23 @@ class CheckpointCoordinator:
         ck = self.cfg.checkpoint
         self.failed_in_row += 1
         self.failed_saves += 1
-        self.event("checkpoint_save_failed", step=step, ranks=ranks, error=error,
+        self.event(EventKind.CHECKPOINT_SAVE_FAILED, step=step, ranks=ranks, error=error,
                    failure=f"permanent: {permanent}" if permanent else "transient (retried)",
                    freed_bytes=self._discard(step), freed_local_bytes=freed_local,
                    note="no manifest written; the previous checkpoint stands")
         stop = ck.on_save_failure == "stop" or self.failed_in_row >= ck.max_failed_saves
         at_risk = step - (self.durable_step or 0)
-        self.event("checkpoint_lagging", step=step, durable_step=self.durable_step, steps_at_risk=at_risk,
+        self.event(EventKind.CHECKPOINT_LAGGING, step=step, durable_step=self.durable_step, steps_at_risk=at_risk,
                    failed_in_row=self.failed_in_row, max_failed_saves=ck.max_failed_saves,
                    action="stop the run" if stop else "keep training; the next checkpoint step tries again")
         if stop:
             why = f"{self.failed_in_row} checkpoint save(s) in a row failed" if ck.on_save_failure == "continue" \
                 else "a checkpoint save failed and checkpoint.on_save_failure = 'stop'"
-            err = RunFailed(f"{why} (last: step {step}: {error}). The newest durable checkpoint is "
+            raise RunFailed(f"{why} (last: step {step}: {error}). The newest durable checkpoint is "
                             f"{'step ' + str(self.durable_step) if self.durable_step is not None else 'none'} "
                             f"({at_risk} steps of work unsaved). Free space or raise the quota/permissions of "
-                            f"{self.cfg.checkpoint_uri} (see docs/checkpointing.md), then continue with --resume.")
-            err.recoverable = False  # a restart would hit the same store
-            raise err
+                            f"{self.cfg.checkpoint_uri} (see docs/checkpointing.md), then continue with --resume.",
+                            Failure(FailureKind.STORAGE))  # a restart would hit the same store
 
     def _keep_hot(self, step: int, results: list[dict]) -> None:
         """Keep the newest checkpoint's files in Ray's object store, owned by the supervisor."""
@@ -319,7 +318,7 @@ class CheckpointCoordinator:
             if reason is None:
                 steps.append(step)
             else:
-                self.event("checkpoint_skipped", step=step, reason=reason)
+                self.event(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
         if not steps:
             raise RunFailed(f"--resume: no committed checkpoint of run {self.run_id} under "
                             f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N).")
@@ -331,18 +330,18 @@ class CheckpointCoordinator:
             try:
                 restored, infos = self._fetch_and_load(self.load_store, step)
             except RunFailed as e:
-                if isinstance(getattr(e, "worker_cause", None), CorruptCheckpoint):
-                    self.event("checkpoint_corrupt", step=step, error=str(e),
+                if e.failure is not None and isinstance(e.failure.cause, CorruptCheckpoint):
+                    self.event(EventKind.CHECKPOINT_CORRUPT, step=step, error=str(e),
                                action="falling back to the previous checkpoint")
                     continue
                 raise
             if self.load_store is self.store:
                 self.durable_step = step
             manifest = self.load_store.read_manifest(step) or {}
-            self.event("resumed", step=restored, uri=self.load_store.uri, from_layout=manifest.get("layout"),
+            self.event(EventKind.RESUMED, step=restored, uri=self.load_store.uri, from_layout=manifest.get("layout"),
                        source=sorted({i["source"] for i in infos}), fetch_s=round(max(i["seconds"] for i in infos), 3))
             if manifest.get("config_hash") and manifest["config_hash"] != config_hash(self.cfg):
-                self.event("resume_config_changed", step=step, saved_hash=manifest["config_hash"],
+                self.event(EventKind.RESUME_CONFIG_CHANGED, step=step, saved_hash=manifest["config_hash"],
                            hash=config_hash(self.cfg),
                            note="the configuration differs from the one that wrote the checkpoint")
             return restored

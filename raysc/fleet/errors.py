@@ -1,8 +1,35 @@
-"""Errors the fleet raises to the driver (kept free of Ray imports so the CLI can catch them cheaply)."""
+"""Errors the fleet raises to the driver (kept free of Ray imports so the CLI can catch them cheaply),
+and ``Failure``, the typed account of what went wrong that the supervisor classifies
+(``raysc.fleet.actions``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+
+
+class FailureKind(str, Enum):
+    DIED = "died"  # a worker process is gone (killed, OOM, node lost)
+    RAISED = "raised"  # a worker raised; ``Failure.cause`` is its exception
+    HUNG = "hung"  # no progress for longer than the hang timeout
+    TIMED_OUT = "timed_out"  # a bounded operation (setup, save) did not finish in time
+    STORAGE = "storage"  # checkpoint saves keep failing: a restart would meet the same store
+
+
+@dataclass(frozen=True)
+class Failure:
+    kind: FailureKind
+    rank: int | None = None
+    cause: BaseException | None = None
 
 
 class RunFailed(RuntimeError):
-    """The run stopped; the message says which rank failed, how, and how to resume."""
+    """The run stopped; the message says which rank failed, how, and how to resume. ``failure``
+    says what happened, for the supervisor to choose restart, rollback, repair or stop."""
+
+    def __init__(self, message: str, failure: Failure | None = None) -> None:
+        super().__init__(message)
+        self.failure = failure
 
 
 class RunStopped(Exception):

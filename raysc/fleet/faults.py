@@ -12,6 +12,11 @@ optimizer step ``STEP``:
 - ``slow``: that rank sleeps ``SLOW_S`` seconds before the step (a straggler);
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
   first file), to prove a half-written checkpoint is never loaded.
+
+``FaultInjector`` holds one rank's faults and fires them from three hooks the worker calls:
+``before_step`` (raise, kill, hang, slow, bitflip; arms nan/spike), ``after_loss`` (the armed
+loss factor, applied by the ``Trainer``'s loss hook) and ``on_file_written`` (kill_save, from the
+upload path). Nothing else in the training code knows about faults.
 """
 
 from __future__ import annotations
@@ -21,6 +26,11 @@ import re
 import signal
 import time
 from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from raysc.train.sdc import flip_bit
 
 KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike", "bitflip", "slow")
 SLOW_S = 3.0
@@ -72,3 +82,45 @@ def consume_faults(text: str, fired: set[str]) -> str:
     """The injection spec without the faults that have fired, so a replacement worker does not
     fail the same way again."""
     return ",".join(f.spec for f in parse_faults(text) if f.spec not in fired)
+
+
+class FaultInjector:
+    """The faults of ``spec`` for ``rank``, fired at the worker's hooks. ``announce(fault)`` is
+    called (and returns) before a fault fires, so the supervisor records it first."""
+
+    def __init__(self, spec: str, rank: int, announce: Callable[[Fault], None]) -> None:
+        mine = [f for f in parse_faults(spec) if f.rank == rank]
+        self._step_faults = {f.step: f for f in mine if f.kind != "kill_save"}
+        self._save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
+        self._announce = announce
+        self._loss_factor: float | None = None  # armed by a nan/spike fault for one step
+
+    def before_step(self, step: int, params: Sequence[torch.Tensor]) -> None:
+        """Before optimizer step ``step``: fire this step's fault, or arm its loss factor."""
+        self._loss_factor = None
+        fault = self._step_faults.pop(step, None)
+        if fault is None:
+            return
+        self._announce(fault)
+        if fault.kind in LOSS_FAULTS:
+            self._loss_factor = LOSS_FAULTS[fault.kind]
+        elif fault.kind == "bitflip":
+            flip_bit(params[0])
+        else:
+            fire(fault)
+
+    def after_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        """A training loss of the current step, times the armed factor (unchanged when none is)."""
+        return loss if self._loss_factor is None else loss * self._loss_factor
+
+    def after_step(self) -> None:
+        """The step is over: a loss factor applies to one step only (not to validation)."""
+        self._loss_factor = None
+
+    def on_file_written(self, step: int) -> Callable[[str], None] | None:
+        """The upload path's per-file callback for checkpoint ``step``: a kill_save fault fires after
+        the first file (None when there is none)."""
+        fault = self._save_faults.pop(step, None)
+        if fault is None:
+            return None
+        return lambda name: (self._announce(fault), fire(fault))

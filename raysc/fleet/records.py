@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from raysc.fleet.events import EventKind
+
 DASHBOARD_METRICS = {
     "loss": "training loss of the last optimizer step",
     "grad_norm": "global gradient norm before clipping",
@@ -58,7 +60,7 @@ class RunRecords:
                 self._gauges[name] = Gauge(f"raysc_{name}", description=desc, tag_keys=("run",))
                 self._gauges[name].set_default_tags({"run": run_name})
         except Exception as e:  # metrics are optional outside a Ray worker; the files are the record
-            self.event("dashboard_metrics_unavailable", error=repr(e))
+            self.event(EventKind.DASHBOARD_METRICS_UNAVAILABLE, error=repr(e))
 
     def metrics_batch(self, batch: list[dict[str, Any]]) -> None:
         """Append every step's metrics; the dashboard gauges show the newest."""
@@ -74,8 +76,9 @@ class RunRecords:
             if value is not None and name in self._gauges:
                 self._gauges[name].set(float(value))
 
-    def event(self, kind: str, **fields: Any) -> dict:
-        rec = {"time": time.time(), "kind": kind, **fields}
+    def event(self, kind: EventKind | str, **fields: Any) -> dict:
+        """Append one event; ``kind`` must be an ``EventKind`` (ValueError names an unknown one)."""
+        rec = {"time": time.time(), "kind": EventKind(kind).value, **fields}
         self.events.write(rec)
         return rec
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from raysc.fleet.events import EventKind
 from raysc.fleet.records import read_jsonl
 
 
@@ -28,11 +29,11 @@ def run_status(run_dir: str | Path) -> dict:
         raise FileNotFoundError(f"{rd} has no events.jsonl: not a raysc run directory")
     events = read_jsonl(rd / "events.jsonl")
     metrics = read_jsonl(rd / "metrics.jsonl")
-    starts = [e for e in events if e["kind"] == "run_start"]
+    starts = [e for e in events if e["kind"] == EventKind.RUN_START]
     t0 = starts[0]["time"] if starts else events[0]["time"]
     last_event = events[-1]
-    state = {"run_end": "finished", "run_failed": "failed", "run_stopped": "stopped"}.get(last_event["kind"],
-                                                                                       "running")
+    state = {EventKind.RUN_END: "finished", EventKind.RUN_FAILED: "failed",
+             EventKind.RUN_STOPPED: "stopped"}.get(last_event["kind"], "running")
     t1 = last_event["time"] if state != "running" else max(last_event["time"], metrics[-1]["time"]
                                                           if metrics else last_event["time"])
     last = metrics[-1] if metrics else {}
@@ -41,14 +42,14 @@ def run_status(run_dir: str | Path) -> dict:
         from raysc.config.load import load_config
 
         total = load_config(rd / "config.toml").train.steps
-    saved = [e for e in events if e["kind"] == "checkpoint_saved"]
+    saved = [e for e in events if e["kind"] == EventKind.CHECKPOINT_SAVED]
     return {
         "run_dir": str(rd), "state": state, "step": last.get("step"), "total_steps": total,
         "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "tokens_per_s": last.get("tokens_per_s"),
         "mfu": last.get("mfu"), "tokens": last.get("tokens"),
-        "restarts": sum(1 for e in events if e["kind"] == "recovered"),
-        "skipped_updates": sum(1 for e in events if e["kind"] == "update_skipped"),
-        "failed_saves": sum(1 for e in events if e["kind"] == "checkpoint_save_failed"),
+        "restarts": sum(1 for e in events if e["kind"] == EventKind.RECOVERED),
+        "skipped_updates": sum(1 for e in events if e["kind"] == EventKind.UPDATE_SKIPPED),
+        "failed_saves": sum(1 for e in events if e["kind"] == EventKind.CHECKPOINT_SAVE_FAILED),
         "last_checkpoint": saved[-1]["step"] if saved else None,
         "wall_s": round(t1 - t0, 2), "goodput": goodput(metrics, t1 - t0),
         "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],

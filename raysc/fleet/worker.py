@@ -27,11 +27,12 @@ from raysc.checkpoint.failures import PermanentStorageError
 from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
 from raysc.checkpoint.store import CheckpointStore, local_copy_dir
 from raysc.config.load import config_from_dict
-from raysc.fleet.faults import LOSS_FAULTS, fire, parse_faults
+from raysc.fleet.faults import Fault, FaultInjector
+from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.stopping import StepVote
-from raysc.parallel.dims import ParallelDims, build_mesh
+from raysc.parallel.dims import build_mesh
 from raysc.train.memory import PeakMemory
-from raysc.train.sdc import SilentCorruption, flip_bit
+from raysc.train.sdc import SilentCorruption
 from raysc.train.trainer import Trainer
 
 REPORT_EVERY_S = 1.0
@@ -70,9 +71,9 @@ class TrainWorker:
 
     def _configure(self, cfg_dict: dict) -> None:
         self.cfg = config_from_dict(cfg_dict, "supervisor")
-        mine = [f for f in parse_faults(self.cfg.supervisor.inject) if f.rank == self.rank]
-        self.faults = {f.step: f for f in mine if f.kind != "kill_save"}
-        self.save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
+        self.faults = FaultInjector(self.cfg.supervisor.inject, self.rank, self._announce)
+        if self.trainer is not None:
+            self.trainer.loss_hook = self.faults.after_loss
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
         torch.set_num_threads(threads)
 
@@ -81,7 +82,7 @@ class TrainWorker:
         return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
 
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
-              gpu_ids: list | None = None) -> dict:
+              gpu_ids: list | None = None) -> WorkerInfo:
         """Join the process group and build this rank's model shard.
 
         A warm spare (started earlier without resources, in the bundle of the rank it replaces)
@@ -102,11 +103,12 @@ class TrainWorker:
         train_rows = ray.get(data["train"])
         val_rows = ray.get(data["val"])
         t_setup.append(time.perf_counter())
-        dims = ParallelDims.from_config(self.cfg.parallel)
+        dims = self.cfg.parallel.dims
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
+        self.trainer.loss_hook = self.faults.after_loss
         self.memory = PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device) \
             if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory else None
         t_setup.append(time.perf_counter())
@@ -115,14 +117,13 @@ class TrainWorker:
         # and stop / checkpoint-now requests theirs (raysc.fleet.stopping)
         self.vote = StepVote(dist.new_group(backend="gloo") if self.world_size > 1 else None)
         self.ckpt = CheckpointStore.for_config(self.cfg)
-        return {"rank": self.rank, "pid": os.getpid(), "node": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "replicas": self.trainer.replicas.enabled,
-                "gpu_ids": gpu_ids or [str(g) for g in ray.get_gpu_ids()],
-                "coords": dims.coords(self.rank),
-                "threads": torch.get_num_threads(), "device": str(self.trainer.device),
-                "peak_flops": self.trainer.peak_flops,
-                "setup_s": dict(zip(("process_group", "data", "model", "checkpoint_group"),
-                                    (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()]))))}
+        phases = ("process_group", "data", "model", "checkpoint_group")
+        return WorkerInfo(
+            rank=self.rank, pid=os.getpid(), node=ray.util.get_node_ip_address(),
+            node_id=ray.get_runtime_context().get_node_id(), replicas=self.trainer.replicas.enabled,
+            gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()], coords=dims.coords(self.rank),
+            threads=torch.get_num_threads(), device=str(self.trainer.device), peak_flops=self.trainer.peak_flops,
+            setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))))
 
     # ---- checkpoints ----
     def _local_dir(self, step: int, uri: str | None = None) -> Path:
@@ -172,12 +173,10 @@ class TrainWorker:
         try:
             save_extra(staged, local, extra, self.rank)
             digests = staged.wait()
-            fault = self.save_faults.pop(step, None)
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank), digests,
                                        retries=self.cfg.checkpoint.upload_retries,
                                        on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
-                                       after_file=(lambda name: (self._announce(fault), fire(fault)))
-                                       if fault else None)
+                                       after_file=self.faults.on_file_written(step))
             result.update(ok=True, files=entries)
         except Exception as e:  # reported to the supervisor, which records it and applies its policy
             result.update(ok=False, error=f"{type(e).__name__}: {e}",
@@ -186,7 +185,7 @@ class TrainWorker:
         self._save["result"] = result
         self._save["done"].set()
 
-    def _announce(self, fault) -> None:
+    def _announce(self, fault: Fault) -> None:
         """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
         ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank, fault.step))
         self._flush_reports()
@@ -233,18 +232,11 @@ class TrainWorker:
         while self.trainer.step < until_step:
             if self.vote.poll() is not None:
                 break  # every rank breaks after the same step; the supervisor sees it in the step reached
-            fault = self.faults.pop(self.trainer.step + 1, None)
-            if fault is not None:
-                self._announce(fault)
-                if fault.kind in LOSS_FAULTS:
-                    self.trainer.loss_fault = LOSS_FAULTS[fault.kind]
-                elif fault.kind == "bitflip":
-                    flip_bit(self.trainer.params[0])
-                else:
-                    fire(fault)
+            self.faults.before_step(self.trainer.step + 1, self.trainer.params)
             if self.memory is not None:
                 self.memory.before_step()
             last = self.trainer.train_step()
+            self.faults.after_step()
             if self.memory is not None:
                 self.memory.after_step()
             if self.rank == 0:
@@ -311,8 +303,8 @@ class TrainWorker:
         per parallel group and the node's topology (``raysc.preflight.probe``)."""
         from raysc.preflight.probe import group_bandwidth, node_topology
 
-        dims = ParallelDims.from_config(self.cfg.parallel)
-        sizes = dict(zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), dims.shape))
+        dims = self.trainer.dims
+        sizes = dims.as_dict()
         with self._training:
             bandwidth = group_bandwidth(self.trainer.mesh, sizes, nbytes, self.trainer.device)
         return {"rank": self.rank, "coords": dims.coords(self.rank), "node": ray.util.get_node_ip_address(),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from typing import Callable
 
 import numpy as np
 import torch
@@ -25,7 +26,6 @@ from raysc.data.loader import build_loader
 from raysc.model.flops import flops_per_token
 from raysc.parallel.clip import clip_grad_norm
 from raysc.parallel.cp import shard_sequence
-from raysc.parallel.dims import ParallelDims
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
 from raysc.train.optim import build_optimizer, build_scheduler
@@ -55,14 +55,15 @@ class Trainer:
     def __init__(self, cfg: Config, rows: np.ndarray | dict[str, np.ndarray], val_rows: np.ndarray | None = None,
                  rank: int = 0, mesh=None, measure_peak: bool = True) -> None:
         self.cfg = cfg
-        self.dims = ParallelDims.from_config(cfg.parallel)
+        self.dims = cfg.parallel.dims
         self.rank = rank
         self.mesh = mesh
         self.coords = self.dims.coords(rank)
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
         self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg))
-        self.loss_fault = 1.0  # set by fault injection (nan/spike) for the next step only
+        # applied to every training loss when set: the worker's fault injector (drills), else None
+        self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.model_parts = self.shard.parts
         self.model = self.model_parts[0]
         named = [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
@@ -114,8 +115,9 @@ class Trainer:
         return loss_parallel() if self.dims.tp > 1 else contextlib.nullcontext()
 
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy (times the injected-fault factor, 1 unless a nan/spike fault is armed)."""
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) * self.loss_fault
+        """Mean cross-entropy (passed through ``loss_hook`` when one is set)."""
+        loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        return loss if self.loss_hook is None else self.loss_hook(loss)
 
     def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = batch[:, :-1], batch[:, 1:]
@@ -157,7 +159,6 @@ class Trainer:
         with self._loss_ctx(), self._autocast():
             local_loss = self._forward_backward(x, y)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
-        self.loss_fault = 1.0
         lr = self.scheduler.get_last_lr()[0]
         loss_value = self._global_mean(local_loss)  # the same number on every rank
         spike = None

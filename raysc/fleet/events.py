@@ -1,0 +1,91 @@
+"""The vocabulary of ``events.jsonl``: every event kind a run records, with one line of meaning.
+
+``EventKind`` is a ``str`` enum, so a record's ``kind`` is the plain string in the file and
+``e["kind"] == EventKind.RUN_END`` holds when reading it back. ``RunRecords.event`` accepts
+only these kinds. ``docs/events.md`` is generated from this table
+(``python -m raysc.fleet.events > docs/events.md``; a test checks that it is current).
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class EventKind(str, Enum):
+    def __new__(cls, value: str, meaning: str) -> "EventKind":
+        member = str.__new__(cls, value)
+        member._value_ = value
+        member.meaning = meaning
+        return member
+
+    def __str__(self) -> str:
+        return self.value
+
+    # a run's life
+    RUN_START = "run_start", "the supervisor took the run: directory, config hash, parameter count, resume"
+    DATA_READY = "data_ready", "the training data is packed: tokens, documents, sequences, corpus hash, domains"
+    WORKERS_READY = "workers_ready", "every worker joined the process group and built its shard (warm: spares used)"
+    LAYOUT = "layout", "the parallel layout and which node holds each rank"
+    LAYOUT_WARNING = "layout_warning", "a tensor/context-parallel group spans nodes (slow collectives)"
+    RUN_END = "run_end", "the run finished; the fields are its summary"
+    RUN_FAILED = "run_failed", "the run stopped on an error it could not heal"
+    STOP_REQUESTED = "stop_requested", "the driver asked to stop (SIGINT / SIGTERM) at the next agreed step"
+    RUN_STOPPED = "run_stopped", "the run stopped on request after saving (aborted: the stop was cut short)"
+    DASHBOARD_METRICS_UNAVAILABLE = ("dashboard_metrics_unavailable",
+                                     "Ray's metrics could not be set up; the jsonl files are still written")
+    # training signals
+    UPDATE_SKIPPED = "update_skipped", "the spike/NaN detector skipped an optimizer update"
+    DATA_EPOCH = "data_epoch", "a data domain ran out and started a new seeded permutation"
+    SLOW_STEP = "slow_step", "a step took several times the calibrated median (a straggler)"
+    SPIKE_ROLLBACK = "spike_rollback", "a loss spike: restored the checkpoint before it and skipped data"
+    TIMEOUTS_CALIBRATED = "timeouts_calibrated", "hang and process-group timeouts set from measured step times"
+    COLLECTIVE_STRESS = "collective_stress", "the collective stress test under the calibrated timeout"
+    # failures and healing
+    FAULT_INJECTED = "fault_injected", "a drill fault (supervisor.inject) is about to fire"
+    WORKER_DIED = "worker_died", "a worker process died (killed, OOM, node lost)"
+    WORKER_ERROR = "worker_error", "a worker raised an exception"
+    WORKER_HANG = "worker_hang", "no progress from some ranks for longer than the hang timeout"
+    WORKER_TIMEOUT = "worker_timeout", "some ranks did not finish a bounded operation in time"
+    RECOVERY_START = "recovery_start", "replacing the fleet after a failure"
+    RECOVERED = "recovered", "a new fleet resumed from the newest checkpoint"
+    RESTARTS_EXHAUSTED = "restarts_exhausted", "supervisor.max_restarts failures without progress: giving up"
+    NODE_QUARANTINED = "node_quarantined", "a node is suspect; later restarts place workers elsewhere"
+    QUARANTINE_IGNORED = "quarantine_ignored", "every node is quarantined; placing workers on them anyway"
+    SDC_UNAVAILABLE = "sdc_unavailable", "replica checks are set but no rank holds a replica to compare"
+    SDC_MISMATCH = "sdc_mismatch", "replicas' parameter fingerprints disagree (silent data corruption)"
+    SDC_REPAIRED = "sdc_repaired", "the corrupted replicas were restored from the healthy majority"
+    SDC_ROLLBACK = "sdc_rollback", "no majority among replicas: every replica restored from a checkpoint"
+    # checkpoints
+    CHECKPOINT_STORE_OK = "checkpoint_store_ok", "the checkpoint store answered a write/read/delete probe"
+    CHECKPOINT_INTERVAL_ADVICE = "checkpoint_interval_advice", "the save time suggests another checkpoint interval"
+    CHECKPOINT_REQUESTED = "checkpoint_requested", "a checkpoint was asked for now (raysc ckpt now, SIGUSR1)"
+    CHECKPOINT_SAVE_DELAYED = "checkpoint_save_delayed", "a save waits for the previous one still uploading"
+    CHECKPOINT_SAVED = "checkpoint_saved", "a checkpoint was committed (its manifest written)"
+    CHECKPOINT_UPLOAD_RETRY = "checkpoint_upload_retry", "a file upload failed transiently and was retried"
+    CHECKPOINT_SAVE_FAILED = "checkpoint_save_failed", "a save failed; no manifest, the previous checkpoint stands"
+    CHECKPOINT_SAVE_ABANDONED = "checkpoint_save_abandoned", "a save in flight was given up (the fleet is replaced)"
+    CHECKPOINT_LAGGING = "checkpoint_lagging", "the newest durable checkpoint lags training after failed saves"
+    CHECKPOINT_CLEANUP_FAILED = "checkpoint_cleanup_failed", "deleting old checkpoints (retention) failed"
+    CHECKPOINT_SKIPPED = "checkpoint_skipped", "a checkpoint was passed over on resume (format, signature, run)"
+    CHECKPOINT_CORRUPT = "checkpoint_corrupt", "a checkpoint failed verification; the previous one is tried"
+    CHECKPOINT_OVERWRITE_PENDING = ("checkpoint_overwrite_pending",
+                                    "--overwrite: another run's checkpoints go after this run's first commit")
+    CHECKPOINT_REPLACED = "checkpoint_replaced", "--overwrite: another run's checkpoint at this step was replaced"
+    PREVIOUS_RUN_DELETED = "previous_run_deleted", "--overwrite: the other run's checkpoints were deleted"
+    RESUMED = "resumed", "training state restored from a checkpoint (layout it was written under)"
+    RESUME_CONFIG_CHANGED = "resume_config_changed", "the resumed checkpoint was written under another config"
+
+
+def events_reference() -> str:
+    """``docs/events.md``: the table of event kinds."""
+    lines = ["# Events", "",
+             "Every line of a run's `events.jsonl` is one JSON object with `time`, `kind` and fields of its own.",
+             "The kinds, in the order a run tends to meet them (generated from `raysc/fleet/events.py`:",
+             "`python -m raysc.fleet.events > docs/events.md`).", "",
+             "| kind | meaning |", "|---|---|"]
+    lines += [f"| `{k.value}` | {k.meaning} |" for k in EventKind]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    print(events_reference(), end="")

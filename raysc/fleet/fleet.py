@@ -1,0 +1,191 @@
+"""``Fleet``: the workers of a run and where they are placed.
+
+It reserves a placement group (one bundle per rank, ranks of a TP×CP group on one node
+when the node has room), starts ``TrainWorker`` actors in it and forms their process
+group, keeps a set of warm spares (``supervisor.warm_spares``) that take over the bundles
+of a failed fleet, and keeps a quarantine of suspect nodes (``quarantine.json``) that
+later placements avoid while the cluster has another node alive.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Callable
+
+import ray
+from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from raysc.config.load import config_to_dict
+from raysc.config.schema import Config
+from raysc.fleet.errors import RunFailed
+from raysc.fleet.events import EventKind
+from raysc.fleet.messages import WorkerInfo
+from raysc.fleet.worker import TrainWorker
+
+
+class Fleet:
+    def __init__(self, cfg: Config, run_dir: Path, event: Callable[..., dict], supervisor) -> None:
+        self.cfg = cfg
+        self.run_dir = run_dir
+        self.event = event
+        self.supervisor = supervisor  # the actor handle workers report to
+        self.pg = None
+        self.bundles: list[int] = []  # bundle index of each rank
+        self.workers: list = []
+        self.spares: list = []  # warm replacement workers
+        self.infos: list[WorkerInfo] = []
+        self.quarantine: dict[str, dict] = {}  # node id -> why
+
+    @property
+    def world(self) -> int:
+        return self.cfg.parallel.world_size
+
+    def node(self, rank: int) -> str | None:
+        return self.infos[rank].node if rank < len(self.infos) else None
+
+    # ---- placement ----
+    def reserve(self) -> None:
+        """Reserve one bundle per rank, away from quarantined nodes when the cluster allows."""
+        par = self.cfg.parallel
+        bundle = {"CPU": par.cpus_per_worker}
+        if par.device == "cuda":
+            bundle["GPU"] = 1
+        avoid = self._avoid_nodes()
+        selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in range(self.world)] if avoid else None
+        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
+                                  bundle_label_selector=selector)
+        ready, _ = ray.wait([self.pg.ready()], timeout=self.cfg.supervisor.start_timeout_s)
+        if not ready:
+            avail = ray.available_resources()
+            remove_placement_group(self.pg)
+            self.pg = None
+            raise RunFailed(
+                f"could not reserve {self.world} worker(s) with {bundle} each within "
+                f"{self.cfg.supervisor.start_timeout_s:.0f}s; the cluster has {avail} free. "
+                f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
+        self.bundles = self._bundles_in_node_order()
+
+    def _avoid_nodes(self) -> list[str]:
+        """Quarantined node ids to keep workers off, when the cluster has another node alive."""
+        if not self.quarantine:
+            return []
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        if not alive - set(self.quarantine):
+            self.event(EventKind.QUARANTINE_IGNORED, nodes=sorted(q["node"] for q in self.quarantine.values()),
+                       note="every node of the cluster is quarantined; placing workers on them anyway")
+            return []
+        return sorted(set(self.quarantine) & alive)
+
+    def _bundles_in_node_order(self) -> list[int]:
+        """Bundle index for each rank: consecutive ranks on the same node, so TP (then CP) groups,
+        which are runs of consecutive ranks, stay inside a node whenever the node has room."""
+        table = placement_group_table(self.pg).get("bundles_to_node_id", {})
+        if len(table) != self.world:
+            return list(range(self.world))
+        by_node: dict[str, list[int]] = {}
+        for idx in sorted(table):
+            by_node.setdefault(table[idx], []).append(idx)
+        order = [i for node in sorted(by_node, key=lambda n: min(by_node[n])) for i in by_node[node]]
+        dims = self.cfg.parallel.dims
+        block = dims.tp * dims.cp
+        for start in range(0, self.world, block):
+            if len({table[i] for i in order[start:start + block]}) > 1:
+                self.event(EventKind.LAYOUT_WARNING, ranks=f"{start}..{start + block - 1}",
+                           note="a tensor/context-parallel group spans nodes; give nodes a multiple of "
+                                "tp×cp workers")
+        return order
+
+    def replace_if_quarantined(self) -> None:
+        """Re-reserve the placement group if a bundle sits on a quarantined node that can be avoided."""
+        on_nodes = set(placement_group_table(self.pg).get("bundles_to_node_id", {}).values())
+        if self._avoid_nodes() and on_nodes & set(self.quarantine):
+            self.kill_spares()
+            remove_placement_group(self.pg)
+            self.reserve()
+
+    def quarantine_rank(self, rank: int, why: str) -> None:
+        """Record the node of ``rank`` as suspect: later placements avoid it when the cluster has
+        other nodes (``quarantine.json`` in the run directory lists them)."""
+        info = self.infos[rank]
+        self.quarantine[info.node_id] = {"node": info.node, "rank": rank, "reason": why, "time": time.time()}
+        (self.run_dir / "quarantine.json").write_text(json.dumps(self.quarantine, indent=1))
+        self.event(EventKind.NODE_QUARANTINED, rank=rank, node=info.node, node_id=info.node_id, reason=why)
+
+    def quarantined_nodes(self) -> list[str]:
+        return sorted(q["node"] for q in self.quarantine.values())
+
+    # ---- workers ----
+    def _new_worker(self, rank: int, spare: bool = False):
+        """A TrainWorker in the bundle of ``rank``. A spare takes no resources of its own (the
+        worker it will replace holds them until it dies) and waits, warm, until ``setup``."""
+        par = self.cfg.parallel
+        cpus, gpus = (0, 0) if spare else (par.cpus_per_worker, 1 if par.device == "cuda" else 0)
+        return TrainWorker.options(
+            num_cpus=cpus, num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank]),
+        ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
+
+    def _take_spares(self) -> list | None:
+        """The warm spares, if every one of them is alive and ready; else None (they are discarded)."""
+        spares, self.spares = self.spares, []
+        if len(spares) != self.world:
+            return None
+        refs = [s.address.remote() for s in spares]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s)
+        try:
+            if len(ready) == len(refs):
+                ray.get(refs)
+                return spares
+        except ray.exceptions.RayError:
+            pass  # a spare died (its node was lost): start a cold fleet
+        for s in spares:
+            ray.kill(s, no_restart=True)
+        return None
+
+    def start(self, data: dict, wait: Callable[..., list], touch: Callable[[], None],
+              warm: bool = False) -> list[WorkerInfo]:
+        """Create the workers in the reserved bundles (or activate the warm spares) and form their
+        process group; ``wait`` watches the setup calls, whose hang clock ``touch`` restarts."""
+        cfg_dict = config_to_dict(self.cfg)
+        spares = self._take_spares() if warm else None
+        gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
+        self.workers = spares or [self._new_worker(rank) for rank in range(self.world)]
+        ip, port, _ = ray.get(self.workers[0].address.remote())
+        touch()
+        infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
+                     "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
+        self.infos = infos
+        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), master=f"{ip}:{port}",
+                   pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
+                   device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
+        if self.cfg.supervisor.sdc_every_steps and not infos[0].replicas:
+            self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
+                                                       "no rank holds a replica of another's parameters to compare")
+        return infos
+
+    def ensure_spares(self) -> None:
+        """Start the next set of warm spares in the background (after a chunk of training, so their
+        start-up does not compete with a restore)."""
+        if self.cfg.supervisor.warm_spares and not self.spares:
+            self.spares = [self._new_worker(rank, spare=True) for rank in range(self.world)]
+
+    def kill_spares(self) -> None:
+        for s in self.spares:
+            ray.kill(s, no_restart=True)
+        self.spares = []
+
+    def stop_workers(self) -> None:
+        for w in self.workers:
+            ray.kill(w, no_restart=True)
+        self.workers = []
+
+    def release(self) -> None:
+        """Kill every worker and spare and return the placement group."""
+        self.stop_workers()
+        self.kill_spares()
+        if self.pg is not None:
+            remove_placement_group(self.pg)
+            self.pg = None

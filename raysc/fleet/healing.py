@@ -1,0 +1,126 @@
+"""``Healer``: carries out what ``classify`` decided about a failure, and bounds how often.
+
+- restart: replace the whole fleet (warm spares when ready, away from quarantined nodes),
+  restore the newest checkpoint of this run, skip the injected faults that already fired;
+- rollback: restore, in place, the checkpoint before a loss spike and skip data (PaLM-style);
+- repair: restore replicas that disagree from the healthy majority and quarantine their
+  nodes, or roll every replica back when there is no majority.
+
+Each restart or rollback is a strike; more than ``supervisor.max_restarts`` strikes without a
+chunk of training in between stop the run. Repeated restarts back off exponentially.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from raysc.config.schema import Config
+from raysc.fleet.actions import Action, classify
+from raysc.fleet.checkpointing import CheckpointCoordinator
+from raysc.fleet.errors import RunFailed
+from raysc.fleet.events import EventKind
+from raysc.fleet.faults import consume_faults
+from raysc.fleet.fleet import Fleet
+from raysc.fleet.stats import RunStats
+from raysc.fleet.timeouts import Timeouts
+from raysc.train.sdc import SilentCorruption
+from raysc.train.stability import SpikeRollback
+
+PHASES = {Action.RESTART: "recovering", Action.ROLLBACK: "rolling back", Action.REPAIR: "repairing replicas"}
+
+
+class Healer:
+    def __init__(self, cfg: Config, fleet: Fleet, ckpt: CheckpointCoordinator, stats: RunStats,
+                 timeouts: Timeouts, event: Callable[..., dict], wait: Callable[..., list],
+                 touch: Callable[[], None], fired: Callable[[], set[str]]) -> None:
+        self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
+        self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
+
+    def heal(self, err: RunFailed, data: dict, set_phase: Callable[[str], None]) -> int:
+        """Act on ``err`` (or re-raise it when it is fatal); returns the step training goes on from."""
+        action = classify(err.failure)
+        if action is Action.FATAL:
+            raise err
+        set_phase(PHASES[action])
+        if action is Action.ROLLBACK:
+            return self.rollback(err.failure.cause)
+        if action is Action.REPAIR:
+            return self.repair(err.failure.cause)
+        return self.restart(err, data)
+
+    def _strike(self, err: RunFailed) -> None:
+        """Count a restart or rollback; past supervisor.max_restarts of them with no chunk of
+        training completed in between, stop the run with ``err``."""
+        self.stats.restarts += 1
+        self.stats.strikes += 1
+        if self.stats.strikes > self.cfg.supervisor.max_restarts:
+            self.event(EventKind.RESTARTS_EXHAUSTED, restarts=self.stats.strikes - 1, error=str(err))
+            raise err
+
+    def restart(self, err: RunFailed, data: dict) -> int:
+        """Replace the whole fleet and continue from the newest checkpoint (the hot copy makes
+        the restore fast). Returns the step training resumes from."""
+        self._strike(err)
+        t0 = time.monotonic()
+        failed_at = self.stats.failed_step()
+        self.ckpt.salvage(timeout_s=5.0)
+        self.event(EventKind.RECOVERY_START, attempt=self.stats.restarts, failed_step=failed_at, error=str(err))
+        self.fleet.stop_workers()
+        if self.stats.strikes > 1:  # the first restart is immediate; repeated failures back off
+            time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.stats.strikes - 2))
+        self.fleet.replace_if_quarantined()
+        self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
+        self.fleet.start(data, self.wait, self.touch, warm=True)
+        self.ckpt.workers = self.fleet.workers
+        self.timeouts.apply(self.fleet.workers)
+        step = self.ckpt.restore(True) if self.ckpt.own_steps() else 0
+        self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
+                   steps_lost=failed_at - 1 - step, seconds=round(time.monotonic() - t0, 3))
+        return step
+
+    def rollback(self, spike: SpikeRollback) -> int:
+        """PaLM-style: restore the checkpoint before the flagged steps, skip data, continue."""
+        self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {spike}"))
+        step = self.ckpt.rollback_to_before(spike.first_step)
+        self.stats.rollbacks += 1
+        n = self.cfg.supervisor.skip_batches
+        cursor = self.wait([w.skip_batches.remote(n) for w in self.fleet.workers], "data skip")[0]
+        self.event(EventKind.SPIKE_ROLLBACK, step=spike.step, first_flagged=spike.first_step, resumed_step=step,
+                   skipped_batches=n, cursor=cursor, steps_lost=spike.step - step, evidence=spike.evidence)
+        return step
+
+    def repair(self, err: SilentCorruption) -> int:
+        """Replicas disagreed at ``err.step``: restore the minority from a healthy replica (majority
+        vote), or roll every replica back to a checkpoint no later than the last passing check."""
+        workers, sdc = self.fleet.workers, self.stats.sdc
+        verdicts = [v["verdict"] for v in self.wait([w.sdc_verdict.remote() for w in workers], "SDC verdicts")
+                    if v["verdict"]]
+        failing = [v for v in verdicts if not v["ok"]]
+        bad = sorted({v["global_ranks"][b] for v in failing for b in v["bad"]})
+        majority = all(v["source"] is not None for v in failing)
+        nodes = sorted({self.fleet.node(r) for r in bad})
+        sdc.mismatches += 1
+        self.event(EventKind.SDC_MISMATCH, step=err.step, ranks=bad, nodes=nodes,
+                   evidence=[{k: e[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")}
+                             for e in failing[:4]],
+                   action="restore_from_replica" if majority else "rollback")
+        if majority:
+            t0 = time.monotonic()
+            self.wait([w.sdc_repair.remote() for w in workers], "SDC repair (broadcast from healthy replicas)")
+            self.wait([w.sdc_check.remote() for w in workers], "SDC re-check after repair")
+            sdc.repairs += 1
+            sdc.clean_step = err.step
+            for r in bad:
+                self.fleet.quarantine_rank(r, f"parameters diverged from the replica majority at step {err.step}")
+            self.event(EventKind.SDC_REPAIRED, step=err.step, ranks=bad, steps_lost=0,
+                       seconds=round(time.monotonic() - t0, 3))
+            return err.step
+        self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {err}"))
+        step = self.ckpt.rollback_to_before(sdc.clean_step + 1)
+        sdc.rollbacks += 1
+        self.stats.rollbacks += 1
+        self.event(EventKind.SDC_ROLLBACK, step=err.step, resumed_step=step, last_clean_check=sdc.clean_step,
+                   steps_lost=err.step - step, suspects=nodes,
+                   note="two replicas disagree and neither has a majority: both restored from the checkpoint")
+        return step

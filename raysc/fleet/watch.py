@@ -1,0 +1,109 @@
+"""``Watch``: wait on every worker's call with hang detection, and name the rank that failed first.
+
+``ray.get`` alone would wait forever on a hung rank and report whichever failure it happens to
+see first. ``Watch.wait`` polls once a second: a dead actor or a raised exception becomes
+``RunFailed`` with a typed ``Failure`` (died / raised, with the cause), no report and no result
+for the hang timeout becomes ``hung``, and a bounded operation past its deadline ``timed_out``.
+When a rank fails inside a collective because a peer vanished, the peer's death is reported as
+the root cause.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import ray
+
+from raysc.fleet.errors import Failure, FailureKind, RunFailed
+from raysc.fleet.events import EventKind
+
+
+def is_peer_failure(exc: BaseException | None) -> bool:
+    """Whether a rank's exception is a collective failing because of a peer (closed connection,
+    timeout): the symptom, not the cause."""
+    import torch.distributed as dist
+
+    if isinstance(exc, dist.DistError):
+        return True
+    return isinstance(exc, RuntimeError) and any(
+        k in str(exc) for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
+
+
+def _outcome(ref) -> object:
+    """'ok', 'dead', 'error', or the exception a finished call raised."""
+    try:
+        ray.get(ref, timeout=0)
+        return "ok"
+    except ray.exceptions.RayActorError:
+        return "dead"
+    except ray.exceptions.RayTaskError as e:
+        return e.cause
+    except ray.exceptions.RayError:
+        return "error"
+
+
+def root_cause_first(done: list, pending: list) -> list:
+    """``done`` with dead actors first. When a rank failed inside a collective (its peer
+    vanished), the others get a moment to report: a dead peer is the root cause."""
+    results = {ref: _outcome(ref) for ref in done}
+    dead = [ref for ref in done if results[ref] == "dead"]
+    if not dead and pending and any(is_peer_failure(r) for r in results.values() if not isinstance(r, str)):
+        late, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+        dead = [ref for ref in late if _outcome(ref) == "dead"]
+    return dead + [ref for ref in done if ref not in dead]
+
+
+class Watch:
+    """Waits on per-rank calls. ``silent_s()`` is the time since rank 0 last reported,
+    ``node(rank)`` names a rank's node, ``poll()`` runs while waiting (checkpoint commits),
+    ``default_hang_s`` is supervisor.hang_timeout_s."""
+
+    def __init__(self, event: Callable[..., dict], silent_s: Callable[[], float],
+                 node: Callable[[int], str | None], default_hang_s: float) -> None:
+        self.event = event
+        self.silent_s = silent_s
+        self.node = node
+        self.default_hang_s = default_hang_s
+        self.poll: Callable[[], None] = lambda: None
+
+    def wait(self, refs: list, what: str, timeout: float | None = None, hang_s: float | None = None) -> list:
+        """Every result of ``refs`` (one per rank), or RunFailed naming the rank(s) and how."""
+        hang_s = hang_s or self.default_hang_s
+        pending = list(refs)
+        t0 = time.monotonic()
+        while pending:
+            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            if pending:
+                self.poll()
+            for ref in root_cause_first(done, pending):
+                self._raise_if_failed(ref, refs.index(ref), what)
+            silent = self.silent_s()
+            if pending and timeout is not None and time.monotonic() - t0 > timeout:
+                ranks = sorted(refs.index(r) for r in pending)
+                self.event(EventKind.WORKER_TIMEOUT, during=what, ranks=ranks, seconds=round(timeout, 1))
+                raise RunFailed(f"ranks {ranks} did not finish {what} within {timeout:.0f}s.",
+                                Failure(FailureKind.TIMED_OUT, ranks[0]))
+            if pending and silent > hang_s:
+                ranks = sorted(refs.index(r) for r in pending)
+                self.event(EventKind.WORKER_HANG, during=what, silent_s=round(silent, 1), ranks=ranks,
+                           nodes=sorted({self.node(r) for r in ranks}), timeout_s=round(hang_s, 2))
+                raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {ranks} "
+                                f"(hang timeout {hang_s:.1f}s: "
+                                + ("calibrated" if hang_s != self.default_hang_s else "supervisor.hang_timeout_s")
+                                + ").", Failure(FailureKind.HUNG, ranks[0]))
+        return ray.get(refs)
+
+    def _raise_if_failed(self, ref, rank: int, what: str) -> None:
+        try:
+            ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            first = str(e).splitlines()[0]
+            self.event(EventKind.WORKER_DIED, rank=rank, node=self.node(rank), during=what, error=first)
+            raise RunFailed(f"worker rank {rank} died during {what}: {first}. Resume with `raysc train ... --resume`.",
+                            Failure(FailureKind.DIED, rank)) from None
+        except ray.exceptions.RayTaskError as e:
+            cause = str(e.cause) if e.cause is not None else str(e)
+            self.event(EventKind.WORKER_ERROR, rank=rank, node=self.node(rank), during=what, error=cause)
+            raise RunFailed(f"worker rank {rank} raised during {what}: {cause}",
+                            Failure(FailureKind.RAISED, rank, e.cause)) from None

@@ -1,0 +1,84 @@
+"""The supervisor's parts that need no cluster: failure classification (a table), the event
+vocabulary and its generated reference, and the fault injector's hooks."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from raysc.checkpoint.store import CorruptCheckpoint
+from raysc.fleet.actions import Action, classify
+from raysc.fleet.errors import Failure, FailureKind
+from raysc.fleet.events import EventKind, events_reference
+from raysc.fleet.faults import FaultInjector, InjectedFault
+from raysc.fleet.records import RunRecords
+from raysc.train.sdc import SilentCorruption
+from raysc.train.stability import SpikeRollback
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = [
+    (None, Action.RESTART),
+    (Failure(FailureKind.DIED, 1), Action.RESTART),
+    (Failure(FailureKind.HUNG, 0), Action.RESTART),
+    (Failure(FailureKind.TIMED_OUT, 0), Action.RESTART),
+    (Failure(FailureKind.RAISED, 0, InjectedFault("boom")), Action.RESTART),
+    (Failure(FailureKind.RAISED, 0, CorruptCheckpoint(4, "model.distcp", "sha256 mismatch")), Action.RESTART),
+    (Failure(FailureKind.RAISED, 0, SpikeRollback(12, 10, {"loss": 9.0})), Action.ROLLBACK),
+    (Failure(FailureKind.RAISED, 2, SilentCorruption(40, {})), Action.REPAIR),
+    (Failure(FailureKind.STORAGE), Action.FATAL),
+]
+
+
+@pytest.mark.parametrize("failure,action", CASES, ids=[f"{a.value}-{i}" for i, (_, a) in enumerate(CASES)])
+def test_classify_table(failure, action):
+    assert classify(failure) is action
+
+
+def test_events_reference_is_current():
+    assert (ROOT / "docs" / "events.md").read_text() == events_reference(), \
+        "regenerate: python -m raysc.fleet.events > docs/events.md"
+
+
+def test_every_recorded_kind_is_in_the_vocabulary(tmp_path):
+    """No event is recorded under a string outside ``EventKind``: the records refuse it, and the
+    code names kinds through the enum, never as string literals."""
+    records = RunRecords(tmp_path, "t")
+    assert records.event(EventKind.RUN_START)["kind"] == "run_start"
+    with pytest.raises(ValueError, match="not a valid EventKind"):
+        records.event("run_finished_ok")
+    records.close()
+    literal = re.compile(r"""(?:_event|\.event)\(\s*["']""")
+    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "raysc").rglob("*.py")
+                 for n, line in enumerate(p.read_text().splitlines(), 1) if literal.search(line)]
+    assert not offenders, offenders
+
+
+def test_fault_injector_hooks():
+    announced = []
+    faults = FaultInjector("spike@3:1,raise@5:1,kill_save@4:1,nan@3:0", rank=1, announce=announced.append)
+    params = [torch.ones(4)]
+    loss = torch.tensor(2.0)
+    faults.before_step(2, params)
+    assert faults.after_loss(loss) is loss and not announced  # no fault at step 2: the loss untouched
+    faults.before_step(3, params)
+    assert faults.after_loss(loss).item() == 2000.0 and [f.spec for f in announced] == ["spike@3:1"]
+    faults.after_step()
+    assert faults.after_loss(loss) is loss  # one step only (validation after it is not scaled)
+    assert faults.on_file_written(3) is None and faults.on_file_written(4) is not None
+    with pytest.raises(InjectedFault):
+        faults.before_step(5, params)
+    other = FaultInjector("nan@3:0", rank=0, announce=lambda f: None)
+    other.before_step(3, params)
+    assert math.isnan(other.after_loss(loss).item())
+
+
+def test_bitflip_fault_flips_one_bit_of_the_first_parameter():
+    params = [torch.ones(4), torch.ones(2)]
+    FaultInjector("bitflip@7", rank=0, announce=lambda f: None).before_step(7, params)
+    assert params[0][0].item() != 1.0 and torch.equal(params[0][1:], torch.ones(3))
+    assert torch.equal(params[1], torch.ones(2))
