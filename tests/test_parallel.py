@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from raysc.parallel.cp import local_positions
-from raysc.parallel.dims import ParallelDims, rank_table
+from raysc.config.dims import ParallelDims
+from raysc.parallel.dims import rank_table
 from raysc.parity import layout_overrides, run_parity
 
 # a 4-layer model so that pp=2 with 2 virtual stages has a layer per stage

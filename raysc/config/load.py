@@ -19,6 +19,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
+from raysc.config.dims import MULTI_STAGE
 from raysc.config.schema import SECTIONS, Config
 
 
@@ -231,9 +232,9 @@ def _validate_layout(cfg: Config, origin: str) -> None:
         raise ConfigError(f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
                           f"(context parallelism gives each rank an early and a late chunk).")
     v = par.pp_virtual_stages
-    if v > 1 and par.pp_schedule not in ("interleaved_1f1b", "interleaved_zero_bubble"):
+    if v > 1 and par.pp_schedule not in MULTI_STAGE:
         raise ConfigError(f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
-                          f"(parallel.pp_schedule = 'interleaved_1f1b' or 'interleaved_zero_bubble').")
+                          f"(parallel.pp_schedule = {' or '.join(map(repr, MULTI_STAGE))}).")
     if par.pp == 1:
         return
     if m.n_layers % (par.pp * v):
@@ -246,7 +247,7 @@ def _validate_layout(cfg: Config, origin: str) -> None:
     if t.micro_batch:
         raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not "
                           f"train.micro_batch.")
-    if par.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and v < 2:
+    if par.pp_schedule in MULTI_STAGE and v < 2:
         raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs "
                           f"parallel.pp_virtual_stages >= 2.")
     micro = par.pp_microbatches or par.pp
@@ -259,7 +260,7 @@ def _validate_layout(cfg: Config, origin: str) -> None:
         raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
                           f"microbatches, got parallel.pp_microbatches={micro}.")
     rounds = max(1, micro // par.pp)
-    if par.pp_schedule in ("interleaved_1f1b", "interleaved_zero_bubble") and micro % rounds:
+    if par.pp_schedule in MULTI_STAGE and micro % rounds:
         raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
                           f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from raysc.config.dims import PP_SCHEDULES, ParallelDims
+
 
 def opt(default: Any, help: str, **rules: Any) -> Any:
     """A dataclass field with a default, a help text and validation rules.
@@ -77,21 +79,23 @@ class ParallelConfig:
     recompute: str = opt("none", "activation recomputation: none, or full (each block keeps only its input and "
                                  "recomputes its forward in backward: ~+33% FLOPs, far less activation memory)",
                          choices=["none", "full"])
-    pp_schedule: str = opt(
-        "1f1b", "pipeline schedule",
-        choices=["gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble"],
-    )
+    pp_schedule: str = opt("1f1b", "pipeline schedule", choices=list(PP_SCHEDULES))
     pp_microbatches: int = opt(0, "microbatches per pipeline step; 0 = pp", min=0)
     pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedules)", min=1)
     cpus_per_worker: float = opt(1.0, "CPU cores reserved for each worker actor (its torch thread count)", gt=0.0)
 
     @property
+    def dims(self) -> ParallelDims:
+        """The degrees as the layout authority (``world_size``, ``dp``, coordinates)."""
+        return ParallelDims.of(self)
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        return self.dims.world_size
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
 
 @dataclass

@@ -1,70 +1,20 @@
-"""Parallel degrees, rank coordinates and the named device mesh.
+"""The named device mesh of a ``ParallelDims`` layout and the rank table printed at start.
 
-Ranks are laid out row-major over the dims ``(pp, dp_replicate, dp_shard, cp, tp)``:
-``tp`` varies fastest, so a TP group is a run of consecutive ranks (and, with
-one bundle per rank packed node by node, lives on one node), then CP, then the
-data-parallel dims, and PP varies slowest, crossing nodes last.
+The degrees, their order and each rank's coordinates come from ``raysc.config.dims``: ranks
+are laid out row-major over ``(pp, dp_replicate, dp_shard, cp, tp)``, so ``tp`` varies
+fastest (a TP group is a run of consecutive ranks and, with one bundle per rank packed node
+by node, lives on one node), then CP, then the data-parallel dims, and PP varies slowest,
+crossing nodes last.
 
-The mesh is built once per worker with ``init_device_mesh`` and these names;
-flattened views (``dp`` = dp_replicate×dp_shard for the data loader,
-``dp_shard_cp`` = dp_shard×cp for FSDP) are made here, in one place.
+The mesh is built once per worker with ``init_device_mesh`` and these names; its three
+flattened views are made here, in one place: ``dp`` = dp_replicate×dp_shard (the data
+loader's ranks), ``dp_shard_cp`` = dp_shard×cp (the FSDP shard group) and ``dp_cp`` =
+dp_replicate×dp_shard×cp (every rank holding the same tensor and pipeline shard).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
-from raysc.config.schema import ParallelConfig
-
-DIM_NAMES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-
-
-@dataclass(frozen=True)
-class ParallelDims:
-    pp: int = 1
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    cp: int = 1
-    tp: int = 1
-
-    @classmethod
-    def from_config(cls, par: ParallelConfig) -> "ParallelDims":
-        return cls(par.pp, par.dp_replicate, par.dp_shard, par.cp, par.tp)
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return (self.pp, self.dp_replicate, self.dp_shard, self.cp, self.tp)
-
-    @property
-    def world_size(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-    @property
-    def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
-
-    @property
-    def fsdp_size(self) -> int:
-        """Ranks that shard parameters with FSDP: dp_shard × cp (CP ranks hold the same weights)."""
-        return self.dp_shard * self.cp
-
-    def coords(self, rank: int) -> dict[str, int]:
-        """Mesh coordinates of ``rank`` (row-major over DIM_NAMES)."""
-        out = {}
-        for name, size in zip(reversed(DIM_NAMES), reversed(self.shape)):
-            out[name] = rank % size
-            rank //= size
-        return {name: out[name] for name in DIM_NAMES}
-
-    def dp_rank(self, rank: int) -> int:
-        c = self.coords(rank)
-        return c["dp_replicate"] * self.dp_shard + c["dp_shard"]
-
-    def describe(self) -> str:
-        return " × ".join(f"{n}={s}" for n, s in zip(DIM_NAMES, self.shape) if s > 1) or "single worker"
+from raysc.config.dims import DIM_NAMES, ParallelDims
 
 
 def rank_table(dims: ParallelDims, nodes: list[str]) -> str:
@@ -78,7 +28,7 @@ def rank_table(dims: ParallelDims, nodes: list[str]) -> str:
 
 
 def build_mesh(dims: ParallelDims, device_type: str):
-    """The named N-D device mesh with the flattened ``dp`` and ``dp_shard_cp`` dims."""
+    """The named N-D device mesh with the flattened ``dp``, ``dp_shard_cp`` and ``dp_cp`` dims."""
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=DIM_NAMES)

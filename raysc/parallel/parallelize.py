@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from raysc.config.dims import ParallelDims
 from raysc.config.schema import Config
 from raysc.model.llama import build_model
 from raysc.parallel.cp import apply_cp
-from raysc.parallel.dims import ParallelDims
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
 from raysc.parallel.pp import build_stages
 from raysc.parallel.recompute import apply_recompute

@@ -16,20 +16,11 @@ from typing import Callable
 import torch
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
+from torch.distributed.pipelining import schedules as torch_schedules
 
-SCHEDULES = {
-    "gpipe": ScheduleGPipe,
-    "1f1b": Schedule1F1B,
-    "interleaved_1f1b": ScheduleInterleaved1F1B,
-    "interleaved_zero_bubble": ScheduleInterleavedZeroBubble,
-}
-MULTI_STAGE = {"interleaved_1f1b", "interleaved_zero_bubble"}
+from raysc.config.dims import MULTI_STAGE, PP_SCHEDULES
+
+SCHEDULES = {name: getattr(torch_schedules, s.torch_class) for name, s in PP_SCHEDULES.items()}
 
 
 def stage_ids(pp_rank: int, pp: int, virtual: int) -> list[int]:

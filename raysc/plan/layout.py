@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from raysc.config.dims import DIM_NAMES, ParallelDims
+
 
 @dataclass(frozen=True)
 class Cluster:
@@ -56,17 +58,21 @@ class Layout:
         par, t = cfg.parallel, cfg.train
         local = t.global_batch_sequences // par.dp
         micro = local // (par.pp_microbatches or par.pp) if par.pp > 1 else (t.micro_batch or local)
-        return cls(dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, tp=par.tp, pp=par.pp, cp=par.cp,
-                   sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
+        return cls(**par.dims.as_dict(), sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                    pp_virtual_stages=par.pp_virtual_stages, micro_batch=micro, recompute=par.recompute)
 
     @property
+    def dims(self) -> ParallelDims:
+        """The parallel degrees of this layout (the authority for ``world_size`` and ``dp``)."""
+        return ParallelDims.of(self)
+
+    @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp * self.cp
+        return self.dims.world_size
 
     @property
     def dp(self) -> int:
-        return self.dp_replicate * self.dp_shard
+        return self.dims.dp
 
     def microbatches(self, global_batch: int) -> int:
         """Micro-batches per step on each data-parallel rank."""
@@ -93,8 +99,8 @@ class Layout:
         return "[parallel]\n" + "\n".join(par) + "\n\n[train]\n" + "\n".join(train) + "\n"
 
     def describe(self) -> str:
-        parts = [f"{k}={getattr(self, k)}" for k in ("dp_replicate", "dp_shard", "tp", "pp", "cp")
-                 if getattr(self, k) > 1]
+        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
+                 if f.name in DIM_NAMES and getattr(self, f.name) > 1]  # in field order
         if self.sequence_parallel:
             parts.append("sp")
         if self.pp > 1:

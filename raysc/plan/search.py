@@ -16,6 +16,7 @@ import itertools
 import re
 from collections import Counter
 
+from raysc.config.dims import PP_SCHEDULES
 from raysc.config.load import ConfigError, _validate_layout
 from raysc.config.schema import Config
 from raysc.plan.layout import Cluster, Layout
@@ -32,8 +33,7 @@ def divisors(n: int) -> list[int]:
 def layout_config(cfg: Config, lay: Layout) -> Config:
     """``cfg`` with ``lay`` applied (the config a run of this layout would use)."""
     gb = cfg.train.global_batch_sequences
-    par = dataclasses.replace(cfg.parallel, dp_replicate=lay.dp_replicate, dp_shard=lay.dp_shard, tp=lay.tp,
-                              pp=lay.pp, cp=lay.cp, sequence_parallel=lay.sequence_parallel,
+    par = dataclasses.replace(cfg.parallel, **lay.dims.as_dict(), sequence_parallel=lay.sequence_parallel,
                               pp_schedule=lay.pp_schedule, pp_virtual_stages=lay.pp_virtual_stages,
                               pp_microbatches=lay.microbatches(gb) if lay.pp > 1 else 0,
                               recompute=lay.recompute)
@@ -70,8 +70,8 @@ def candidates(cfg: Config, cluster: Cluster):
         for dp_shard in divisors(dp):
             local = gb // dp if gb % dp == 0 else 0
             micros = [b for b in (1, 2, 4, 8, 16, 32) if local and local % b == 0] or [1]
-            schedules = [("1f1b", 1)] if pp == 1 else [("gpipe", 1), ("1f1b", 1), ("interleaved_1f1b", 2),
-                                                       ("interleaved_zero_bubble", 2)]
+            schedules = [("1f1b", 1)] if pp == 1 else [(name, 2 if s.multi_stage else 1)
+                                                       for name, s in PP_SCHEDULES.items()]
             for mb, (sched, v), sp, rc in itertools.product(micros, schedules, (False, True) if tp > 1 else (False,),
                                                            ("none", "full")):
                 yield Layout(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,

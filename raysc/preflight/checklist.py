@@ -14,7 +14,6 @@ import math
 from dataclasses import dataclass, field
 
 from raysc.config.schema import Config
-from raysc.parallel.dims import ParallelDims
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
@@ -39,7 +38,7 @@ class Evidence:
     estimate_bytes: float  # the planner's memory estimate for this layout
 
 
-def _events(ev: Evidence, kind: str) -> list[dict]:
+def _events(ev: Evidence, kind: EventKind) -> list[dict]:
     return [e for e in ev.events if e["kind"] == kind]
 
 
@@ -52,8 +51,7 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
             for k, v in row.items():
                 if k.endswith("_gbps"):
                     g[k] = round(min(g.get(k, math.inf), v), 4)  # the slowest rank's group bounds the step
-    dims = ParallelDims.from_config(cfg.parallel)
-    expected = {n for n, s in zip(("pp", "dp_replicate", "dp_shard", "cp", "tp"), dims.shape) if s > 1}
+    expected = {n for n, s in cfg.parallel.dims.as_dict().items() if s > 1}
     peaks = ev.summary.get("peak_memory_gb") or []
     est_gb = ev.estimate_bytes / 1e9
     evidence = {"bus_bandwidth_gbps": groups, "peak_memory_gb_per_rank": peaks,
@@ -71,7 +69,7 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
 
 def check_topology(cfg: Config, ev: Evidence) -> Item:
     probe = ev.summary.get("probe") or []
-    dims = ParallelDims.from_config(cfg.parallel)
+    dims = cfg.parallel.dims
     nodes: dict[str, list[int]] = {}
     for r in probe:
         nodes.setdefault(r["node_id"], []).append(r["rank"])
@@ -99,7 +97,7 @@ def check_topology(cfg: Config, ev: Evidence) -> Item:
 def check_checkpoint(cfg: Config, ev: Evidence) -> Item:
     from raysc.fleet.checkpointing import young_interval_s
 
-    saves = _events(ev, "checkpoint_saved")
+    saves = _events(ev, EventKind.CHECKPOINT_SAVED)
     save_s = max((e["total_s"] for e in saves), default=None)
     evidence = {"uri": cfg.checkpoint_uri, "every_steps": cfg.checkpoint.every_steps,
                 "spike_policy": cfg.supervisor.spike_policy, "store": ev.store, "save_s": save_s}
@@ -241,8 +239,8 @@ def check_serving(cfg: Config) -> Item:
 
 
 def check_timeouts(cfg: Config, ev: Evidence) -> Item:
-    cal = _events(ev, "timeouts_calibrated")
-    stress = _events(ev, "collective_stress")
+    cal = _events(ev, EventKind.TIMEOUTS_CALIBRATED)
+    stress = _events(ev, EventKind.COLLECTIVE_STRESS)
     sup = cfg.supervisor
     evidence = {"timeout_factor": sup.timeout_factor, "floor_s": sup.timeout_floor_s,
                 "calibration": cal[-1] if cal else None, "stress": stress[-1] if stress else None}

@@ -19,7 +19,9 @@ import time
 import torch
 import torch.distributed as dist
 
-GROUP_ORDER = ("tp", "cp", "dp_shard", "dp_replicate", "pp")
+from raysc.config.dims import DIM_NAMES
+
+GROUP_ORDER = tuple(reversed(DIM_NAMES))  # innermost (fastest-varying, most local) group first
 
 
 def _sync(t: torch.Tensor) -> None:
