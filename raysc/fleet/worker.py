@@ -277,7 +277,7 @@ class TrainWorker:
         with self._training:
             return self.trainer.replicas.run(self.trainer.step)
 
-    # ---- timeout calibration (raysc.fleet.supervisor._calibrate) ----
+    # ---- timeout calibration (raysc.fleet.timeouts) ----
     def _grad_sized(self) -> torch.Tensor:
         """A buffer the size of the largest rank's gradient shard (capped at 64 MB); collective,
         since every rank must all-reduce the same shape (pipeline stages and shards differ)."""

@@ -14,6 +14,7 @@ import math
 from dataclasses import dataclass, field
 
 from raysc.config.schema import Config
+from raysc.fleet.events import EventKind
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
 
