@@ -247,14 +247,14 @@ def test_bad_data_schedules_fail_before_training(packed_corpus, make_cfg):
 def test_removed_ids_drop_the_same_rows_broadcast_or_shuffled(ray_session, monkeypatch):
     """Near-duplicate losers leave the corpus by a broadcast filter (few ids) or, past
     BROADCAST_MAX_IDS, by the shuffle anti-join: both keep exactly the other rows."""
-    import raysc.curate.pipeline as pipeline
+    import raysc.curate.graph as graph
 
     docs = ray_session.data.from_items([{"node": f"n{i:03d}", "text": f"doc {i}"} for i in range(50)])
     losers = ray_session.data.from_items([{"node": f"n{i:03d}"} for i in range(0, 50, 7)])
     want = {f"n{i:03d}" for i in range(50) if i % 7}
-    broadcast = {r["node"] for r in pipeline.drop_nodes(docs, losers, losers.count()).take_all()}
-    monkeypatch.setattr(pipeline, "BROADCAST_MAX_IDS", 3)
-    shuffled = pipeline.drop_nodes(docs, losers, losers.count()).take_all()
+    broadcast = {r["node"] for r in graph.drop_nodes(docs, losers, losers.count()).take_all()}
+    monkeypatch.setattr(graph, "BROADCAST_MAX_IDS", 3)
+    shuffled = graph.drop_nodes(docs, losers, losers.count()).take_all()
     assert broadcast == want and {r["node"] for r in shuffled} == want
     assert all(r["text"] == f"doc {int(r['node'][1:])}" for r in shuffled)
 

@@ -58,7 +58,8 @@ def inject_pairs(docs: list[dict], shingle: int, seed: int, per_target: int = 8)
 
 
 def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
-    from raysc.curate.pipeline import curate, list_inputs, parse_file
+    from raysc.curate.inputs import list_inputs, parse_file
+    from raysc.curate.pipeline import curate
 
     c = cfg.curate
     out = (c.output or f"{cfg.run_dir}/curated").rstrip("/") + "/audit"
@@ -83,9 +84,9 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     report = curate(run_cfg, log=log)
     import pyarrow.parquet as pq
 
-    from raysc.curate.pipeline import _arrow_fs
+    from raysc.curate.output import arrow_fs
 
-    survivors = set(pq.read_table(f"{root}/run/documents", filesystem=_arrow_fs(out, options)).column("id").to_pylist())
+    survivors = set(pq.read_table(f"{root}/run/documents", filesystem=arrow_fs(out, options)).column("id").to_pylist())
     rows = []
     d = cfg.dedup
     for lo, hi in BANDS:

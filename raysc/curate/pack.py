@@ -93,12 +93,12 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
     import fsspec
     import ray
 
-    from raysc.curate.pipeline import _arrow_fs
+    from raysc.curate.output import arrow_fs as fsspec_arrow_fs
     from raysc.data.tokenizer import EOS
 
     options = options or {}
     fs, root = fsspec.core.url_to_fs(curated_uri, **options)
-    arrow_fs = _arrow_fs(curated_uri, options)
+    arrow_fs = fsspec_arrow_fs(curated_uri, options)
     if not fs.exists(f"{root}/documents"):
         raise FileNotFoundError(f"{curated_uri}/documents does not exist: run `raysc curate` first "
                                 f"(its curate.output is what `raysc pack` reads)")

@@ -1,0 +1,142 @@
+"""Reading curation input: list the files of ``curate.input``, parse every record (bad ones kept
+as rows with their reason), normalise the text and tag its domain."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import unicodedata
+
+import numpy as np
+
+from raysc.config.schema import Config
+from raysc.curate.errors import CurateError
+
+TEXT_SUFFIXES = (".txt", ".md", ".text")
+_SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200b\u3000]+")
+_BLANKS = re.compile(r"\n{3,}")
+_CODE_LINE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|#include|"
+                        r"[{}]$|.*;$|@\w+)")
+
+
+def list_inputs(cfg: Config) -> tuple[str, dict, list[str]]:
+    """(URI prefix, fsspec options, files) of ``curate.input``."""
+    import fsspec
+
+    c = cfg.curate
+    if c.input == "bundled":
+        from raysc.data.corpus import build_bundled_corpus
+
+        return "", {}, [str(build_bundled_corpus(cfg.data.cache_dir, cfg.data.max_corpus_mb))]
+    fs, path = fsspec.core.url_to_fs(c.input, **c.storage_options)
+    protocol = fsspec.utils.get_protocol(c.input)
+    prefix = "" if protocol in ("file", "local") else f"{protocol}://"
+    if any(ch in path for ch in "*?["):
+        files = sorted(fs.glob(path))
+    elif fs.isdir(path):
+        files = sorted(f for f in fs.find(path) if f.endswith((".jsonl", ".json", ".parquet", *TEXT_SUFFIXES)))
+    elif fs.exists(path):
+        files = [path]
+    else:
+        raise CurateError(f"curate.input {c.input!r} does not exist; give a file, a directory or a glob "
+                          f"of .jsonl / .parquet / .txt files (or 'bundled').")
+    if not files:
+        raise CurateError(f"curate.input {c.input!r} holds no .jsonl, .parquet or text files.")
+    return prefix, dict(c.storage_options), [f"{prefix}{f}" for f in files]
+
+
+def _bad(where: str, reason: str, sample: str) -> dict:
+    return {"id": "", "text": "", "domain": "", "source": where, "bad": reason, "sample": sample[:200]}
+
+
+def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_field: str) -> list[dict]:
+    """Every record of one input file; bad ones as rows with ``bad`` set to the reason."""
+    import fsspec
+
+    with fsspec.open(uri, "rb", **options) as f:
+        data = f.read()
+    rows: list[dict] = []
+    name = uri.rsplit("/", 1)[-1]
+    if uri.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(io.BytesIO(data))
+        if text_field not in table.column_names:
+            return [_bad(uri, f"missing field '{text_field}'", ", ".join(table.column_names))]
+        cols = table.to_pydict()
+        for i, text in enumerate(cols[text_field]):
+            where = f"{name}:{i}"
+            if not isinstance(text, str):
+                rows.append(_bad(where, f"field '{text_field}' is not a string", repr(text)))
+                continue
+            rows.append({"id": str(cols[id_field][i]) if id_field in cols and cols[id_field][i] is not None else "",
+                         "text": text, "domain": str(cols.get(domain_field, [""] * (i + 1))[i] or ""),
+                         "source": where, "bad": "", "sample": ""})
+        return rows
+    if uri.endswith(TEXT_SUFFIXES):
+        try:
+            return [{"id": "", "text": data.decode("utf-8"), "domain": "", "source": name, "bad": "",
+                     "sample": ""}]
+        except UnicodeDecodeError as e:
+            return [_bad(name, f"not UTF-8 ({e.reason} at byte {e.start})", data[:200].decode("utf-8", "replace"))]
+    for n, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{name}:{n}"
+        try:
+            rec = json.loads(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            rows.append(_bad(where, f"not UTF-8 ({e.reason} at byte {e.start})", line.decode("utf-8", "replace")))
+            continue
+        except json.JSONDecodeError as e:
+            rows.append(_bad(where, f"malformed JSON ({e.msg})", line.decode("utf-8", "replace")))
+            continue
+        if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
+            rows.append(_bad(where, f"missing or non-string field '{text_field}'", line.decode("utf-8", "replace")))
+            continue
+        rows.append({"id": str(rec.get(id_field) or ""), "text": rec[text_field],
+                     "domain": str(rec.get(domain_field) or ""), "source": where, "bad": "", "sample": ""})
+    return rows
+
+
+def normalise(text: str) -> str:
+    """NFC, runs of spaces (including non-breaking and ideographic ones) to one, trailing spaces
+    dropped, at most one blank line in a row, no leading or trailing blank lines."""
+    text = unicodedata.normalize("NFC", text).replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(_SPACES.sub(" ", line).rstrip() for line in text.split("\n"))
+    return _BLANKS.sub("\n\n", text).strip()
+
+
+def tag_domain(text: str) -> str:
+    """'code' when at least 30% of the non-blank lines look like source code, else 'prose'."""
+    lines = [ln for ln in text.split("\n") if ln.strip()]
+    if not lines:
+        return "prose"
+    return "code" if sum(bool(_CODE_LINE.match(ln)) for ln in lines) / len(lines) >= 0.3 else "prose"
+
+
+def normalise_batch(batch: dict) -> dict:
+    """A batch of parsed rows with normalised text, its content hash, an id (the input's or the
+    hash's first 16 digits), a domain, the node key ``id\\x00hash`` and the byte size; an empty
+    document becomes a bad row."""
+    texts, ids, domains, bad = [], [], [], []
+    hashes = []
+    for text, doc_id, domain, reason in zip(batch["text"], batch["id"], batch["domain"], batch["bad"]):
+        t = normalise(text) if not reason else ""
+        if not reason and not t:
+            reason = "empty document"
+        h = hashlib.sha1(t.encode()).hexdigest()
+        texts.append(t)
+        hashes.append(h)
+        ids.append(str(doc_id) or h[:16])
+        domains.append(str(domain) or (tag_domain(t) if t else ""))
+        bad.append(reason)
+    out = dict(batch)
+    out.update(text=np.array(texts, dtype=object), id=np.array(ids, dtype=object),
+               domain=np.array(domains, dtype=object), bad=np.array(bad, dtype=object),
+               hash=np.array(hashes, dtype=object),
+               node=np.array([f"{i}\x00{h[:16]}" for i, h in zip(ids, hashes)], dtype=object),
+               bytes=np.array([len(t.encode()) for t in texts], dtype=np.int64))
+    return out

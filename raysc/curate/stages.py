@@ -1,0 +1,139 @@
+"""The curation stages other than near dedup (``raysc.curate.near_dedup``): read, exact dedup,
+quality, write. Each takes a Ray Dataset (and its row count) and returns the next Dataset with its
+stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from raysc.config.schema import CurateConfig, DedupConfig, QualityConfig
+from raysc.curate.graph import shuffle_partitions
+from raysc.curate.inputs import normalise_batch, parse_file
+from raysc.curate.output import arrow_fs, clear_outputs
+from raysc.curate.quality import QualityRules
+
+HIST_FIELDS = ("q_words", "q_avg_word_len", "q_alpha_words_ratio", "q_stop_words", "q_dup_line_frac",
+               "q_top_2gram_frac", "q_dup_5gram_frac", "q_fw_line_punct_ratio", "q_fw_short_line_ratio",
+               "q_c4_sentences")
+HIST_SAMPLE = 200_000  # documents whose scores go into the report's histograms
+
+
+def count_by(ds, key: str) -> dict:
+    """{value of ``key``: rows} of a Dataset."""
+    return {row[key]: row["count()"] for row in ds.groupby(key, num_partitions=1).count().take_all()}
+
+
+# ---- read ----
+@dataclass(frozen=True)
+class ReadStats:
+    """After reading: good documents, bad input records, bad records per reason and a sample."""
+
+    documents: int
+    bad: int
+    bad_by_reason: dict[str, int]
+    bad_samples: list[dict]
+
+
+def read_documents(files: list[str], options: dict, c: CurateConfig, log=print):
+    """Parsed and normalised documents of ``files`` (one task per file) and the read stats; bad
+    records are counted, sampled (``curate.bad_samples``) and left out."""
+    import ray
+
+    files_ds = ray.data.from_items([{"uri": f} for f in files], override_num_blocks=min(len(files), 64))
+    args = (options, c.text_field, c.id_field, c.domain_field)
+    parsed = files_ds.flat_map(lambda r: parse_file(r["uri"], *args)).map_batches(
+        normalise_batch, batch_format="numpy").materialize()
+    bad = parsed.filter(lambda r: bool(r["bad"]))
+    docs = parsed.filter(lambda r: not r["bad"]).drop_columns(["bad", "sample"]).materialize()
+    n_bad = bad.count()
+    stats = ReadStats(docs.count(), n_bad, count_by(bad, "bad") if n_bad else {},
+                      bad.take(c.bad_samples) if n_bad else [])
+    log(f"curate: {stats.documents} documents, {n_bad} bad input record(s) skipped")
+    return docs, stats
+
+
+# ---- exact dedup ----
+def _smallest_node(group):
+    """The row of a group with the smallest node key (its id first)."""
+    import pyarrow.compute as pc
+
+    return group.take([int(pc.index(group["node"], pc.min(group["node"])).as_py())])
+
+
+def exact_dedup(docs, count: int, d: DedupConfig, log=print):
+    """One survivor per content hash (the smallest node key: id first); the documents left."""
+    if d.exact and count:
+        docs = docs.groupby("hash", num_partitions=shuffle_partitions(count)).map_groups(
+            _smallest_node, batch_format="pyarrow").materialize()
+    left = docs.count()
+    log(f"curate: exact dedup removed {count - left}")
+    return docs, left
+
+
+# ---- quality ----
+@dataclass(frozen=True)
+class QualityStats:
+    """After the quality verdict: whether it filters, dropped documents per rule, score histograms."""
+
+    enabled: bool
+    dropped_by_rule: dict[str, int]
+    histograms: dict[str, dict]
+
+
+def judge_batch(batch: dict, rules: QualityRules, enabled: bool) -> dict:
+    """The batch with every measurement as a ``q_`` column, ``q_keep`` and ``q_reason``; with the
+    filter off every document is kept (the scores are still reported)."""
+    verdicts = [rules.judge(text, dom) for text, dom in zip(batch["text"], batch["domain"])]
+    out = dict(batch)
+    for key in verdicts[0]:
+        out["q_" + key] = np.array([v[key] for v in verdicts])
+    if not enabled:
+        out["q_keep"] = np.ones(len(verdicts), dtype=bool)
+        out["q_reason"] = np.array([""] * len(verdicts), dtype=object)
+    return out
+
+
+def quality_filter(docs, count: int, q: QualityConfig):
+    """(kept, dropped or None, stats): the Gopher, C4 and FineWeb verdict on every document."""
+    rules = QualityRules.from_config(q)
+    if not count:
+        return docs, None, QualityStats(q.enabled, {}, {})
+    judged = docs.map_batches(judge_batch, batch_format="numpy",
+                              fn_kwargs={"rules": rules, "enabled": q.enabled}).materialize()
+    kept = judged.filter(lambda r: bool(r["q_keep"]))
+    dropped = judged.filter(lambda r: not r["q_keep"])
+    reasons = count_by(dropped, "q_reason") if dropped.count() else {}
+    return kept, dropped, QualityStats(q.enabled, reasons, histograms(judged, count))
+
+
+def histograms(judged, count: int) -> dict[str, dict]:
+    """20-bin histograms of the ``HIST_FIELDS`` scores over the first ``HIST_SAMPLE`` documents."""
+    sample = judged.select_columns(list(HIST_FIELDS)).take_batch(min(count, HIST_SAMPLE), batch_format="numpy")
+    hists = {}
+    for f in HIST_FIELDS:
+        counts, edges = np.histogram(np.asarray(sample[f], dtype=np.float64), bins=20)
+        hists[f[2:]] = {"counts": counts.tolist(), "edges": [round(float(x), 4) for x in edges]}
+    return hists
+
+
+# ---- write ----
+@dataclass(frozen=True)
+class WriteStats:
+    """What was written: kept documents, per domain, and their bytes."""
+
+    kept: int
+    domains: dict[str, int]
+    kept_bytes: int
+
+
+def write_documents(kept, dropped, out_uri: str, options: dict) -> WriteStats:
+    """Replace ``documents/`` (and ``dropped/``, with the reason) under ``out_uri`` by Parquet."""
+    kept = kept.drop_columns(["node"]).materialize()
+    n_kept = kept.count()
+    clear_outputs(out_uri, options)
+    kept.write_parquet(f"{out_uri}/documents", filesystem=arrow_fs(out_uri, options))
+    if dropped is not None and dropped.count():
+        dropped.drop_columns(["node"]).write_parquet(f"{out_uri}/dropped", filesystem=arrow_fs(out_uri, options))
+    return WriteStats(n_kept, count_by(kept, "domain") if n_kept else {}, int(kept.sum("bytes")) if n_kept else 0)
