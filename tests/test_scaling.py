@@ -16,9 +16,10 @@ import torch
 from raysc.cli import main
 from raysc.config.schema import ModelConfig, OptimConfig
 from raysc.data.prepare import prepare_data
+from raysc.model import mup
 from raysc.model.flops import param_count
 from raysc.model.llama import Rope, build_model
-from raysc.scaling import chinchilla, mup
+from raysc.scaling import chinchilla
 from raysc.scaling.coord_check import coord_check, write
 from raysc.scaling.probe import at_width
 from raysc.scaling.transfer import format_sweep, lr_sweep

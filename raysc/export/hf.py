@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 
 from raysc.data.tokenizer import EOS, EOS_ID
 from raysc.model.llama import Llama
+from raysc.model.mup import fold_into_weights
 
 _LAYER_NAMES = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -65,8 +66,6 @@ def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
               dtype: torch.dtype = torch.float32) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    from raysc.scaling.mup import fold_into_weights
-
     tensors = {}
     # a tied output matrix appears once, as embed.weight; μP's logit and attention scales are
     # folded into the weights, since a Hugging Face Llama applies neither

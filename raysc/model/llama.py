@@ -13,7 +13,7 @@ parallel plans are applied from outside. To keep that possible:
 - ``embed``, ``norm`` and ``output`` may be ``None`` on middle pipeline stages;
 - ``forward`` takes optional ``positions`` for context-parallel chunks.
 
-Under μP (``model.mup``) three scalars change, all from ``raysc.scaling.mup``:
+Under μP (``model.mup``) three scalars change, all from ``raysc.model.mup``:
 hidden-matrix init std, the logit multiplier and the attention softmax scale.
 """
 
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from raysc.config.schema import ModelConfig
-from raysc.scaling import mup
+from raysc.model import mup
 
 
 def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:

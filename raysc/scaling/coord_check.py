@@ -5,7 +5,7 @@ standard parametrisation (SP) and under μP, and record the mean |activation|
 of every layer at every step. Under μP those sizes must not grow with the
 width; under SP with Adam the hidden and output activations grow about
 linearly with it after the first update. Written here (not with ``mup``'s
-helper) because our μP is keyed by parameter name, see ``raysc.scaling.mup``.
+helper) because our μP is keyed by parameter name, see ``raysc.model.mup``.
 
 Widths keep the config's head_dim (n_heads scales with the width), its GQA
 ratio and its depth. The learning rate is the config's ``optim.lr``, constant

@@ -1,6 +1,6 @@
 """AdamW with decoupled weight decay on matrices only, and the learning-rate schedule.
 
-Under μP (``model.mup``) the parameter groups come from ``raysc.scaling.mup``,
+Under μP (``model.mup``) the parameter groups come from ``raysc.model.mup``,
 decided by parameter name (hidden matrices get LR/m), so they are right for any
 TP/FSDP/PP shard.
 
@@ -17,7 +17,7 @@ from typing import Iterable
 import torch
 
 from raysc.config.schema import ModelConfig, OptimConfig, ScheduleConfig
-from raysc.scaling import mup
+from raysc.model import mup
 
 
 def lr_factor(step: int, total_steps: int, sched: ScheduleConfig) -> float:
@@ -41,7 +41,7 @@ def build_optimizer(params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.T
 
     Without μP: one group of matrices with weight decay and one of vectors
     without, both at ``cfg.lr``. With ``model.mup`` the groups of
-    ``raysc.scaling.mup.param_groups``, which need the names.
+    ``raysc.model.mup.param_groups``, which need the names.
     """
     items = list(params)
     if model is not None and model.mup:

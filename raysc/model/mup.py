@@ -66,7 +66,7 @@ def param_role(name: str) -> str:
     if name.endswith(HIDDEN_SUFFIXES):
         return HIDDEN
     raise ValueError(f"μP has no rule for parameter {name!r}: expected embed.weight, output.weight, a norm "
-                     f"or one of {', '.join(HIDDEN_SUFFIXES)}; add the new parameter to raysc/scaling/mup.py")
+                     f"or one of {', '.join(HIDDEN_SUFFIXES)}; add the new parameter to raysc/model/mup.py")
 
 
 def is_hidden(name: str) -> bool:
