@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from raysc.cli_table import JSON, RUN_DIR, STEP, Command, arg
+
 
 def cmd_ckpt_now(args: argparse.Namespace) -> int:
     from raysc.fleet.stopping import request_checkpoint
@@ -78,3 +80,16 @@ def cmd_ckpt_convert(args: argparse.Namespace) -> int:
         written = convert_step(store, step)
         print(f"step {step}: " + (f"converted ({', '.join(written)})" if written else "already current"))
     return 0
+
+
+STORE = (arg("uri", help="checkpoint.uri of a run (a path, s3://bucket/prefix, ...)"),
+         arg("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\''))
+CKPT = Command("ckpt", "inspect checkpoints in a store", dest="ckpt_cmd", sub=(
+    Command("list", "list committed checkpoints", cmd_ckpt_list, (
+        *STORE, arg("--checksums", action="store_true", help="also check sha256 (reads every file)"), JSON)),
+    Command("verify", "check every file's size and sha256 and the signature", cmd_ckpt_verify, (*STORE, STEP)),
+    Command("convert", "convert checkpoints of the previous format (pickled per-rank state) once, "
+                       "deliberately", cmd_ckpt_convert, (*STORE, STEP)),
+    Command("now", "ask a running run to commit a checkpoint at its next step boundary and keep training "
+                   "(a preemption notice; the same as SIGUSR1 to its driver)", cmd_ckpt_now, (
+        RUN_DIR.but(help="the run's directory (run.dir) on the driver's machine"),))))

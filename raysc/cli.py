@@ -1,4 +1,14 @@
-"""The ``raysc`` command line: train, export, generate, demo.
+"""The ``raysc`` command line, declared as one table (``COMMANDS``; ``raysc.cli_table``):
+
+- ``train``, ``parity``, ``preflight``, ``plan``: train from a TOML config, check that a parallel
+  layout reproduces single-process training, run the pre-training checklist, rank layouts;
+- ``export``, ``generate``, ``status``: a run's checkpoint as a Hugging Face folder, text from it,
+  a summary of a running or finished run;
+- ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.ckpt_cli``): a store's checkpoints,
+  and a checkpoint from a running run now;
+- ``curate``, ``pack``: raw documents to curated Parquet, curated documents to token shards;
+- ``scale``, ``mup coord-check``: Chinchilla sizing, the μP coordinate check;
+- ``demo``: corpus → tokenizer → training → checkpoint → export → sample.
 
 Errors a user can fix (bad config, missing files, a failed run) print one
 ``error:`` line and exit non-zero; the last line ``raysc train`` prints on
@@ -13,26 +23,12 @@ import shlex
 import sys
 from pathlib import Path
 
-from raysc.ckpt_cli import cmd_ckpt_convert, cmd_ckpt_list, cmd_ckpt_now, cmd_ckpt_verify
+from raysc.ckpt_cli import CKPT
+from raysc.cli_table import JSON, RUN_DIR, SET, STEP, Command, OneOf, arg
 from raysc.config.load import ConfigError, load_config
 
 
 EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last checkpoint(s) failed to save
-
-
-def _add_train_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key, e.g. --set train.steps=50 (repeatable)")
-    p.add_argument("--resume", action="store_true", help="continue from the newest verified checkpoint")
-    p.add_argument("--resume-from", metavar="URI/step_N",
-                   help="continue from this checkpoint (any run's, any layout: it is resharded)")
-    p.add_argument("--overwrite", action="store_true",
-                   help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
-                        "once this run commits its first checkpoint (never before)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bar (log lines only)")
-    p.add_argument("--inject", metavar="KIND@STEP[:RANK]", default=None,
-                   help="fault injection drill, same as --set supervisor.inject=... (kinds: raise, kill, "
-                        "hang, nan, spike, bitflip, slow, kill_save; comma-separated)")
 
 
 def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
@@ -208,122 +204,95 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="raysc", description="LLM pre-training on Ray")
-    sub = ap.add_subparsers(dest="command", required=True)
-
-    p = sub.add_parser("train", help="train a model from a TOML config")
-    p.add_argument("config", help="TOML config, e.g. jobs/configs/tiny.toml")
-    _add_train_args(p)
-    p.set_defaults(func=cmd_train)
-
-    p = sub.add_parser("export", help="export a run's checkpoint as a Hugging Face Llama folder")
-    p.add_argument("run_dir")
-    p.add_argument("--out", required=True, help="output folder")
-    p.add_argument("--step", type=int, help="checkpoint step to export (default: the newest committed one)")
-    p.set_defaults(func=cmd_export)
-
-    p = sub.add_parser("generate", help="generate text from a run's newest checkpoint")
-    p.add_argument("run_dir")
-    p.add_argument("--prompt", required=True)
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.set_defaults(func=cmd_generate)
-
-    p = sub.add_parser("parity", help="check that a parallel layout reproduces single-process training")
-    p.add_argument("config", help="TOML config (the model, data and batch to compare)")
-    p.add_argument("--layout", required=True, help="parallel degrees, e.g. pp=2,tp=2 or cp=2,tp=2")
-    p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--rtol", type=float, default=1e-4, help="largest relative difference that matches")
-    p.add_argument("--work-dir", default="runs/parity", help="where the two runs are written")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_parity)
-
-    ck = sub.add_parser("ckpt", help="inspect checkpoints in a store").add_subparsers(dest="ckpt_cmd", required=True)
-    for name, func, text in (("list", cmd_ckpt_list, "list committed checkpoints"),
-                             ("verify", cmd_ckpt_verify, "check every file's size and sha256 and the signature"),
-                             ("convert", cmd_ckpt_convert, "convert checkpoints of the previous format (pickled "
-                                                           "per-rank state) once, deliberately")):
-        p = ck.add_parser(name, help=text)
-        p.add_argument("uri", help="checkpoint.uri of a run (a path, s3://bucket/prefix, ...)")
-        p.add_argument("--storage-options", help='fsspec options as JSON, e.g. \'{"endpoint_url": "http://..."}\'')
-        if name == "list":
-            p.add_argument("--checksums", action="store_true", help="also check sha256 (reads every file)")
-            p.add_argument("--json", action="store_true")
-        else:
-            p.add_argument("--step", type=int)
-        p.set_defaults(func=func)
-    p = ck.add_parser("now", help="ask a running run to commit a checkpoint at its next step boundary and keep "
-                                  "training (a preemption notice; the same as SIGUSR1 to its driver)")
-    p.add_argument("run_dir", help="the run's directory (run.dir) on the driver's machine")
-    p.set_defaults(func=cmd_ckpt_now)
-
-    p = sub.add_parser("curate", help="dedup, quality-score and tag documents with Ray Data; write Parquet "
-                                      "and a report")
-    p.add_argument("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="e.g. --set curate.input='\"s3://bucket/raw/*.jsonl\"'")
-    p.add_argument("--audit", action="store_true",
-                   help="inject rewritten copies at known similarity and report near-dedup recall and precision")
-    p.set_defaults(func=cmd_curate)
-
-    p = sub.add_parser("pack", help="tokenize curated documents into per-domain token shards (train.seq_len)")
-    p.add_argument("config", help="the config used for `raysc curate` (its curate.output is read)")
-    p.add_argument("--tokenizer", help="an existing tokenizer.json (default data.tokenizer, else a BPE of "
-                                       "model.vocab_size trained on data.tokenizer_sample_mb of the documents)")
-    p.add_argument("--out", help="where the shards and index.json go (default <curate.output>/packed)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_pack)
-
-    p = sub.add_parser("plan", help="rank every parallel layout of a config on a cluster (memory, tokens/s); "
-                                    "--profile measures the top ones")
+def _plan_arguments(p: argparse.ArgumentParser) -> None:
     from raysc.plan.command import add_arguments
 
     add_arguments(p)
-    p.set_defaults(func=cmd_plan)
 
-    p = sub.add_parser("preflight", help="run the pre-training checklist on the fleet; preflight.json + .md; "
-                                         "exit 1 on a fail")
-    p.add_argument("config", help="the TOML config of the run to check")
-    p.add_argument("--steps", type=int, default=8, help="steps of the probe run (>= 6)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_preflight)
 
-    p = sub.add_parser("status", help="summarise a running or finished run from its records")
-    p.add_argument("run_dir")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(func=cmd_status)
+COMMANDS = (
+    Command("train", "train a model from a TOML config", cmd_train, (
+        arg("config", help="TOML config, e.g. jobs/configs/tiny.toml"),
+        SET.but(help="override a config key, e.g. --set train.steps=50 (repeatable)"),
+        arg("--resume", action="store_true", help="continue from the newest verified checkpoint"),
+        arg("--resume-from", metavar="URI/step_N",
+            help="continue from this checkpoint (any run's, any layout: it is resharded)"),
+        arg("--overwrite", action="store_true",
+            help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
+                 "once this run commits its first checkpoint (never before)"),
+        arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
+        arg("--inject", metavar="KIND@STEP[:RANK]", default=None,
+            help="fault injection drill, same as --set supervisor.inject=... (kinds: raise, kill, "
+                 "hang, nan, spike, bitflip, slow, kill_save; comma-separated)"))),
+    Command("export", "export a run's checkpoint as a Hugging Face Llama folder", cmd_export, (
+        RUN_DIR,
+        arg("--out", required=True, help="output folder"),
+        STEP.but(help="checkpoint step to export (default: the newest committed one)"))),
+    Command("generate", "generate text from a run's newest checkpoint", cmd_generate, (
+        RUN_DIR,
+        arg("--prompt", required=True),
+        arg("--max-new-tokens", type=int, default=64),
+        arg("--temperature", type=float, default=0.0, help="0 = greedy"),
+        arg("--top-k", type=int, default=0, help="sample from the k most likely tokens"),
+        arg("--seed", type=int, default=0))),
+    Command("parity", "check that a parallel layout reproduces single-process training", cmd_parity, (
+        arg("config", help="TOML config (the model, data and batch to compare)"),
+        arg("--layout", required=True, help="parallel degrees, e.g. pp=2,tp=2 or cp=2,tp=2"),
+        arg("--steps", type=int, default=10),
+        arg("--rtol", type=float, default=1e-4, help="largest relative difference that matches"),
+        arg("--work-dir", default="runs/parity", help="where the two runs are written"),
+        SET)),
+    CKPT,
+    Command("curate", "dedup, quality-score and tag documents with Ray Data; write Parquet and a report",
+            cmd_curate, (
+        arg("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)"),
+        SET.but(help="e.g. --set curate.input='\"s3://bucket/raw/*.jsonl\"'"),
+        arg("--audit", action="store_true",
+            help="inject rewritten copies at known similarity and report near-dedup recall and precision"))),
+    Command("pack", "tokenize curated documents into per-domain token shards (train.seq_len)", cmd_pack, (
+        arg("config", help="the config used for `raysc curate` (its curate.output is read)"),
+        arg("--tokenizer", help="an existing tokenizer.json (default data.tokenizer, else a BPE of "
+                                "model.vocab_size trained on data.tokenizer_sample_mb of the documents)"),
+        arg("--out", help="where the shards and index.json go (default <curate.output>/packed)"),
+        SET)),
+    Command("plan", "rank every parallel layout of a config on a cluster (memory, tokens/s); --profile "
+                    "measures the top ones", cmd_plan, (_plan_arguments, SET)),
+    Command("preflight", "run the pre-training checklist on the fleet; preflight.json + .md; exit 1 on a fail",
+            cmd_preflight, (
+        arg("config", help="the TOML config of the run to check"),
+        arg("--steps", type=int, default=8, help="steps of the probe run (>= 6)"),
+        SET)),
+    Command("status", "summarise a running or finished run from its records", cmd_status, (RUN_DIR, JSON)),
+    Command("demo", "corpus → tokenizer → training → checkpoint → export → sample", cmd_demo, (SET,)),
+    Command("scale", "Chinchilla compute-optimal params/tokens/compute, loss estimate and model shapes "
+                     "(docs/scaling.md)", cmd_scale, (
+        arg("config", nargs="?", help="TOML config whose vocab, GQA ratio and batch are used"),
+        OneOf((arg("--params", help="parameters N, e.g. 1.3e9 or 7B"),
+               arg("--compute", help="training FLOPs C, e.g. 1e21"),
+               arg("--tokens", help="training tokens D, e.g. 1.4T")), required=True),
+        arg("--global-batch-tokens", help="tokens per optimizer step, for the step count (default: the "
+                                          "config's batch, when a config is given)"),
+        SET,
+        JSON.but(help="print one JSON object"))),
+    Command("mup", "μP tools", dest="mup_cmd", sub=(
+        Command("coord-check", "train SP and μP models at several widths for a few steps; check that μP "
+                               "activations stay flat across widths (PNG + JSON)", cmd_mup_coord_check, (
+            arg("config", help="TOML config: depth, head_dim, vocab, data, batch, optim.lr"),
+            arg("--widths", default="64,128,256,512", help="comma-separated model.dim values"),
+            arg("--steps", type=int, default=5),
+            arg("--seeds", type=int, default=1, help="average the activations over this many seeds"),
+            arg("--bound", type=float, default=0.25, help="largest μP slope of log|activation| vs log width"),
+            arg("--out", help="output folder (default <run.dir>/coord_check)"),
+            SET)),)),
+)
 
-    p = sub.add_parser("demo", help="corpus → tokenizer → training → checkpoint → export → sample")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_demo)
 
-    p = sub.add_parser("scale", help="Chinchilla compute-optimal params/tokens/compute, loss estimate and "
-                                     "model shapes (docs/scaling.md)")
-    p.add_argument("config", nargs="?", help="TOML config whose vocab, GQA ratio and batch are used")
-    size = p.add_mutually_exclusive_group(required=True)
-    size.add_argument("--params", help="parameters N, e.g. 1.3e9 or 7B")
-    size.add_argument("--compute", help="training FLOPs C, e.g. 1e21")
-    size.add_argument("--tokens", help="training tokens D, e.g. 1.4T")
-    p.add_argument("--global-batch-tokens", help="tokens per optimizer step, for the step count (default: "
-                                                 "the config's batch, when a config is given)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(func=cmd_scale)
-
-    mp = sub.add_parser("mup", help="μP tools").add_subparsers(dest="mup_cmd", required=True)
-    p = mp.add_parser("coord-check", help="train SP and μP models at several widths for a few steps; check that "
-                                          "μP activations stay flat across widths (PNG + JSON)")
-    p.add_argument("config", help="TOML config: depth, head_dim, vocab, data, batch, optim.lr")
-    p.add_argument("--widths", default="64,128,256,512", help="comma-separated model.dim values")
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--seeds", type=int, default=1, help="average the activations over this many seeds")
-    p.add_argument("--bound", type=float, default=0.25, help="largest μP slope of log|activation| vs log width")
-    p.add_argument("--out", help="output folder (default <run.dir>/coord_check)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
-    p.set_defaults(func=cmd_mup_coord_check)
+def build_parser() -> argparse.ArgumentParser:
+    """``raysc`` and every command of ``COMMANDS``."""
+    ap = argparse.ArgumentParser(prog="raysc", description="LLM pre-training on Ray")
+    commands = ap.add_subparsers(dest="command", required=True)
+    for c in COMMANDS:
+        c.add_to(commands)
     return ap
 
 

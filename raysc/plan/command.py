@@ -16,6 +16,7 @@ from raysc.plan.perf import estimate_step
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of ``raysc plan`` but ``--set``, which ``raysc.cli`` declares once for every command."""
     p.add_argument("config", help="TOML config of the run to plan (its model, seq_len and global batch)")
     p.add_argument("--gpus", type=int, help="devices in the cluster (default on CPU: parallel.world_size)")
     p.add_argument("--gpus-per-node", type=int, help="devices per node (default 8; on CPU: --gpus)")
@@ -32,7 +33,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="run the top candidates for a few steps and compare")
     p.add_argument("--profile-top", type=int, default=3, help="candidates to profile")
     p.add_argument("--profile-steps", type=int, default=6, help="steps per profiled candidate")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
 
 
 def cluster_from_args(args: argparse.Namespace, cfg: Config) -> Cluster:
