@@ -1,4 +1,6 @@
-"""The ``raysc ckpt`` subcommands: list, verify, convert a store's checkpoints; ask a run for one now."""
+"""The ``raysc ckpt`` subcommands: list, verify, convert a store's checkpoints; ask a run for one now.
+
+``CKPT`` is their entry in the command table of ``raysc.cli``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Rebuild a trained model from a run directory or a checkpoint URI (export, generation, parity).
+"""Rebuild a trained model from a run directory (export, generation, parity).
 
 Reads the run's resolved ``config.toml``, finds its newest committed checkpoint
 (or the given step) among those its run wrote (``run.json``: never another run's

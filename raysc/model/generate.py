@@ -1,8 +1,9 @@
 """Autoregressive text generation for a trained model: greedy or top-k sampling.
 
 Recomputes the full (cropped) context each step instead of keeping a KV cache:
-generation here is for samples and checks on small models; the serving side
-(continuous batching, KV cache) is a separate component.
+generation here is for samples and checks on small models. Serving (continuous
+batching, KV cache) is not built yet; it is planned as ``raysc/serve/`` on vLLM in Ray
+Serve (docs/architecture.md), above the model, never imported by training code.
 """
 
 from __future__ import annotations
