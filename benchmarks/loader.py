@@ -27,7 +27,8 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raysc.config import load_config  # noqa: E402
-from raysc.data.mixture import MixtureLoader, Prefetcher, parse_schedule  # noqa: E402
+from raysc.config.syntax import parse_schedule  # noqa: E402
+from raysc.data.mixture import MixtureLoader, Prefetcher  # noqa: E402
 from raysc.train.trainer import Trainer  # noqa: E402
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from raysc.config.schema import QualityConfig
 from raysc.curate.minhash import MinHasher, candidate_probability, jaccard
 from raysc.curate.quality import QualityRules
 
@@ -67,7 +68,7 @@ def test_gopher_c4_fineweb_rules_on_hand_made_documents():
     code = "def add(a, b):\n    return a + b\n\n\nclass Point:\n    x: int = 0\n    y: int = 0\n"
     assert not rules.judge(code, "prose")["keep"]  # prose heuristics reject code ...
     assert rules.judge(code, "code")["keep"]  # ... so the code domain gets the repetition rules only
-    assert not QualityRules(min_words=10_000).judge(GOOD)["keep"]  # thresholds are configurable
+    assert not QualityRules(QualityConfig(min_words=10_000)).judge(GOOD)["keep"]  # thresholds are configurable
 
 
 def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, make_cfg, tmp_path):
@@ -168,7 +169,8 @@ def test_curated_documents_pack_into_per_domain_token_shards(packed_corpus):
     from tokenizers import Tokenizer
 
     from raysc.curate.pack import load_domains
-    from raysc.data.mixture import MixtureLoader, parse_schedule
+    from raysc.config.syntax import parse_schedule
+    from raysc.data.mixture import MixtureLoader
     from raysc.data.tokenizer import EOS_ID
 
     root, index = packed_corpus["root"], packed_corpus["index"]

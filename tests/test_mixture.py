@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from raysc.data.mixture import MixtureLoader, Prefetcher, parse_schedule
+from raysc.config.syntax import parse_schedule
+from raysc.data.mixture import MixtureLoader, Prefetcher
 
 SEQ = 8
 

@@ -23,10 +23,11 @@ import json
 import os
 from dataclasses import dataclass, field
 
+from raysc.config.secrets import REDACTED
+
 ALG = "hmac-sha256"
 KEY_ENV = "RAYSC_CHECKPOINT_KEY"
 PREVIOUS_KEYS_ENV = "RAYSC_CHECKPOINT_PREVIOUS_KEYS"
-REDACTED = "***"  # how dump_config writes a secret
 MIN_KEY_CHARS = 16
 
 

@@ -1,14 +1,9 @@
-"""Run configuration: typed sections (schema) and the TOML loader with overrides (load)."""
+"""Run configuration, the bottom layer: typed sections (schema), the TOML loader with overrides (load),
+the cross-key checks (checks) and the value syntaxes they parse (syntax, faults); it imports nothing
+else of raysc."""
 
-from raysc.config.load import (
-    ConfigError,
-    config_from_dict,
-    config_hash,
-    config_to_dict,
-    dump_config,
-    load_config,
-    validate,
-)
+from raysc.config.checks import ConfigError, validate
+from raysc.config.load import config_from_dict, config_hash, config_to_dict, dump_config, load_config
 from raysc.config.schema import (
     CheckpointConfig,
     Config,

@@ -1,9 +1,10 @@
 """Load, override, validate and write raysc configurations.
 
 ``load_config(path, overrides)`` reads a TOML file, applies ``section.key=value``
-overrides and returns a checked ``Config``. Every problem raises ``ConfigError``
-with the key, where it came from (file or ``--set``) and what is allowed, before
-any actor or tensor exists. ``dump_config`` writes the resolved config back as
+overrides and returns a checked ``Config``: each value against its field's rules
+as it is read, then the cross-key checks of ``raysc.config.checks``. Every problem
+raises ``ConfigError`` with the key, where it came from (file or ``--set``) and what
+is allowed, before any actor or tensor exists. ``dump_config`` writes the resolved config back as
 TOML (our config is two levels of scalars, so a small writer suffices and saves a
 dependency).
 """
@@ -19,12 +20,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Iterable
 
-from raysc.config.dims import MULTI_STAGE
+from raysc.config.checks import ConfigError, validate
 from raysc.config.schema import SECTIONS, Config
-
-
-class ConfigError(ValueError):
-    """A configuration problem, phrased for the user: key, origin, what is allowed."""
+from raysc.config.secrets import REDACTED, redact
 
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
@@ -138,133 +136,6 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
     return cfg
 
 
-def validate(cfg: Config, origin: str = "config") -> None:
-    """Cross-key checks that a single field's rules cannot express."""
-    m, t, par = cfg.model, cfg.train, cfg.parallel
-    if cfg.data.schedule:
-        from raysc.data.mixture import parse_schedule
-
-        try:
-            parse_schedule(cfg.data.schedule)
-        except ValueError as e:
-            raise ConfigError(f"{origin}: data.schedule: {e}") from None
-    d = cfg.dedup
-    if d.bands * d.rows != d.num_perm:
-        raise ConfigError(f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "
-                          f"equal dedup.num_perm = {d.num_perm}; e.g. 14 × 8 = 112.")
-    from raysc.curate.quality import parse_ngram_limits
-
-    for key in ("top_ngram_max", "dup_ngram_max"):
-        try:
-            parse_ngram_limits(getattr(cfg.quality, key))
-        except ValueError as e:
-            raise ConfigError(f"{origin}: quality.{key}: {e}") from None
-    if m.dim % m.n_heads:
-        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
-    if m.head_dim % 2:
-        raise ConfigError(
-            f"{origin}: head dim model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings."
-        )
-    if m.n_heads % m.n_kv_heads:
-        raise ConfigError(
-            f"{origin}: model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
-            f"(grouped-query attention shares each KV head among n_heads/n_kv_heads query heads)."
-        )
-    if m.max_seq_len and m.max_seq_len < t.seq_len:
-        raise ConfigError(
-            f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
-            f"raise it or set it to 0 (= train.seq_len)."
-        )
-    if cfg.checkpoint.keep_every_steps and cfg.checkpoint.every_steps and \
-            cfg.checkpoint.keep_every_steps % cfg.checkpoint.every_steps:
-        raise ConfigError(
-            f"{origin}: checkpoint.keep_every_steps={cfg.checkpoint.keep_every_steps} is not a multiple of "
-            f"checkpoint.every_steps={cfg.checkpoint.every_steps}, so no checkpoint would match it.")
-    if bool(t.global_batch) == bool(t.global_batch_tokens):
-        raise ConfigError(
-            f"{origin}: set exactly one of train.global_batch (sequences) or train.global_batch_tokens "
-            f"(got global_batch={t.global_batch}, global_batch_tokens={t.global_batch_tokens})."
-        )
-    if t.global_batch_tokens and t.global_batch_tokens % t.seq_len:
-        raise ConfigError(
-            f"{origin}: train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
-            f"train.seq_len={t.seq_len}; use {max(1, t.global_batch_tokens // t.seq_len) * t.seq_len}."
-        )
-    gb, dp = t.global_batch_sequences, par.dp
-    if gb % dp:
-        raise ConfigError(
-            f"{origin}: the global batch of {gb} sequences is not divisible by the data-parallel size "
-            f"dp_replicate×dp_shard={dp}."
-        )
-    local = gb // dp
-    if t.micro_batch and local % t.micro_batch:
-        raise ConfigError(
-            f"{origin}: train.micro_batch={t.micro_batch} does not divide the {local} sequences each "
-            f"data-parallel rank processes per step (global batch {gb} / dp {dp})."
-        )
-    _validate_layout(cfg, origin)
-    from raysc.fleet.faults import parse_faults
-
-    try:
-        faults = parse_faults(cfg.supervisor.inject)
-    except ValueError as e:
-        raise ConfigError(f"{origin}: supervisor.inject: {e}") from None
-    for f in faults:
-        if f.rank >= par.world_size:
-            raise ConfigError(f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
-                              f"(world size {par.world_size}).")
-    if t.dtype == "bf16" and par.device == "cpu":
-        raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
-
-
-def _validate_layout(cfg: Config, origin: str) -> None:
-    """Checks of the parallel layout against the model and batch, each naming the numbers and a fix."""
-    m, t, par = cfg.model, cfg.train, cfg.parallel
-    if par.tp > 1:
-        for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.vocab_size", m.vocab_size), ("the SwiGLU hidden size", m.hidden_ffn_dim)):
-            if n % par.tp:
-                raise ConfigError(f"{origin}: {what}={n} is not divisible by parallel.tp={par.tp}; "
-                                  f"pick a tp that divides it.")
-    if par.sequence_parallel and par.tp == 1:
-        raise ConfigError(f"{origin}: parallel.sequence_parallel needs parallel.tp > 1.")
-    if par.cp > 1 and t.seq_len % (2 * par.cp):
-        raise ConfigError(f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
-                          f"(context parallelism gives each rank an early and a late chunk).")
-    v = par.pp_virtual_stages
-    if v > 1 and par.pp_schedule not in MULTI_STAGE:
-        raise ConfigError(f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
-                          f"(parallel.pp_schedule = {' or '.join(map(repr, MULTI_STAGE))}).")
-    if par.pp == 1:
-        return
-    if m.n_layers % (par.pp * v):
-        raise ConfigError(f"{origin}: model.n_layers={m.n_layers} is not divisible by parallel.pp×"
-                          f"pp_virtual_stages={par.pp}×{v}={par.pp * v}; change either so each stage gets "
-                          f"the same number of layers.")
-    if m.tie_embeddings:
-        raise ConfigError(f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
-                          f"(the embedding and output live on different stages); set it to false.")
-    if t.micro_batch:
-        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not "
-                          f"train.micro_batch.")
-    if par.pp_schedule in MULTI_STAGE and v < 2:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs "
-                          f"parallel.pp_virtual_stages >= 2.")
-    micro = par.pp_microbatches or par.pp
-    local = t.global_batch_sequences // par.dp
-    if local % micro:
-        raise ConfigError(f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
-                          f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
-                          f"split into parallel.pp_microbatches={micro} equal microbatches.")
-    if par.pp_schedule != "gpipe" and micro < par.pp:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
-                          f"microbatches, got parallel.pp_microbatches={micro}.")
-    rounds = max(1, micro // par.pp)
-    if par.pp_schedule in MULTI_STAGE and micro % rounds:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
-                          f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
-
-
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     return dataclasses.asdict(cfg)
 
@@ -293,8 +164,6 @@ def _toml_value(v: Any) -> str:
 def dump_config(cfg: Config) -> str:
     """The resolved config as TOML, secrets redacted; ``load_config`` reads it back to an equal Config
     (but for redacted values)."""
-    from raysc.config.secrets import redact
-
     out = []
     for section in dataclasses.fields(cfg):
         sub = getattr(cfg, section.name)
@@ -302,7 +171,7 @@ def dump_config(cfg: Config) -> str:
         for f in dataclasses.fields(sub):
             v = getattr(sub, f.name)
             if f.metadata.get("secret") and v:
-                v = "***"
+                v = REDACTED
             out.append(f"{key_name(f)} = {_toml_value(redact(v) if isinstance(v, dict) else v)}")
         out.append("")
     return "\n".join(out)

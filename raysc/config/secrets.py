@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 SECRET_WORDS = ("secret", "password", "token", "key", "credential", "session")
+REDACTED = "***"  # what a secret is written as (config.toml, logs); readers treat it as unset
 
 
 def redact(options: dict[str, Any]) -> dict[str, Any]:
@@ -18,7 +19,7 @@ def redact(options: dict[str, Any]) -> dict[str, Any]:
         if isinstance(v, dict):
             out[k] = redact(v)
         elif any(w in k.lower() for w in SECRET_WORDS):
-            out[k] = "***"
+            out[k] = REDACTED
         else:
             out[k] = v
     return out

@@ -2,7 +2,7 @@
 default thresholds.
 
 Each rule family turns a document into named measurements (``measure_*``) and the
-thresholds into a verdict (``QualityRules.judge``): ``keep`` and, when dropped, the first
+thresholds (declared once, in ``QualityConfig``: the ``[quality]`` section) into a verdict (``QualityRules.judge``): ``keep`` and, when dropped, the first
 rule that failed (``reason``). The measurements are returned too, so the curation report
 can histogram them and users can re-threshold without re-reading the data.
 
@@ -20,8 +20,9 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from dataclasses import dataclass, field
 
+from raysc.config.schema import QualityConfig
+from raysc.config.syntax import parse_ngram_limits
 from raysc.curate.minhash import words as split_words
 
 STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}
@@ -32,48 +33,22 @@ C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", 
 _ALPHA = re.compile(r"[^\W\d_]", re.UNICODE)
 
 
-@dataclass
 class QualityRules:
-    """Thresholds (defaults as published). ``skip_domains``: domains judged by the repetition
-    rules only (source code fails prose heuristics by design)."""
+    """The rules with their thresholds: a ``QualityConfig``, where each threshold is declared once
+    with its published default and help (``[quality]``), its n-gram limits parsed.
+    ``skip_domains``: domains judged by the repetition rules only (source code fails prose
+    heuristics by design)."""
 
-    # Gopher quality
-    min_words: int = 50
-    max_words: int = 100_000
-    min_avg_word_len: float = 3.0
-    max_avg_word_len: float = 10.0
-    max_symbol_word_ratio: float = 0.1
-    max_bullet_lines_ratio: float = 0.9
-    max_ellipsis_lines_ratio: float = 0.3
-    min_alpha_words_ratio: float = 0.8
-    min_stop_words: int = 2
-    # Gopher repetition
-    max_dup_line_frac: float = 0.3
-    max_dup_para_frac: float = 0.3
-    max_dup_line_char_frac: float = 0.2
-    max_dup_para_char_frac: float = 0.2
-    top_ngram_max: dict = field(default_factory=lambda: {2: 0.20, 3: 0.18, 4: 0.16})
-    dup_ngram_max: dict = field(default_factory=lambda: {5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
-    # C4
-    c4_min_sentences: int = 5
-    c4_min_words_per_line: int = 3
-    c4_max_word_len: int = 1000
-    # FineWeb
-    fw_min_line_punct_ratio: float = 0.12
-    fw_max_short_line_ratio: float = 0.67
-    fw_short_line_chars: int = 30
-    fw_max_dup_line_char_ratio: float = 0.01
-    fw_max_newline_ratio: float = 0.3
-    skip_domains: tuple = ("code",)
+    def __init__(self, config: QualityConfig | None = None) -> None:
+        self.config = config if config is not None else QualityConfig()
+        self.top_ngram_max = parse_ngram_limits(self.config.top_ngram_max)
+        self.dup_ngram_max = parse_ngram_limits(self.config.dup_ngram_max)
+        self.skip_domains = tuple(d.strip() for d in self.config.skip_domains.split(",") if d.strip())
 
     @classmethod
-    def from_config(cls, q) -> "QualityRules":
+    def from_config(cls, q: QualityConfig) -> "QualityRules":
         """Rules from a ``QualityConfig`` (every threshold configurable under ``[quality]``)."""
-        scalars = {f: getattr(q, f) for f in cls.__dataclass_fields__
-                   if hasattr(q, f) and f not in ("top_ngram_max", "dup_ngram_max", "skip_domains")}
-        return cls(**scalars, top_ngram_max=parse_ngram_limits(q.top_ngram_max),
-                   dup_ngram_max=parse_ngram_limits(q.dup_ngram_max),
-                   skip_domains=tuple(d.strip() for d in q.skip_domains.split(",") if d.strip()))
+        return cls(q)
 
     def judge(self, text: str, domain: str = "") -> dict:
         """Measurements of every rule family plus ``keep`` and ``reason`` (empty when kept)."""
@@ -83,48 +58,35 @@ class QualityRules:
         return {**m, "keep": not reason, "reason": reason}
 
     def _first_failure(self, m: dict, prose: bool) -> str:
+        q = self.config
         checks = [
-            ("gopher_rep_dup_line_frac", m["dup_line_frac"] > self.max_dup_line_frac),
-            ("gopher_rep_dup_para_frac", m["dup_para_frac"] > self.max_dup_para_frac),
-            ("gopher_rep_dup_line_char_frac", m["dup_line_char_frac"] > self.max_dup_line_char_frac),
-            ("gopher_rep_dup_para_char_frac", m["dup_para_char_frac"] > self.max_dup_para_char_frac),
+            ("gopher_rep_dup_line_frac", m["dup_line_frac"] > q.max_dup_line_frac),
+            ("gopher_rep_dup_para_frac", m["dup_para_frac"] > q.max_dup_para_frac),
+            ("gopher_rep_dup_line_char_frac", m["dup_line_char_frac"] > q.max_dup_line_char_frac),
+            ("gopher_rep_dup_para_char_frac", m["dup_para_char_frac"] > q.max_dup_para_char_frac),
             *[(f"gopher_rep_top_{n}gram", m[f"top_{n}gram_frac"] > t) for n, t in self.top_ngram_max.items()],
             *[(f"gopher_rep_dup_{n}gram", m[f"dup_{n}gram_frac"] > t) for n, t in self.dup_ngram_max.items()],
         ]
         if prose:
             checks = [
-                ("gopher_min_words", m["words"] < self.min_words),
-                ("gopher_max_words", m["words"] > self.max_words),
-                ("gopher_avg_word_len", not self.min_avg_word_len <= m["avg_word_len"] <= self.max_avg_word_len),
-                ("gopher_symbol_word_ratio", m["symbol_word_ratio"] > self.max_symbol_word_ratio),
-                ("gopher_bullet_lines", m["bullet_lines_ratio"] > self.max_bullet_lines_ratio),
-                ("gopher_ellipsis_lines", m["ellipsis_lines_ratio"] > self.max_ellipsis_lines_ratio),
-                ("gopher_alpha_words", m["alpha_words_ratio"] < self.min_alpha_words_ratio),
-                ("gopher_stop_words", m["stop_words"] < self.min_stop_words),
+                ("gopher_min_words", m["words"] < q.min_words),
+                ("gopher_max_words", m["words"] > q.max_words),
+                ("gopher_avg_word_len", not q.min_avg_word_len <= m["avg_word_len"] <= q.max_avg_word_len),
+                ("gopher_symbol_word_ratio", m["symbol_word_ratio"] > q.max_symbol_word_ratio),
+                ("gopher_bullet_lines", m["bullet_lines_ratio"] > q.max_bullet_lines_ratio),
+                ("gopher_ellipsis_lines", m["ellipsis_lines_ratio"] > q.max_ellipsis_lines_ratio),
+                ("gopher_alpha_words", m["alpha_words_ratio"] < q.min_alpha_words_ratio),
+                ("gopher_stop_words", m["stop_words"] < q.min_stop_words),
                 *checks,
                 ("c4_lorem_ipsum", m["c4_lorem_ipsum"]),
                 ("c4_curly_bracket", m["c4_curly_bracket"]),
-                ("c4_min_sentences", m["c4_sentences"] < self.c4_min_sentences),
-                ("fineweb_line_punct", m["fw_line_punct_ratio"] < self.fw_min_line_punct_ratio),
-                ("fineweb_short_lines", m["fw_short_line_ratio"] > self.fw_max_short_line_ratio),
-                ("fineweb_dup_line_chars", m["fw_dup_line_char_ratio"] > self.fw_max_dup_line_char_ratio),
-                ("fineweb_newline_ratio", m["fw_newline_ratio"] > self.fw_max_newline_ratio),
+                ("c4_min_sentences", m["c4_sentences"] < q.c4_min_sentences),
+                ("fineweb_line_punct", m["fw_line_punct_ratio"] < q.fw_min_line_punct_ratio),
+                ("fineweb_short_lines", m["fw_short_line_ratio"] > q.fw_max_short_line_ratio),
+                ("fineweb_dup_line_chars", m["fw_dup_line_char_ratio"] > q.fw_max_dup_line_char_ratio),
+                ("fineweb_newline_ratio", m["fw_newline_ratio"] > q.fw_max_newline_ratio),
             ]
         return next((name for name, failed in checks if failed), "")
-
-
-def parse_ngram_limits(text: str) -> dict[int, float]:
-    """'2:0.20,3:0.18' -> {2: 0.2, 3: 0.18}."""
-    out = {}
-    for item in (x.strip() for x in text.split(",") if x.strip()):
-        n, _, limit = item.partition(":")
-        try:
-            out[int(n)] = float(limit)
-        except ValueError:
-            raise ValueError(f"{item!r} is not N:LIMIT (e.g. '2:0.20,3:0.18')") from None
-        if int(n) < 1:
-            raise ValueError(f"{item!r}: n must be >= 1")
-    return out
 
 
 def _lines(text: str) -> list[str]:
@@ -195,9 +157,9 @@ def measure_c4(text: str, rules: QualityRules) -> dict:
     least ``c4_min_words_per_line`` words, no 'javascript', no policy boilerplate)."""
     lower = text.lower()
     kept = [ln for ln in _lines(text)
-            if ln.endswith(TERMINAL) and len(ln.split()) >= rules.c4_min_words_per_line
+            if ln.endswith(TERMINAL) and len(ln.split()) >= rules.config.c4_min_words_per_line
             and "javascript" not in ln.lower() and not any(p in ln.lower() for p in C4_POLICY)
-            and max((len(x) for x in ln.split()), default=0) <= rules.c4_max_word_len]
+            and max((len(x) for x in ln.split()), default=0) <= rules.config.c4_max_word_len]
     kept_text = " ".join(kept)
     sentences = len([s for s in re.split(r"(?<=[.!?])\s+", kept_text) if s.strip()]) if kept_text else 0
     return {"c4_lorem_ipsum": "lorem ipsum" in lower, "c4_curly_bracket": "{" in text,
@@ -210,7 +172,7 @@ def measure_fineweb(text: str, rules: QualityRules) -> dict:
     _, dup_chars = _dup_fracs(lines)
     return {
         "fw_line_punct_ratio": sum(ln.endswith(TERMINAL) for ln in lines) / nl,
-        "fw_short_line_ratio": sum(len(ln) <= rules.fw_short_line_chars for ln in lines) / nl,
+        "fw_short_line_ratio": sum(len(ln) <= rules.config.fw_short_line_chars for ln in lines) / nl,
         "fw_dup_line_char_ratio": dup_chars,
         "fw_newline_ratio": text.count("\n") / max(len(text.split()), 1),
     }

@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from raysc.config.schema import Config
+from raysc.config.syntax import parse_schedule
 
 
 class BatchLoader:
@@ -80,7 +81,7 @@ def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank:
     gb = cfg.train.global_batch_sequences
     if not isinstance(rows, dict):
         return BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size)
-    from raysc.data.mixture import MixtureLoader, Prefetcher, parse_schedule
+    from raysc.data.mixture import MixtureLoader, Prefetcher
     from raysc.data.prepare import natural_schedule
 
     schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})

@@ -1,7 +1,8 @@
 """A domain mixture that follows a schedule exactly and resumes exactly at any data-parallel size.
 
 ``data.schedule`` is piecewise constant in consumed tokens, e.g.
-``"0:prose=0.7,code=0.3; 2000000:prose=0.3,code=0.7"`` (weights are normalised per phase).
+``"0:prose=0.7,code=0.3; 2000000:prose=0.3,code=0.7"`` (weights are normalised per phase;
+``raysc.config.syntax.parse_schedule`` reads it).
 
 The stream is a sequence of global samples. Sample ``g`` goes to the domain furthest below
 its target within the current phase (target = weight × samples of the phase so far, ties by
@@ -19,40 +20,11 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-
-@dataclass(frozen=True)
-class Phase:
-    start_tokens: int
-    weights: dict[str, float]
-
-
-def parse_schedule(text: str, domains: list[str] | None = None) -> list[Phase]:
-    """'0:prose=0.7,code=0.3; 2e6:prose=0.3,code=0.7' -> phases sorted by start (the first at 0)."""
-    phases = []
-    for part in (p.strip() for p in text.split(";") if p.strip()):
-        start, _, body = part.partition(":")
-        try:
-            start_tokens = int(float(start))
-            weights = {k.strip(): float(v) for k, v in (w.split("=") for w in body.split(",") if w.strip())}
-        except ValueError:
-            raise ValueError(f"{part!r} is not TOKENS:domain=weight,... (e.g. '0:prose=0.7,code=0.3')") from None
-        if not weights or any(w < 0 for w in weights.values()) or sum(weights.values()) <= 0:
-            raise ValueError(f"{part!r}: weights must be >= 0 and not all 0")
-        if domains is not None:
-            unknown = sorted(set(weights) - set(domains))
-            if unknown:
-                raise ValueError(f"{part!r}: unknown domain(s) {unknown}; the data has {sorted(domains)}")
-        total = sum(weights.values())
-        phases.append(Phase(start_tokens, {k: v / total for k, v in sorted(weights.items()) if v > 0}))
-    phases.sort(key=lambda p: p.start_tokens)
-    if not phases or phases[0].start_tokens != 0:
-        raise ValueError("the schedule must have a phase starting at 0 tokens")
-    return phases
+from raysc.config.syntax import Phase
 
 
 class MixtureLoader:

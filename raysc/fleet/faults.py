@@ -13,6 +13,9 @@ optimizer step ``STEP``:
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
   first file), to prove a half-written checkpoint is never loaded.
 
+The spec's syntax and the list of kinds are parsed in config (``raysc.config.faults``), which
+checks them when the config loads.
+
 ``FaultInjector`` holds one rank's faults and fires them from three hooks the worker calls:
 ``before_step`` (raise, kill, hang, slow, bitflip; arms nan/spike), ``after_loss`` (the armed
 loss factor, applied by the ``Trainer``'s loss hook) and ``on_file_written`` (kill_save, from the
@@ -22,48 +25,21 @@ upload path). Nothing else in the training code knows about faults.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import time
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
+from raysc.config.faults import Fault, parse_faults
 from raysc.train.sdc import flip_bit
 
-KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike", "bitflip", "slow")
 SLOW_S = 3.0
 LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}  # factor applied to that step's loss (and so its grads)
-_SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 
 class InjectedFault(RuntimeError):
     """The exception the ``raise`` fault throws inside a training step."""
-
-
-@dataclass(frozen=True)
-class Fault:
-    kind: str
-    step: int
-    rank: int
-    spec: str
-
-
-def parse_faults(text: str) -> list[Fault]:
-    faults = []
-    for item in (x.strip() for x in text.split(",")):
-        if not item:
-            continue
-        m = _SPEC.match(item)
-        if not m:
-            raise ValueError(f"{item!r} is not KIND@STEP[:RANK] (e.g. 'kill@50:0')")
-        if m["kind"] not in KINDS:
-            raise ValueError(f"unknown fault kind {m['kind']!r} in {item!r}; kinds are {', '.join(KINDS)}")
-        if int(m["step"]) < 1:
-            raise ValueError(f"step in {item!r} must be >= 1")
-        faults.append(Fault(m["kind"], int(m["step"]), int(m["rank"] or 0), item))
-    return faults
 
 
 def fire(fault: Fault) -> None:

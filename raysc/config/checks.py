@@ -1,0 +1,184 @@
+"""Cross-key checks of a loaded config, one function per section, and the error they raise.
+
+A single field's rules (type, range, choices) are checked as the value is read
+(``raysc.config.load``); what needs several keys is checked here, after every value is in.
+Each check raises ``ConfigError`` naming the keys, their values and a fix. ``validate`` runs
+them in a fixed order, so a config with several problems always reports the same first one.
+Everything they need is in config: the mixture and n-gram syntaxes (``syntax``), the fault
+spec (``faults``) and the pipeline schedules (``dims``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from raysc.config.dims import MULTI_STAGE
+from raysc.config.faults import parse_faults
+from raysc.config.schema import Config
+from raysc.config.syntax import parse_ngram_limits, parse_schedule
+
+
+class ConfigError(ValueError):
+    """A configuration problem, phrased for the user: key, origin, what is allowed."""
+
+
+def check_data(cfg: Config, origin: str) -> None:
+    """[data]: the mixture schedule parses (its domains are checked against the data later)."""
+    if cfg.data.schedule:
+        try:
+            parse_schedule(cfg.data.schedule)
+        except ValueError as e:
+            raise ConfigError(f"{origin}: data.schedule: {e}") from None
+
+
+def check_dedup(cfg: Config, origin: str) -> None:
+    """[dedup]: the LSH bands × rows use every MinHash function."""
+    d = cfg.dedup
+    if d.bands * d.rows != d.num_perm:
+        raise ConfigError(f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "
+                          f"equal dedup.num_perm = {d.num_perm}; e.g. 14 × 8 = 112.")
+
+
+def check_quality(cfg: Config, origin: str) -> None:
+    """[quality]: the n-gram limits parse."""
+    for key in ("top_ngram_max", "dup_ngram_max"):
+        try:
+            parse_ngram_limits(getattr(cfg.quality, key))
+        except ValueError as e:
+            raise ConfigError(f"{origin}: quality.{key}: {e}") from None
+
+
+def check_model(cfg: Config, origin: str) -> None:
+    """[model]: head shapes, and a rotary table that covers train.seq_len."""
+    m, t = cfg.model, cfg.train
+    if m.dim % m.n_heads:
+        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
+    if m.head_dim % 2:
+        raise ConfigError(
+            f"{origin}: head dim model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings."
+        )
+    if m.n_heads % m.n_kv_heads:
+        raise ConfigError(
+            f"{origin}: model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} "
+            f"(grouped-query attention shares each KV head among n_heads/n_kv_heads query heads)."
+        )
+    if m.max_seq_len and m.max_seq_len < t.seq_len:
+        raise ConfigError(
+            f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
+            f"raise it or set it to 0 (= train.seq_len)."
+        )
+
+
+def check_checkpoint(cfg: Config, origin: str) -> None:
+    """[checkpoint]: kept steps fall on saved steps."""
+    if cfg.checkpoint.keep_every_steps and cfg.checkpoint.every_steps and \
+            cfg.checkpoint.keep_every_steps % cfg.checkpoint.every_steps:
+        raise ConfigError(
+            f"{origin}: checkpoint.keep_every_steps={cfg.checkpoint.keep_every_steps} is not a multiple of "
+            f"checkpoint.every_steps={cfg.checkpoint.every_steps}, so no checkpoint would match it.")
+
+
+def check_batch(cfg: Config, origin: str) -> None:
+    """[train]: one global batch size, split evenly over data-parallel ranks and micro-batches."""
+    t, par = cfg.train, cfg.parallel
+    if bool(t.global_batch) == bool(t.global_batch_tokens):
+        raise ConfigError(
+            f"{origin}: set exactly one of train.global_batch (sequences) or train.global_batch_tokens "
+            f"(got global_batch={t.global_batch}, global_batch_tokens={t.global_batch_tokens})."
+        )
+    if t.global_batch_tokens and t.global_batch_tokens % t.seq_len:
+        raise ConfigError(
+            f"{origin}: train.global_batch_tokens={t.global_batch_tokens} is not a multiple of "
+            f"train.seq_len={t.seq_len}; use {max(1, t.global_batch_tokens // t.seq_len) * t.seq_len}."
+        )
+    gb, dp = t.global_batch_sequences, par.dp
+    if gb % dp:
+        raise ConfigError(
+            f"{origin}: the global batch of {gb} sequences is not divisible by the data-parallel size "
+            f"dp_replicate×dp_shard={dp}."
+        )
+    local = gb // dp
+    if t.micro_batch and local % t.micro_batch:
+        raise ConfigError(
+            f"{origin}: train.micro_batch={t.micro_batch} does not divide the {local} sequences each "
+            f"data-parallel rank processes per step (global batch {gb} / dp {dp})."
+        )
+
+
+def check_layout(cfg: Config, origin: str) -> None:
+    """[parallel]: the layout against the model and batch, each check naming the numbers and a fix."""
+    m, t, par = cfg.model, cfg.train, cfg.parallel
+    if par.tp > 1:
+        for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
+                        ("model.vocab_size", m.vocab_size), ("the SwiGLU hidden size", m.hidden_ffn_dim)):
+            if n % par.tp:
+                raise ConfigError(f"{origin}: {what}={n} is not divisible by parallel.tp={par.tp}; "
+                                  f"pick a tp that divides it.")
+    if par.sequence_parallel and par.tp == 1:
+        raise ConfigError(f"{origin}: parallel.sequence_parallel needs parallel.tp > 1.")
+    if par.cp > 1 and t.seq_len % (2 * par.cp):
+        raise ConfigError(f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
+                          f"(context parallelism gives each rank an early and a late chunk).")
+    v = par.pp_virtual_stages
+    if v > 1 and par.pp_schedule not in MULTI_STAGE:
+        raise ConfigError(f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
+                          f"(parallel.pp_schedule = {' or '.join(map(repr, MULTI_STAGE))}).")
+    if par.pp == 1:
+        return
+    if m.n_layers % (par.pp * v):
+        raise ConfigError(f"{origin}: model.n_layers={m.n_layers} is not divisible by parallel.pp×"
+                          f"pp_virtual_stages={par.pp}×{v}={par.pp * v}; change either so each stage gets "
+                          f"the same number of layers.")
+    if m.tie_embeddings:
+        raise ConfigError(f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
+                          f"(the embedding and output live on different stages); set it to false.")
+    if t.micro_batch:
+        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not "
+                          f"train.micro_batch.")
+    if par.pp_schedule in MULTI_STAGE and v < 2:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs "
+                          f"parallel.pp_virtual_stages >= 2.")
+    micro = par.pp_microbatches or par.pp
+    local = t.global_batch_sequences // par.dp
+    if local % micro:
+        raise ConfigError(f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
+                          f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
+                          f"split into parallel.pp_microbatches={micro} equal microbatches.")
+    if par.pp_schedule != "gpipe" and micro < par.pp:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
+                          f"microbatches, got parallel.pp_microbatches={micro}.")
+    rounds = max(1, micro // par.pp)
+    if par.pp_schedule in MULTI_STAGE and micro % rounds:
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
+                          f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
+
+
+def check_supervisor(cfg: Config, origin: str) -> None:
+    """[supervisor]: the fault-injection spec parses and names ranks that exist."""
+    par = cfg.parallel
+    try:
+        faults = parse_faults(cfg.supervisor.inject)
+    except ValueError as e:
+        raise ConfigError(f"{origin}: supervisor.inject: {e}") from None
+    for f in faults:
+        if f.rank >= par.world_size:
+            raise ConfigError(f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
+                              f"(world size {par.world_size}).")
+
+
+def check_precision(cfg: Config, origin: str) -> None:
+    """[train] × [parallel]: bf16 needs CUDA."""
+    t, par = cfg.train, cfg.parallel
+    if t.dtype == "bf16" and par.device == "cpu":
+        raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
+
+
+SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
+    check_data, check_dedup, check_quality, check_model, check_checkpoint, check_batch, check_layout,
+    check_supervisor, check_precision)
+
+
+def validate(cfg: Config, origin: str = "config") -> None:
+    """Cross-key checks that a single field's rules cannot express (``ConfigError`` on the first)."""
+    for check in SECTION_CHECKS:
+        check(cfg, origin)
