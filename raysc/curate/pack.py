@@ -10,7 +10,7 @@ back to the driver, which writes ``index.json``: per domain its shards, sequence
 documents and dropped tail tokens, plus ``seq_len`` and the tokenizer. The tokenizer is copied
 into the output as ``tokenizer.json`` (trained on a seeded sample of the curated documents when
 none is given), so a packed directory is self-contained: ``data.source = <it>`` trains on it
-(``load_packed``). Tasks get the tokenizer as its JSON text, not a path, so they run on any node.
+(``raysc.data.shards`` reads it). Tasks get the tokenizer as its JSON text, not a path, so they run on any node.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import json
 import numpy as np
 
 from raysc.data.packing import encode_corpus
-from raysc.data.tokenizer import EOS_ID
+from raysc.data.tokenizer import EOS, EOS_ID, load_tokenizer, sample_texts, train_tokenizer
 
 _TOKENIZERS: dict[str, object] = {}  # tokenizer JSON sha -> Tokenizer, per worker process
 
@@ -73,8 +73,6 @@ def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: fl
     """Train the BPE tokenizer on a seeded sample of the curated documents; return its JSON."""
     import pyarrow.dataset as pads
 
-    from raysc.data.tokenizer import sample_texts, train_tokenizer
-
     texts: list[str] = []
     for batch in pads.dataset(documents, format="parquet", filesystem=filesystem).to_batches(columns=["text"]):
         texts.extend(batch.column(0).to_pylist())
@@ -94,7 +92,6 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
     import ray
 
     from raysc.curate.output import arrow_fs as fsspec_arrow_fs
-    from raysc.data.tokenizer import EOS
 
     options = options or {}
     fs, root = fsspec.core.url_to_fs(curated_uri, **options)
@@ -103,8 +100,6 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
         raise FileNotFoundError(f"{curated_uri}/documents does not exist: run `raysc curate` first "
                                 f"(its curate.output is what `raysc pack` reads)")
     if tokenizer_path:
-        from raysc.data.tokenizer import load_tokenizer
-
         tok = load_tokenizer(tokenizer_path)
         if tok.get_vocab_size() > vocab_size:
             raise ValueError(f"tokenizer {tokenizer_path!r} has {tok.get_vocab_size()} tokens but model.vocab_size "
@@ -139,30 +134,3 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
     out_fs.pipe_file(f"{out_root}/index.json", json.dumps(index, indent=1).encode())  # last: marks it complete
     log(f"pack: " + ", ".join(f"{k}: {v['sequences']} sequences" for k, v in index["domains"].items()))
     return index
-
-
-def read_index(out_uri: str, options: dict | None = None) -> dict | None:
-    """The ``index.json`` of a packed directory, or None when ``out_uri`` is not one."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
-    try:
-        return json.loads(fs.cat_file(f"{root}/index.json"))
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-
-
-def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndarray]:
-    """{domain: rows} from the shards listed in ``<out_uri>/index.json``, in index order."""
-    import fsspec
-
-    fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
-    index = read_index(out_uri, options)
-    if index is None:
-        raise FileNotFoundError(f"{out_uri}/index.json does not exist: not the output of `raysc pack`")
-    out = {}
-    for domain, d in index["domains"].items():
-        parts = [np.load(io.BytesIO(fs.cat_file(f"{root}/{f}"))) for f in d["shards"]]
-        if parts:
-            out[domain] = np.concatenate(parts)
-    return out

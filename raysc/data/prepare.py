@@ -20,9 +20,9 @@ import numpy as np
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.curate.pack import load_domains, read_index
 from raysc.data.corpus import build_bundled_corpus, corpus_meta, read_documents
 from raysc.data.packing import PackedData, build_packed, split_rows
+from raysc.data.shards import load_domains, read_index
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
 from raysc.hashing import file_sha256
 

@@ -161,7 +161,7 @@ def check_consistency(cfg: Config, ev: Evidence) -> Item:
 
 
 def check_data(cfg: Config) -> Item:
-    from raysc.curate.pack import read_index
+    from raysc.data.shards import read_index
     from raysc.config.syntax import parse_schedule
 
     if cfg.data.source == "bundled" or (index := read_index(cfg.data.source, dict(cfg.data.storage_options))) is None:

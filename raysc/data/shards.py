@@ -1,0 +1,39 @@
+"""Read a packed directory (the output of ``raysc pack``): its ``index.json`` and its per-domain
+token shards, from a local path or any fsspec URL.
+
+The writer is ``raysc.curate.pack``; training reads through here, so data does not import curate.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+
+
+def read_index(out_uri: str, options: dict | None = None) -> dict | None:
+    """The ``index.json`` of a packed directory, or None when ``out_uri`` is not one."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
+    try:
+        return json.loads(fs.cat_file(f"{root}/index.json"))
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+
+
+def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndarray]:
+    """{domain: rows} from the shards listed in ``<out_uri>/index.json``, in index order."""
+    import fsspec
+
+    fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
+    index = read_index(out_uri, options)
+    if index is None:
+        raise FileNotFoundError(f"{out_uri}/index.json does not exist: not the output of `raysc pack`")
+    out = {}
+    for domain, d in index["domains"].items():
+        parts = [np.load(io.BytesIO(fs.cat_file(f"{root}/{f}"))) for f in d["shards"]]
+        if parts:
+            out[domain] = np.concatenate(parts)
+    return out
