@@ -5,10 +5,15 @@ the corpus (a broadcast filter, or a shuffle anti-join for very many ids)."""
 from __future__ import annotations
 
 import hashlib
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from raysc.curate.errors import CurateError
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
 
 
 def shuffle_partitions(rows: int) -> int:
@@ -17,7 +22,8 @@ def shuffle_partitions(rows: int) -> int:
     return max(1, min(200, rows // 2000))
 
 
-def connected_components(edges, max_rounds: int, log=print):
+def connected_components(edges: Dataset, max_rounds: int,
+                         log: Callable[[str], None] = print) -> tuple[Dataset, int]:
     """Clusters of an undirected graph given as a Ray Dataset of (a, b) rows.
 
     Hash-to-min (Rastogi et al., "Finding connected components in map-reduce in logarithmic
@@ -51,7 +57,7 @@ def _init(batch: dict) -> dict:
     return {"node": np.concatenate([a, b, a, b]), "member": np.concatenate([b, a, a, b])}
 
 
-def _merge(group) -> "pa.Table":
+def _merge(group: pa.Table) -> pa.Table:
     """One node's row: its sorted set of members."""
     import pyarrow as pa
 
@@ -85,7 +91,7 @@ def _fingerprint(batch: dict) -> dict:
 BROADCAST_MAX_IDS = 1_000_000  # up to this many removed ids are broadcast as a set, not shuffled
 
 
-def drop_nodes(docs, losers, count: int):
+def drop_nodes(docs: Dataset, losers: Dataset, count: int) -> Dataset:
     """``docs`` without the rows whose ``node`` is in ``losers``. Near duplicates are a small share
     of a corpus: up to ``BROADCAST_MAX_IDS`` ids go to every task as one object (a filter, no
     shuffle); beyond that, the shuffle-based ``anti_join``."""
@@ -103,7 +109,7 @@ def drop_nodes(docs, losers, count: int):
     return docs.map_batches(keep, batch_format="pyarrow")
 
 
-def anti_join(left, right, key: str):
+def anti_join(left: Dataset, right: Dataset, key: str) -> Dataset:
     """Rows of ``left`` whose ``key`` is not in ``right`` (a Dataset with that one column), as a
     group-by over the union of both (Ray Data's own join needs polars, which we do not ship)."""
     import pyarrow as pa

@@ -6,12 +6,17 @@ by a group-by on the band key, candidate pairs whose signatures agree on at leas
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from raysc.config.schema import DedupConfig
 from raysc.curate.graph import connected_components, drop_nodes, shuffle_partitions
 from raysc.curate.minhash import MinHasher
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
 
 PAIRWISE_MAX = 2048  # buckets up to this size compare every pair; larger ones pair with their smallest member
 
@@ -47,7 +52,7 @@ def band_rows(batch: dict, hasher: MinHasher) -> dict:
             "sig": np.repeat(np.array([s.tobytes() for s in sig], dtype=object), hasher.bands)}
 
 
-def bucket_edges(group, threshold: float):
+def bucket_edges(group: pa.Table, threshold: float) -> pa.Table:
     """Candidate pairs (a, b) of one LSH bucket, kept when ``similar_pairs`` finds them."""
     import pyarrow as pa
 
@@ -62,7 +67,8 @@ def bucket_edges(group, threshold: float):
     return pa.table({"a": [nodes[x] for x in i], "b": [nodes[x] for x in j]})
 
 
-def near_dedup(docs, count: int, d: DedupConfig, log=print):
+def near_dedup(docs: Dataset, count: int, d: DedupConfig,
+               log: Callable[[str], None] = print) -> tuple[Dataset, NearStats]:
     """``docs`` (``count`` rows) with one survivor per near-duplicate cluster, and its stats."""
     removed, clusters, rounds = 0, 0, 0
     if d.near and count > 1:
@@ -76,7 +82,7 @@ def near_dedup(docs, count: int, d: DedupConfig, log=print):
     return docs, stats
 
 
-def candidate_pairs(docs, count: int, d: DedupConfig):
+def candidate_pairs(docs: Dataset, count: int, d: DedupConfig) -> Dataset:
     """The (a, b) node pairs of ``docs`` that share an LSH bucket and pass ``similar_pairs``; a pair
     found in several bands repeats."""
     hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
@@ -86,7 +92,8 @@ def candidate_pairs(docs, count: int, d: DedupConfig):
                                                    fn_kwargs={"threshold": d.threshold}).materialize()
 
 
-def keep_one_per_cluster(docs, edges, max_rounds: int, log=print) -> tuple:
+def keep_one_per_cluster(docs: Dataset, edges: Dataset, max_rounds: int,
+                         log: Callable[[str], None] = print) -> tuple[Dataset, int, int, int]:
     """(``docs`` without every node of a cluster but its root, removed, clusters, rounds).
     Repeated edges are harmless: connected components merges sets."""
     roots, rounds = connected_components(edges, max_rounds, log)

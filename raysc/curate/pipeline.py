@@ -23,6 +23,7 @@ returns the next one with its stats):
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 from raysc.config.schema import Config
 from raysc.curate.inputs import list_inputs
@@ -48,11 +49,11 @@ class Stopwatch:
         return round(time.perf_counter() - self.start, 3)
 
 
-def curate(cfg: Config, log=print) -> dict:
+def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     """Run every stage over ``curate.input``; write Parquet and the report under ``curate.output``.
     Returns the report. Needs a running Ray (``ray.init()`` or a cluster)."""
     c = cfg.curate
-    out_uri = (c.output or f"{cfg.run_dir}/curated").rstrip("/")
+    out_uri = cfg.curated_uri
     clock = Stopwatch()
     _, options, files = list_inputs(cfg)
     log(f"curate: {len(files)} input file(s) from {c.input}")

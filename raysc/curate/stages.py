@@ -5,6 +5,7 @@ stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
@@ -14,13 +15,17 @@ from raysc.curate.inputs import normalise_batch, parse_file
 from raysc.curate.output import arrow_fs, clear_outputs
 from raysc.curate.quality import QualityRules
 
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
+
 HIST_FIELDS = ("q_words", "q_avg_word_len", "q_alpha_words_ratio", "q_stop_words", "q_dup_line_frac",
                "q_top_2gram_frac", "q_dup_5gram_frac", "q_fw_line_punct_ratio", "q_fw_short_line_ratio",
                "q_c4_sentences")
 HIST_SAMPLE = 200_000  # documents whose scores go into the report's histograms
 
 
-def count_by(ds, key: str) -> dict:
+def count_by(ds: Dataset, key: str) -> dict:
     """{value of ``key``: rows} of a Dataset."""
     return {row[key]: row["count()"] for row in ds.groupby(key, num_partitions=1).count().take_all()}
 
@@ -36,7 +41,8 @@ class ReadStats:
     bad_samples: list[dict]
 
 
-def read_documents(files: list[str], options: dict, c: CurateConfig, log=print):
+def read_documents(files: list[str], options: dict, c: CurateConfig,
+                   log: Callable[[str], None] = print) -> tuple[Dataset, ReadStats]:
     """Parsed and normalised documents of ``files`` (one task per file) and the read stats; bad
     records are counted, sampled (``curate.bad_samples``) and left out."""
     import ray
@@ -55,14 +61,15 @@ def read_documents(files: list[str], options: dict, c: CurateConfig, log=print):
 
 
 # ---- exact dedup ----
-def _smallest_node(group):
+def _smallest_node(group: pa.Table) -> pa.Table:
     """The row of a group with the smallest node key (its id first)."""
     import pyarrow.compute as pc
 
     return group.take([int(pc.index(group["node"], pc.min(group["node"])).as_py())])
 
 
-def exact_dedup(docs, count: int, d: DedupConfig, log=print):
+def exact_dedup(docs: Dataset, count: int, d: DedupConfig,
+                log: Callable[[str], None] = print) -> tuple[Dataset, int]:
     """One survivor per content hash (the smallest node key: id first); the documents left."""
     if d.exact and count:
         docs = docs.groupby("hash", num_partitions=shuffle_partitions(count)).map_groups(
@@ -95,7 +102,7 @@ def judge_batch(batch: dict, rules: QualityRules, enabled: bool) -> dict:
     return out
 
 
-def quality_filter(docs, count: int, q: QualityConfig):
+def quality_filter(docs: Dataset, count: int, q: QualityConfig) -> tuple[Dataset, Dataset | None, QualityStats]:
     """(kept, dropped or None, stats): the Gopher, C4 and FineWeb verdict on every document."""
     rules = QualityRules.from_config(q)
     if not count:
@@ -108,7 +115,7 @@ def quality_filter(docs, count: int, q: QualityConfig):
     return kept, dropped, QualityStats(q.enabled, reasons, histograms(judged, count))
 
 
-def histograms(judged, count: int) -> dict[str, dict]:
+def histograms(judged: Dataset, count: int) -> dict[str, dict]:
     """20-bin histograms of the ``HIST_FIELDS`` scores over the first ``HIST_SAMPLE`` documents."""
     sample = judged.select_columns(list(HIST_FIELDS)).take_batch(min(count, HIST_SAMPLE), batch_format="numpy")
     hists = {}
@@ -128,7 +135,7 @@ class WriteStats:
     kept_bytes: int
 
 
-def write_documents(kept, dropped, out_uri: str, options: dict) -> WriteStats:
+def write_documents(kept: Dataset, dropped: Dataset | None, out_uri: str, options: dict) -> WriteStats:
     """Replace ``documents/`` (and ``dropped/``, with the reason) under ``out_uri`` by Parquet."""
     kept = kept.drop_columns(["node"]).materialize()
     n_kept = kept.count()
