@@ -33,6 +33,7 @@ and the logits' gradient (÷ tp, vocabulary-parallel).
 
 from __future__ import annotations
 
+from raysc.config.dims import MULTI_STAGE
 from raysc.config.schema import ModelConfig
 from raysc.model.flops import param_count
 from raysc.plan.layout import Layout
@@ -59,7 +60,7 @@ def inflight(lay: Layout, microbatches: int, stage: int) -> float:
     if lay.pp_schedule == "gpipe":
         return float(microbatches)
     held = float(min(microbatches, p - stage))
-    if lay.pp_schedule.startswith("interleaved"):
+    if lay.pp_schedule in MULTI_STAGE:
         held *= 1 + (p - 1) / (p * lay.pp_virtual_stages)
     return held
 
