@@ -33,10 +33,10 @@ EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last check
 
 def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
                  progress: bool = True, overwrite: bool = False) -> dict:
-    from raysc.driver import preflight, train
+    from raysc.driver import check_inputs, train
 
     cfg = load_config(config, overrides)
-    preflight(cfg)
+    check_inputs(cfg)
     return train(cfg, resume=resume_from or resume, progress=progress, overwrite=overwrite)
 
 
@@ -68,8 +68,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from raysc.checkpoint.restore import load_run
     from raysc.export.hf import export_hf
+    from raysc.export.restore import load_run
 
     run = load_run(args.run_dir, args.step)
     out = export_hf(run.model, run.tokenizer_path, args.out)
@@ -77,19 +77,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def sample_text(run_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-                seed: int) -> str:
-    from raysc.checkpoint.restore import load_run
-    from raysc.data.tokenizer import EOS_ID, load_tokenizer
-    from raysc.model.generate import generate
-
-    run = load_run(run_dir)
-    tok = load_tokenizer(run.tokenizer_path)
-    ids = generate(run.model, tok.encode(prompt).ids, max_new_tokens, temperature, top_k, seed, EOS_ID)
-    return prompt + tok.decode(ids)
-
-
 def cmd_generate(args: argparse.Namespace) -> int:
+    from raysc.export.restore import sample_text
+
     print(sample_text(args.run_dir, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed))
     return 0
 
@@ -177,7 +167,7 @@ def cmd_pack(args: argparse.Namespace) -> int:
     from raysc.driver import ensure_ray
 
     cfg = load_config(args.config, args.overrides)
-    curated = (cfg.curate.output or f"{cfg.run_dir}/curated").rstrip("/")
+    curated = cfg.curated_uri
     ensure_ray()
     out = args.out or f"{curated}/packed"
     index = pack_curated(curated, args.tokenizer or cfg.data.tokenizer or None, cfg.model.vocab_size,
@@ -302,7 +292,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
     from raysc.fleet.errors import RunFailed
-    from raysc.preflight.run import PreflightRequired
+    from raysc.preflight_gate import PreflightRequired
 
     try:
         return args.func(args)

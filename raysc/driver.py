@@ -1,9 +1,10 @@
 """The driver side of a run: connect to Ray, start the supervisor, show progress, return the summary.
 
 The driver holds no training state. It resolves relative paths against its own
-working directory (actors may run elsewhere), pins the supervisor to its node so
-the run directory is where the user looks, and polls the supervisor for a
-progress bar.
+working directory (actors may run elsewhere), refuses to start without a passing
+pre-flight report when ``train.require_preflight`` is set (``raysc.preflight_gate``),
+pins the supervisor to its node so the run directory is where the user looks, and
+polls the supervisor for a progress bar.
 
 While a run is in progress it owns SIGINT and SIGTERM (Ctrl-C, `ray job stop`,
 schedulers): the first asks the supervisor to stop at a step boundary, save and
@@ -28,31 +29,21 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysc.checkpoint.signing import Signer
+from raysc.checkpoint.storage import step_name
+from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_to_dict
+from raysc.config.paths import absolutize, is_url
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunStopped
 from raysc.fleet.events import EventKind
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
+from raysc.preflight_gate import require_passing
 
 
-def absolutize(cfg: Config) -> Config:
-    """Turn every relative path in the config into an absolute one (in place)."""
-    cwd = Path.cwd()
-    cfg.run.dir = str((cwd / cfg.run_dir).resolve())
-    if not cfg.checkpoint.uri or "://" not in cfg.checkpoint.uri:
-        cfg.checkpoint.uri = str((cwd / cfg.checkpoint_uri).resolve())
-    cfg.data.cache_dir = str((cwd / cfg.data.cache_dir).resolve())
-    if cfg.data.source != "bundled" and "://" not in cfg.data.source:
-        cfg.data.source = str((cwd / cfg.data.source).resolve())
-    if cfg.data.tokenizer:
-        cfg.data.tokenizer = str((cwd / cfg.data.tokenizer).resolve())
-    return cfg
-
-
-def preflight(cfg: Config) -> None:
+def check_inputs(cfg: Config) -> None:
     """Checks that need no Ray: inputs exist. Raises FileNotFoundError naming the key."""
-    if cfg.data.source != "bundled" and "://" not in cfg.data.source and not Path(cfg.data.source).exists():
+    if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists():
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
                                 f"or directory, or a `raysc pack` output directory")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
@@ -76,8 +67,6 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
     # trust boundary); every file written to disk shows it as '***'. A short key is refused here.
     cfg.checkpoint.signing_key = Signer.resolve(cfg.checkpoint.signing_key).key
     if cfg.train.require_preflight:
-        from raysc.preflight.run import require_passing
-
         require_passing(cfg)  # before any worker starts
     ensure_ray()
     with StopSignals() as signals:
@@ -192,13 +181,11 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
 
 def _aborted(cfg: Config, abort: _Abort, step: int | None) -> RunStopped:
     """Record an aborted stop in the run's events (the supervisor is gone) and describe it."""
-    from raysc.checkpoint.store import CheckpointStore
-
     try:
         latest = CheckpointStore.for_config(cfg).latest()
     except Exception:  # the store is unreachable: say so rather than fail the report
         latest = None
-    checkpoint = f"{cfg.checkpoint_uri}/step_{latest:08d}" if latest is not None else None
+    checkpoint = f"{cfg.checkpoint_uri}/{step_name(latest)}" if latest is not None else None
     events = JsonlWriter(Path(cfg.run_dir) / "events.jsonl")
     events.write({"time": time.time(), "kind": EventKind.RUN_STOPPED.value, "reason": abort.reason, "aborted": True,
                   "why": str(abort), "step": step, "checkpoint_step": latest, "checkpoint": checkpoint,

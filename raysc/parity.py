@@ -79,7 +79,7 @@ def _rel(a: float, b: float) -> float:
 
 
 def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> ParityReport:
-    from raysc.checkpoint.restore import load_run
+    from raysc.export.restore import load_run
     from raysc.fleet.records import read_jsonl
 
     ref = {m["step"]: m for m in read_jsonl(ref_dir / "metrics.jsonl")}

@@ -188,7 +188,7 @@ def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
 def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server, make_cfg, monkeypatch):
     """The store refuses every upload of step 10 (503): retries with backoff, no manifest for step 10,
     training goes on, the step-15 save succeeds and the older checkpoints still restore."""
-    from raysc.checkpoint.restore import load_run
+    from raysc.export.restore import load_run
     from raysc.driver import train
 
     wsgi = s3_server["server"]._server

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from raysc.checkpoint.store import CheckpointStore
-from raysc.checkpoint.restore import load_run
+from raysc.export.restore import load_run
 from raysc.data.prepare import prepare_data
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import read_jsonl

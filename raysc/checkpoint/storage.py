@@ -26,6 +26,11 @@ WHOLE_OBJECT_MAX = 512 << 20  # files up to this size move in memory (in paralle
 MIN_PART = 8 << 20  # smallest part of a parallel transfer (S3's multipart minimum is 5 MiB)
 
 
+def step_name(step: int) -> str:
+    """The name of checkpoint ``step`` under the store's root: ``step_00000100``."""
+    return f"step_{step:08d}"
+
+
 def default_concurrency() -> int:
     """Parallel requests per file: the client's hashing and TLS work scales with its cores."""
     return min(8, max(2, os.cpu_count() or 2))
@@ -98,7 +103,7 @@ class Storage:
         return "/".join([self.root, *parts])
 
     def step_prefix(self, step: int) -> str:
-        return f"step_{step:08d}"
+        return step_name(step)
 
     # ---- basic operations ----
     def write_bytes(self, rel: str, data: bytes) -> None:

@@ -340,5 +340,16 @@ class Config:
     def rope_len(self) -> int:
         return self.model.max_seq_len or self.train.seq_len
 
+    @property
+    def curated_uri(self) -> str:
+        """Where ``raysc curate`` writes and ``raysc pack`` reads: curate.output, or <run.dir>/curated."""
+        return (self.curate.output or f"{self.run_dir}/curated").rstrip("/")
+
+    @property
+    def compute_dtype(self) -> str:
+        """The precision train.dtype resolves to: 'bf16' (autocast) or 'fp32'; auto = bf16 on cuda only."""
+        dtype = self.train.dtype
+        return "bf16" if dtype == "bf16" or (dtype == "auto" and self.parallel.device == "cuda") else "fp32"
+
 
 SECTIONS: tuple[str, ...] = tuple(Config.__dataclass_fields__)

@@ -62,7 +62,7 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     from raysc.curate.pipeline import curate
 
     c = cfg.curate
-    out = (c.output or f"{cfg.run_dir}/curated").rstrip("/") + "/audit"
+    out = cfg.curated_uri + "/audit"
     prefix, options, files = list_inputs(cfg)
     docs = [r for f in files for r in parse_file(f, options, c.text_field, c.id_field, c.domain_field)
             if not r["bad"]]

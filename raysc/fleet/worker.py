@@ -300,8 +300,8 @@ class TrainWorker:
 
     def probe(self, nbytes: int) -> dict:
         """Pre-flight measurements on this rank (collective: every rank must call it): bus bandwidth
-        per parallel group and the node's topology (``raysc.preflight.probe``)."""
-        from raysc.preflight.probe import group_bandwidth, node_topology
+        per parallel group and the node's topology (``raysc.train.probe``)."""
+        from raysc.train.probe import group_bandwidth, node_topology
 
         dims = self.trainer.dims
         sizes = dims.as_dict()

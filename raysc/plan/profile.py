@@ -12,40 +12,23 @@ then the ranking is recomputed with them.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import statistics
 from pathlib import Path
 
+from raysc.config.measure import measurement_config
 from raysc.config.schema import Config
+from raysc.driver import train
+from raysc.fleet.records import read_jsonl
 from raysc.plan.layout import Cluster, Layout
 from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import estimate_step
 from raysc.plan.search import layout_config
 
 
-def measurement_config(cfg: Config, steps: int, run_dir: str | Path, checkpoint: dict | None = None,
-                       supervisor: dict | None = None) -> Config:
-    """``cfg`` as a short measuring run: ``steps`` steps with per-rank peak memory, no fault drills, no
-    warm spares, no pre-flight gate (it is what measures), under ``run_dir``; ``checkpoint`` and
-    ``supervisor`` override fields of those sections (default: no periodic checkpoints or SDC checks)."""
-    run = copy.deepcopy(cfg)
-    run.train = dataclasses.replace(run.train, steps=steps, measure_memory=True, require_preflight=False,
-                                    log_every=steps)
-    run.checkpoint = dataclasses.replace(run.checkpoint, **{"every_steps": 0, "uri": "", "async_save": False,
-                                                            **(checkpoint or {})})
-    run.supervisor = dataclasses.replace(run.supervisor, **{"inject": "", "warm_spares": False, "sdc_every_steps": 0,
-                                                            **(supervisor or {})})
-    run.run = dataclasses.replace(run.run, dir=str(run_dir))
-    return run
-
-
 def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps: int = 6, dtype: str = "fp32",
                     log=print) -> list[dict]:
     """Run each layout for ``steps`` steps; estimated vs measured memory and step time per layout."""
-    from raysc.driver import train
-    from raysc.fleet.records import read_jsonl
-
     gb = cfg.train.global_batch_sequences
     out = []
     for i, lay in enumerate(layouts):

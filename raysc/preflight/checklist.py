@@ -228,8 +228,7 @@ SERVE_FROM_TRAIN = {  # serving precision -> training precisions that export to 
 
 def check_serving(cfg: Config) -> Item:
     q = cfg.serve.quantization
-    train = "bf16" if cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.parallel.device == "cuda") \
-        else "fp32"
+    train = cfg.compute_dtype
     evidence = {"quantization": q or None, "training_precision": train}
     if not q:
         return Item(7, "serving", WARN, "no inference quantization named (serve.quantization)", evidence)

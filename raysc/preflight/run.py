@@ -11,43 +11,33 @@ The eight items (``raysc.preflight.checklist``) are judged from that evidence an
 ``<run.dir>/preflight.json`` and ``preflight.md``; the command exits non-zero on a fail.
 
 ``train.require_preflight = true`` makes ``raysc train`` refuse to start unless that
-``preflight.json`` passed for the same config (``preflight_hash``: the config hash without
-``train.require_preflight`` itself).
+``preflight.json`` passed for the same config (``raysc.preflight_gate``: the config hash without
+``train.require_preflight`` itself); this module writes the report that gate reads.
 """
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 import statistics
 import time
 from pathlib import Path
 
-from raysc.config.load import config_hash
+from raysc.checkpoint.storage import Storage, StorageError
+from raysc.config.measure import measurement_config
+from raysc.config.paths import absolutize
 from raysc.config.schema import Config
+from raysc.driver import train
+from raysc.fleet.records import read_jsonl
+from raysc.plan.layout import Layout
+from raysc.plan.memory import estimate_memory
 from raysc.preflight.checklist import (FAIL, Evidence, Item, check_checkpoint, check_consistency, check_data,
                                        check_hyperparameters, check_profile, check_serving, check_timeouts,
                                        check_topology)
-
-
-class PreflightRequired(RuntimeError):
-    pass
-
-
-def preflight_hash(cfg: Config) -> str:
-    """The config's identity for the gate: paths made absolute (as a run sees them), and
-    ``train.require_preflight`` itself left out."""
-    from raysc.driver import absolutize
-
-    clean = absolutize(copy.deepcopy(cfg))
-    clean.train.require_preflight = False
-    return config_hash(clean)
+from raysc.preflight_gate import preflight_hash
 
 
 def _store_speed(cfg: Config, nbytes: int) -> dict:
-    from raysc.checkpoint.storage import Storage, StorageError
-
     try:
         storage = Storage(f"{cfg.checkpoint_uri.rstrip('/')}/_preflight", dict(cfg.checkpoint.storage_options))
         blob = bytes(nbytes)
@@ -66,8 +56,6 @@ def _store_speed(cfg: Config, nbytes: int) -> dict:
 
 
 def probe_config(cfg: Config, steps: int) -> Config:
-    from raysc.plan.profile import measurement_config
-
     sup = cfg.supervisor
     return measurement_config(
         cfg, steps, Path(cfg.run_dir) / "preflight" / "probe",
@@ -77,11 +65,6 @@ def probe_config(cfg: Config, steps: int) -> Config:
 
 
 def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
-    from raysc.driver import absolutize, train
-    from raysc.fleet.records import read_jsonl
-    from raysc.plan.layout import Layout
-    from raysc.plan.memory import estimate_memory
-
     cfg = absolutize(cfg)
     if steps < 6:
         raise ValueError("raysc preflight needs --steps >= 6 (calibration, a checkpoint and replica checks)")
@@ -95,11 +78,9 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
     times = [m["step_time"] for m in read_jsonl(Path(probe_cfg.run_dir) / "metrics.jsonl") if m["step"] > 1]
     t = cfg.train
     lay = Layout.from_config(cfg)
-    dtype = "bf16" if t.dtype == "bf16" or (t.dtype == "auto" and not cpu) else "fp32"
+    dtype = cfg.compute_dtype
     ev = Evidence(summary=summary, events=events, step_s=statistics.median(times) if times else 0.0, store=store,
                   estimate_bytes=estimate_memory(cfg.model, t.seq_len, t.global_batch_sequences, lay, dtype)["total"])
-    from raysc.checkpoint.storage import Storage
-
     Storage(probe_cfg.checkpoint_uri, dict(cfg.checkpoint.storage_options)).delete_prefix("")
     items: list[Item] = [check_profile(cfg, ev), check_topology(cfg, ev), check_checkpoint(cfg, ev),
                          check_consistency(cfg, ev), check_data(cfg), check_hyperparameters(cfg),
@@ -124,19 +105,3 @@ def format_report(report: dict) -> str:
     for item in report["items"]:
         lines.append(f"{item['number']}. [{mark[item['status']]}] {item['name']}: {item['summary']}")
     return "\n".join(lines) + "\n"
-
-
-def require_passing(cfg: Config) -> None:
-    """Raise ``PreflightRequired`` unless ``<run.dir>/preflight.json`` passed for this config."""
-    path = Path(cfg.run_dir).resolve() / "preflight.json"
-    if not path.is_file():
-        raise PreflightRequired(f"train.require_preflight is set but {path} does not exist: run "
-                                f"`raysc preflight` with this config first")
-    report = json.loads(path.read_text())
-    if report.get("config_hash") != preflight_hash(cfg):
-        raise PreflightRequired(f"{path} is for config {report.get('config_hash')}, this config is "
-                                f"{preflight_hash(cfg)}: the config changed since the pre-flight; run it again")
-    if not report.get("passed"):
-        failed = [f"{i['name']}: {i['summary']}" for i in report["items"] if i["status"] == FAIL]
-        raise PreflightRequired(f"the pre-flight in {path} failed ({'; '.join(failed)}); fix it and re-run "
-                                f"`raysc preflight`")

@@ -44,7 +44,7 @@ def resolve_device(cfg: Config) -> torch.device:
 
 
 def use_bf16(cfg: Config) -> bool:
-    return cfg.train.dtype == "bf16" or (cfg.train.dtype == "auto" and cfg.parallel.device == "cuda")
+    return cfg.compute_dtype == "bf16"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -7,6 +7,9 @@ all-reduce and ``algbw × (n−1)/n`` for all-gather and reduce-scatter (``S`` =
 scattered whole), ``busbw = algbw`` for point-to-point. Each figure is the median of 5 timed
 operations after a warm-up. Every rank walks the groups in the same order, so the collectives
 of one mesh dimension run in all its groups at once, as in training.
+
+It sits in train, beside the worker's other measurements (``memory``, ``throughput``), so the
+worker never imports the pre-flight package that reads these figures.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Rebuild a trained model from a run directory (export, generation, parity).
+"""Rebuild a trained model from a run directory (export, generation, parity), and sample text
+from it.
 
 Reads the run's resolved ``config.toml``, finds its newest committed checkpoint
 (or the given step) among those its run wrote (``run.json``: never another run's
@@ -6,6 +7,9 @@ that happens to share the store), fetches it into a local cache verifying every 
 SHA-256 (and the manifest's signature when the run signs its checkpoints), and
 loads the model tensors in one process; no Ray and no process
 group are needed, and DCP reshards whatever layout wrote it.
+
+It sits in export, above both ``checkpoint`` (which stores tensors and knows no model) and
+``model``.
 """
 
 from __future__ import annotations
@@ -16,9 +20,13 @@ from pathlib import Path
 
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.staging import load_local
+from raysc.checkpoint.storage import step_name
 from raysc.checkpoint.store import CheckpointStore, local_copy_dir, read_run_id
 from raysc.config.load import load_config
 from raysc.config.schema import Config
+from raysc.config.secrets import REDACTED
+from raysc.data.tokenizer import EOS_ID, load_tokenizer
+from raysc.model.generate import generate
 from raysc.model.llama import Llama, build_model
 
 
@@ -39,7 +47,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
                                 f"pass the run.dir of a training run")
     cfg = load_config(cfg_path)
     # config.toml has secrets redacted: drop them so the environment's credentials apply
-    options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != "***"}
+    options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != REDACTED}
     signer = Signer.resolve(cfg.checkpoint.signing_key)  # a signed run's key must be in the environment
     store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency, signer)
     run_id = read_run_id(rd)
@@ -60,4 +68,14 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     with warnings.catch_warnings():  # DCP warns that it loads without a process group: intended here
         warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
         load_local(local, model, None, rank=0, step=step)
-    return RunModel(model, cfg, rd / "tokenizer.json", f"{cfg.checkpoint_uri}/step_{step:08d}", step)
+    return RunModel(model, cfg, rd / "tokenizer.json", f"{cfg.checkpoint_uri}/{step_name(step)}", step)
+
+
+def sample_text(run_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
+                seed: int) -> str:
+    """``prompt`` and its continuation by the newest checkpoint of the run in ``run_dir``
+    (``raysc generate``, the demo's samples)."""
+    run = load_run(run_dir)
+    tok = load_tokenizer(run.tokenizer_path)
+    ids = generate(run.model, tok.encode(prompt).ids, max_new_tokens, temperature, top_k, seed, EOS_ID)
+    return prompt + tok.decode(ids)
