@@ -25,6 +25,8 @@ import torch
 
 from raysc.config.load import ConfigError, load_config
 from raysc.config.schema import ParallelConfig
+from raysc.export.restore import load_run
+from raysc.fleet.records import read_jsonl
 
 LAYOUT_KEYS = {f.name for f in dataclasses.fields(ParallelConfig)} - {"device", "cpus_per_worker"}
 
@@ -79,9 +81,6 @@ def _rel(a: float, b: float) -> float:
 
 
 def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> ParityReport:
-    from raysc.export.restore import load_run
-    from raysc.fleet.records import read_jsonl
-
     ref = {m["step"]: m for m in read_jsonl(ref_dir / "metrics.jsonl")}
     got = {m["step"]: m for m in read_jsonl(got_dir / "metrics.jsonl")}
     report = ParityReport(layout, rtol)

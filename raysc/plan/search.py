@@ -16,9 +16,10 @@ import itertools
 import re
 from collections import Counter
 
-from raysc.config.dims import PP_SCHEDULES
 from raysc.config.checks import ConfigError, check_layout
+from raysc.config.dims import PP_SCHEDULES
 from raysc.config.schema import Config
+from raysc.model.flops import param_count
 from raysc.plan.layout import Cluster, Layout
 from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import estimate_step
@@ -112,8 +113,6 @@ def heuristic_layout(cfg: Config, cluster: Cluster, dtype: str = "bf16") -> Layo
     """The rule of thumb: tp = min(8, GPUs per node) when the model does not fit on one GPU, then the
     smallest pp (a divisor of the layers) that fits, data parallelism (replicated) with the rest;
     micro-batch 1, 1F1B, no sequence parallelism, no recomputation."""
-    from raysc.model.flops import param_count
-
     total = param_count(cfg.model)["total"]
     n, gb = cluster.gpus, cfg.train.global_batch_sequences
     tp = 1 if 16 * total <= cluster.usable_bytes else min(8, cluster.gpus_per_node)

@@ -13,7 +13,11 @@ import json
 import math
 from dataclasses import dataclass, field
 
+from raysc.checkpoint.capacity import check_capacity, describe
 from raysc.config.schema import Config
+from raysc.config.syntax import parse_schedule
+from raysc.data.shards import read_index
+from raysc.fleet.checkpointing import young_interval_s
 from raysc.fleet.events import EventKind
 
 PASS, WARN, FAIL = "pass", "warn", "fail"
@@ -96,8 +100,6 @@ def check_topology(cfg: Config, ev: Evidence) -> Item:
 
 
 def check_checkpoint(cfg: Config, ev: Evidence) -> Item:
-    from raysc.fleet.checkpointing import young_interval_s
-
     saves = _events(ev, EventKind.CHECKPOINT_SAVED)
     save_s = max((e["total_s"] for e in saves), default=None)
     evidence = {"uri": cfg.checkpoint_uri, "every_steps": cfg.checkpoint.every_steps,
@@ -119,8 +121,6 @@ def check_checkpoint(cfg: Config, ev: Evidence) -> Item:
         problems.append("no checkpoint was saved during the probe")
     ckpt_bytes = max((e["bytes"] for e in saves), default=0)
     if ckpt_bytes:
-        from raysc.checkpoint.capacity import check_capacity, describe
-
         cap = evidence["capacity"] = check_capacity(cfg, ckpt_bytes)
         (warnings if cap["ok"] is None else problems if not cap["ok"] else []).append(describe(cap))
     if cfg.supervisor.spike_policy == "off":
@@ -161,9 +161,6 @@ def check_consistency(cfg: Config, ev: Evidence) -> Item:
 
 
 def check_data(cfg: Config) -> Item:
-    from raysc.data.shards import read_index
-    from raysc.config.syntax import parse_schedule
-
     if cfg.data.source == "bundled" or (index := read_index(cfg.data.source, dict(cfg.data.storage_options))) is None:
         return Item(5, "data", WARN, f"data.source={cfg.data.source!r} has no curation report: run `raysc curate` "
                     f"and `raysc pack` and train on the packed directory", {"source": cfg.data.source})

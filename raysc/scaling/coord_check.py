@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 
 from raysc.config.schema import Config
+from raysc.data.prepare import prepare_data
 from raysc.scaling.probe import at_width, train
 
 DEFAULT_WIDTHS = (64, 128, 256, 512)
@@ -161,8 +162,6 @@ def write(report: dict, out_dir: str | Path) -> dict[str, str]:
 
 def training_rows(cfg: Config) -> np.ndarray:
     """The config's training rows (``prepare_data``); the domains of a packed source, concatenated."""
-    from raysc.data.prepare import prepare_data
-
     packed, _, _ = prepare_data(cfg)
     rows = packed.train
     return np.concatenate(list(rows.values())) if isinstance(rows, dict) else rows
