@@ -41,7 +41,7 @@ from typing import Callable
 
 from raysc.checkpoint.failures import PermanentStorageError, permanent_reason
 from raysc.checkpoint.signing import Signer
-from raysc.checkpoint.storage import Storage
+from raysc.checkpoint.storage import Storage, step_name
 from raysc.hashing import file_sha256
 
 # v3: optimizer state flattened by parameter name; v4: per-rank state as safetensors + JSON (v3 pickled it)
@@ -305,4 +305,4 @@ def read_run_id(run_dir: str | Path) -> str | None:
 def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:
     """Where a node keeps its copy of checkpoint ``step`` of ``uri`` (save staging and restore cache)."""
     key = hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return Path(cache_dir) / "checkpoints" / key / f"step_{step:08d}"
+    return Path(cache_dir) / "checkpoints" / key / step_name(step)

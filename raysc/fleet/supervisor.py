@@ -24,6 +24,7 @@ from pathlib import Path
 
 import ray
 
+from raysc.checkpoint.storage import step_name
 from raysc.config.load import config_from_dict, config_hash, dump_config
 from raysc.data.prepare import prepare_data
 from raysc.fleet.checkpointing import CheckpointCoordinator
@@ -235,7 +236,7 @@ class Supervisor:
         return self._last["tokens"] if self._last else 0
 
     def _checkpoint_uri(self, step: int | None) -> str | None:
-        return f"{self.cfg.checkpoint_uri}/step_{step:08d}" if step is not None else None
+        return f"{self.cfg.checkpoint_uri}/{step_name(step)}" if step is not None else None
 
     def _finish(self, start_step: int, train_time: float) -> dict:
         """Validation (and the pre-flight probe), then the ``run_end`` summary."""
