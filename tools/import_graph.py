@@ -35,7 +35,7 @@ class Import:
     in_function: bool
 
 
-def node_of(module: str, root: Path = ROOT) -> str | None:
+def node_of(module: str) -> str | None:
     """The top-level node of a dotted ``raysc...`` module name (None for ``raysc`` itself)."""
     parts = module.split(".")
     if parts[0] != "raysc" or len(parts) < 2:
@@ -65,7 +65,7 @@ def _imports_of(path: Path, root: Path) -> list[Import]:
                 if child.module == "raysc":  # from raysc import hashing
                     modules = [f"raysc.{a.name}" for a in child.names]
             for m in modules:
-                dst = node_of(m, root)
+                dst = node_of(m)
                 if dst is not None:
                     found.append(Import(src, dst, m, rel, child.lineno, in_function))
             visit(child, inner)
