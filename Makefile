@@ -1,10 +1,11 @@
-# Two entry points: `make run` (the demo job) and `make test` (the whole suite).
+# Two entry points: `make run` (the demo job) and `make test` (the whole suite but the GPU tests).
+# On a CUDA machine: `make test-gpu` (the tests marked gpu) and benchmarks/gpu.sh.
 # Each creates .venv and installs what it needs; torch is pinned to the CPU build.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test install dev bench clean
+.PHONY: run test test-gpu install dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -24,8 +25,16 @@ dev: $(VENV)/.dev-installed
 run: install
 	$(BIN)/raysc demo
 
+# tests marked gpu are deselected here (tests/conftest.py prints one line saying how many)
 test: dev
 	$(BIN)/python -m pytest -q
+
+# fails, with the reason, where torch sees no CUDA device: zero tests run is not a pass
+test-gpu: dev
+	@$(BIN)/python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else \
+		'make test-gpu: torch ' + torch.__version__ + ' sees no CUDA device (CUDA build: ' + str(torch.version.cuda) + \
+		'); run it on a GPU machine with a CUDA build of torch')"
+	$(BIN)/python -m pytest -q -m gpu
 
 $(VENV)/.bench-installed: $(VENV)/.dev-installed
 	$(BIN)/pip install -q -e '.[dev,bench]'

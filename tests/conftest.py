@@ -1,4 +1,5 @@
-"""Shared fixtures: one Ray instance per session, one cached tiny corpus, a tiny-config factory."""
+"""Shared fixtures: one Ray instance per session, one cached tiny corpus, a tiny-config factory; the
+``gpu`` marker's selection (deselected by ``make test``, run by ``make test-gpu``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,37 @@ TINY = [
     # recovery tests that measure or rely on them turn them on
     "supervisor.warm_spares=false",
 ]
+
+
+GPU_NOTICE = "{n} GPU tests deselected: run `make test-gpu` (pytest -m gpu) on a CUDA machine"
+_GPU_DESELECTED = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(trylast=True)  # after pytest's own -m selection
+def pytest_collection_modifyitems(config, items):
+    """Tests marked ``gpu`` need CUDA. Without ``-m`` (``make test``) they are deselected, never
+    skipped, and one line says so; selected (``make test-gpu`` = ``-m gpu``) on a machine without
+    CUDA, the session stops with an error instead of passing with nothing run (``--collect-only``
+    still lists them)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    if not config.option.markexpr:
+        items[:] = [item for item in items if not item.get_closest_marker("gpu")]
+        config.hook.pytest_deselected(items=gpu)
+        config.stash[_GPU_DESELECTED] = len(gpu)
+        return
+    import torch
+
+    if not torch.cuda.is_available() and not config.option.collectonly:
+        pytest.exit(f"{len(gpu)} GPU tests selected but torch {torch.__version__} sees no CUDA device "
+                    f"(CUDA build: {torch.version.cuda or 'none'}); run them on a machine with a GPU and a "
+                    f"CUDA build of torch", returncode=1)
+
+
+def pytest_report_collectionfinish(config, start_path, items):
+    n = config.stash.get(_GPU_DESELECTED, 0)
+    return [GPU_NOTICE.format(n=n)] if n else []
 
 
 @pytest.fixture(scope="session")
