@@ -24,7 +24,9 @@ import sys
 from pathlib import Path
 
 from raysc.ckpt_cli import CKPT
+from raysc.cluster_cli import CLUSTER
 from raysc.cli_table import JSON, RUN_DIR, SET, STEP, Command, OneOf, arg
+from raysc.config.faults import KINDS as FAULT_KINDS
 from raysc.config.load import ConfigError, load_config
 
 
@@ -212,8 +214,8 @@ COMMANDS = (
                  "once this run commits its first checkpoint (never before)"),
         arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
         arg("--inject", metavar="KIND@STEP[:RANK]", default=None,
-            help="fault injection drill, same as --set supervisor.inject=... (kinds: raise, kill, "
-                 "hang, nan, spike, bitflip, slow, kill_save; comma-separated)"))),
+            help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "
+                 "comma-separated)"))),
     Command("export", "export a run's checkpoint as a Hugging Face Llama folder", cmd_export, (
         RUN_DIR,
         arg("--out", required=True, help="output folder"),
@@ -233,6 +235,7 @@ COMMANDS = (
         arg("--work-dir", default="runs/parity", help="where the two runs are written"),
         SET)),
     CKPT,
+    CLUSTER,
     Command("curate", "dedup, quality-score and tag documents with Ray Data; write Parquet and a report",
             cmd_curate, (
         arg("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)"),

@@ -72,7 +72,9 @@ def ray_session():
     import ray
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=True)
+    # address="local": a new instance even when another cluster on this machine (the local multi-node
+    # cluster of test_multinode, `ray start` of ray_head) recorded itself as the one to join
+    ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield ray
     ray.shutdown()
 

@@ -302,7 +302,9 @@ def read_run_id(run_dir: str | Path) -> str | None:
         return None
 
 
-def local_copy_dir(cache_dir: str | Path, uri: str, step: int) -> Path:
-    """Where a node keeps its copy of checkpoint ``step`` of ``uri`` (save staging and restore cache)."""
+def local_copy_dir(cache_dir: str | Path, uri: str, step: int, node: str = "") -> Path:
+    """Where node ``node`` (a Ray node id; "" outside a fleet) keeps its copy of checkpoint ``step``
+    of ``uri`` (save staging and restore cache). Per node, because nodes do not share disks: on a
+    local multi-node cluster, where they share one, a new node must not find another's copy."""
     key = hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return Path(cache_dir) / "checkpoints" / key / step_name(step)
+    return Path(cache_dir) / "checkpoints" / (f"node-{node[:12]}" if node else "") / key / step_name(step)

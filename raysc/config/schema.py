@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from raysc.config.dims import PP_SCHEDULES, ParallelDims
+from raysc.config.faults import KINDS as FAULT_KINDS
 
 
 def opt(default: Any, help: str, **rules: Any) -> Any:
@@ -83,6 +84,9 @@ class ParallelConfig:
     pp_microbatches: int = opt(0, "microbatches per pipeline step; 0 = pp", min=0)
     pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedules)", min=1)
     cpus_per_worker: float = opt(1.0, "CPU cores reserved for each worker actor (its torch thread count)", gt=0.0)
+    tp_within_node: bool = opt(False, "require every tensor/context-parallel group (tp×cp consecutive ranks) to fit "
+                                      "on one node: a layout that cannot fails before step 1, naming the node "
+                                      "sizes (false: it runs, with a layout_warning)")
 
     @property
     def dims(self) -> ParallelDims:
@@ -200,6 +204,9 @@ class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "treat the fleet as hung when no worker reports progress for this long "
                                        "(before calibration, and while saving or restoring)", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+    node_wait_s: float = opt(300.0, "after a node is lost, how long the restart waits for the fleet to fit again "
+                                    "(on the surviving nodes, or on a replacement node joining) before the run fails",
+                             gt=0.0)
     spike_policy: str = opt("skip", "on a loss spike or a NaN/Inf loss or grad norm: skip the update on every "
                                     "rank, and after spike_patience spikes in a row accept the new loss level; "
                                     "rollback = skip, and after spike_patience flagged steps in a row restore "
@@ -234,8 +241,7 @@ class SupervisorConfig:
     stress_s: float = opt(0.0, "after calibration, run collectives at full rate for this long under the "
                                "calibrated timeout and record any timeout (0 = skip)", min=0.0)
     inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
-                          "KIND one of raise, kill, hang, kill_save, nan, spike, bitflip, slow "
-                          "(e.g. 'kill@50:0')")
+                          f"KIND one of {', '.join(FAULT_KINDS)} (e.g. 'kill@50:0')")
 
 
 @dataclass

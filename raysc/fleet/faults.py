@@ -11,7 +11,10 @@ optimizer step ``STEP``:
   found by the next ``supervisor.sdc_every_steps`` check);
 - ``slow``: that rank sleeps ``SLOW_S`` seconds before the step (a straggler);
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
-  first file), to prove a half-written checkpoint is never loaded.
+  first file), to prove a half-written checkpoint is never loaded;
+- ``node_loss``: the whole Ray node hosting that rank dies: its raylet gets SIGKILL, and with it
+  every worker and object on that node (a spot reclaim, a kernel panic). Real on a multi-node
+  cluster (``raysc cluster local up``); on a single-node cluster it kills the only node.
 
 The spec's syntax and the list of kinds are parsed in config (``raysc.config.faults``), which
 checks them when the config loads.
@@ -52,6 +55,21 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if fault.kind == "slow":
         time.sleep(SLOW_S)
+    if fault.kind == "node_loss":
+        os.kill(raylet_pid(), signal.SIGKILL)
+        time.sleep(60)  # this process goes down with its node
+
+
+def raylet_pid(pid: int | None = None) -> int:
+    """The raylet this process descends from (Ray's node manager starts its workers)."""
+    pid = pid or os.getpid()
+    while pid > 1:
+        stat = open(f"/proc/{pid}/stat").read()
+        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        if name == "raylet":
+            return pid
+        pid = int(rest[1])  # the parent
+    raise RuntimeError("node_loss: this process does not run under a Ray raylet")
 
 
 def consume_faults(text: str, fired: set[str]) -> str:

@@ -24,6 +24,12 @@ from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.worker import TrainWorker
+from raysc.parallel.dims import rank_table
+
+
+def _workers_fit(node: dict, bundle: dict[str, float]) -> int:
+    """How many workers of ``bundle`` a node (an entry of ``ray.nodes()``) holds, by its total resources."""
+    return min(int(node["Resources"].get(r, 0) // need) for r, need in bundle.items())
 
 
 class Fleet:
@@ -47,37 +53,47 @@ class Fleet:
         return self.infos[rank].node if rank < len(self.infos) else None
 
     # ---- placement ----
-    def reserve(self) -> None:
-        """Reserve one bundle per rank, away from quarantined nodes when the cluster allows."""
-        par = self.cfg.parallel
-        bundle = {"CPU": par.cpus_per_worker}
-        if par.device == "cuda":
-            bundle["GPU"] = 1
-        avoid = self._avoid_nodes()
+    def reserve(self, timeout_s: float | None = None) -> None:
+        """Reserve one bundle per rank, away from quarantined nodes when the cluster allows; fail
+        after ``timeout_s`` (default supervisor.start_timeout_s)."""
+        timeout_s = timeout_s or self.cfg.supervisor.start_timeout_s
+        bundle = self._bundle()
+        if self.cfg.parallel.tp_within_node:
+            self._check_groups_fit(bundle)
+        avoid = self._avoid_nodes(bundle)
+        if self.quarantine and not avoid:
+            self._quarantine_ignored()
         selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in range(self.world)] if avoid else None
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
                                   bundle_label_selector=selector)
-        ready, _ = ray.wait([self.pg.ready()], timeout=self.cfg.supervisor.start_timeout_s)
+        ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             avail = ray.available_resources()
             remove_placement_group(self.pg)
             self.pg = None
             raise RunFailed(
-                f"could not reserve {self.world} worker(s) with {bundle} each within "
-                f"{self.cfg.supervisor.start_timeout_s:.0f}s; the cluster has {avail} free. "
-                f"Lower parallel.cpus_per_worker, add nodes, or raise supervisor.start_timeout_s.")
+                f"could not reserve {self.world} worker(s) with {bundle} each within {timeout_s:.0f}s; the cluster "
+                f"has {avail} free on {self._node_sizes()}. Lower parallel.cpus_per_worker, add nodes, or raise "
+                f"supervisor.start_timeout_s (supervisor.node_wait_s after a node loss).")
         self.bundles = self._bundles_in_node_order()
 
-    def _avoid_nodes(self) -> list[str]:
-        """Quarantined node ids to keep workers off, when the cluster has another node alive."""
+    def _bundle(self) -> dict[str, float]:
+        """The resources of one worker."""
+        bundle = {"CPU": self.cfg.parallel.cpus_per_worker}
+        if self.cfg.parallel.device == "cuda":
+            bundle["GPU"] = 1
+        return bundle
+
+    def _avoid_nodes(self, bundle: dict[str, float]) -> list[str]:
+        """Quarantined node ids to keep workers off, when the other alive nodes can hold the whole
+        fleet (by their total resources); else none."""
         if not self.quarantine:
             return []
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        if not alive - set(self.quarantine):
-            self.event(EventKind.QUARANTINE_IGNORED, nodes=sorted(q["node"] for q in self.quarantine.values()),
-                       note="every node of the cluster is quarantined; placing workers on them anyway")
+        alive = [n for n in ray.nodes() if n.get("Alive")]
+        room = sum(_workers_fit(n, bundle) for n in alive if n["NodeID"] not in self.quarantine)
+        if room < self.world:
             return []
-        return sorted(set(self.quarantine) & alive)
+        return sorted(set(self.quarantine) & {n["NodeID"] for n in alive})
 
     def _bundles_in_node_order(self) -> list[int]:
         """Bundle index for each rank: consecutive ranks on the same node, so TP (then CP) groups,
@@ -98,13 +114,54 @@ class Fleet:
                                 "tp×cp workers")
         return order
 
-    def replace_if_quarantined(self) -> None:
-        """Re-reserve the placement group if a bundle sits on a quarantined node that can be avoided."""
-        on_nodes = set(placement_group_table(self.pg).get("bundles_to_node_id", {}).values())
-        if self._avoid_nodes() and on_nodes & set(self.quarantine):
-            self.kill_spares()
-            remove_placement_group(self.pg)
-            self.reserve()
+    def _check_groups_fit(self, bundle: dict[str, float]) -> None:
+        """parallel.tp_within_node: some alive node must hold a whole TP×CP group of workers."""
+        dims = self.cfg.parallel.dims
+        group = dims.tp * dims.cp
+        fits = [_workers_fit(n, bundle) for n in ray.nodes() if n.get("Alive")]
+        if max(fits, default=0) < group:
+            raise RunFailed(
+                f"parallel.tp_within_node: a tensor×context-parallel group is {group} workers of {bundle}, but the "
+                f"largest node holds {max(fits, default=0)} ({self._node_sizes()}). Use nodes with at least "
+                f"{group * bundle['CPU']:g} CPUs{' and %d GPUs' % group if 'GPU' in bundle else ''}, lower "
+                f"parallel.tp/cp or parallel.cpus_per_worker, or set parallel.tp_within_node=false.")
+
+    @staticmethod
+    def _node_sizes() -> str:
+        """The alive nodes' CPU and GPU counts, for an error message."""
+        sizes = [f"{n['Resources'].get('CPU', 0):g} CPU" + (f" + {n['Resources']['GPU']:g} GPU"
+                                                              if n["Resources"].get("GPU") else "")
+                 for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")]
+        return f"{len(sizes)} node(s) with CPUs ({', '.join(sizes)})"
+
+    def lost_nodes(self) -> dict[str, list[int]]:
+        """The fleet's nodes that Ray's GCS reports dead: node id -> the ranks that were on it."""
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        lost: dict[str, list[int]] = {}
+        for info in self.infos:
+            if info.node_id not in alive:
+                lost.setdefault(info.node_id, []).append(info.rank)
+        return lost
+
+    def replace(self, node_lost: bool) -> None:
+        """Before a restart: re-reserve the placement group after a node loss (on the surviving
+        nodes or a replacement, waiting up to supervisor.node_wait_s), or when a bundle sits on a
+        quarantined node that can be avoided."""
+        on_quarantined = set(placement_group_table(self.pg).get("bundles_to_node_id", {}).values()) & set(self.quarantine)
+        if not node_lost and not on_quarantined:
+            return
+        if not node_lost and not self._avoid_nodes(self._bundle()):
+            self._quarantine_ignored()
+            return
+        self.kill_spares()
+        remove_placement_group(self.pg)
+        self.pg = None
+        self.reserve(self.cfg.supervisor.node_wait_s if node_lost else None)
+
+    def _quarantine_ignored(self) -> None:
+        self.event(EventKind.QUARANTINE_IGNORED, nodes=self.quarantined_nodes(),
+                   note="the nodes outside the quarantine cannot hold the fleet; placing workers on quarantined "
+                        "nodes too")
 
     def quarantine_rank(self, rank: int, why: str) -> None:
         """Record the node of ``rank`` as suspect: later placements avoid it when the cluster has
@@ -161,6 +218,9 @@ class Fleet:
         self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), master=f"{ip}:{port}",
                    pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
+        dims = self.cfg.parallel.dims
+        self.event(EventKind.LAYOUT, layout=dims.describe(), world_size=dims.world_size,
+                   node_ids=[i.node_id for i in infos], table="\n" + rank_table(dims, [i.node for i in infos]))
         if self.cfg.supervisor.sdc_every_steps and not infos[0].replicas:
             self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
                                                        "no rank holds a replica of another's parameters to compare")

@@ -18,7 +18,7 @@ from typing import Callable
 from raysc.config.schema import Config
 from raysc.fleet.actions import Action, classify
 from raysc.fleet.checkpointing import CheckpointCoordinator
-from raysc.fleet.errors import RunFailed
+from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.faults import consume_faults
 from raysc.fleet.fleet import Fleet
@@ -27,6 +27,7 @@ from raysc.fleet.timeouts import Timeouts
 from raysc.train.sdc import SilentCorruption
 from raysc.train.stability import SpikeRollback
 
+NODE_DEATH_WAIT_S = 3.0
 PHASES = {Action.RESTART: "recovering", Action.ROLLBACK: "rolling back", Action.REPAIR: "repairing replicas"}
 
 
@@ -36,10 +37,12 @@ class Healer:
                  touch: Callable[[], None], fired: Callable[[], set[str]]) -> None:
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
+        self.repaired_in_place = False  # the last heal restored replicas without leaving their step
 
     def heal(self, err: RunFailed, data: dict, set_phase: Callable[[str], None]) -> int:
         """Act on ``err`` (or re-raise it when it is fatal); returns the step training goes on from."""
         action = classify(err.failure)
+        self.repaired_in_place = False
         if action is Action.FATAL:
             raise err
         set_phase(PHASES[action])
@@ -66,10 +69,11 @@ class Healer:
         failed_at = self.stats.failed_step()
         self.ckpt.salvage(timeout_s=5.0)
         self.event(EventKind.RECOVERY_START, attempt=self.stats.restarts, failed_step=failed_at, error=str(err))
+        lost = self._lost_nodes(err)
         self.fleet.stop_workers()
         if self.stats.strikes > 1:  # the first restart is immediate; repeated failures back off
             time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.stats.strikes - 2))
-        self.fleet.replace_if_quarantined()
+        self.fleet.replace(node_lost=bool(lost))
         self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
         self.fleet.start(data, self.wait, self.touch, warm=True)
         self.ckpt.workers = self.fleet.workers
@@ -78,6 +82,20 @@ class Healer:
         self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
                    steps_lost=failed_at - 1 - step, seconds=round(time.monotonic() - t0, 3))
         return step
+
+    def _lost_nodes(self, err: RunFailed) -> dict[str, list[int]]:
+        """The fleet's nodes Ray reports dead (node id -> ranks), recorded as ``node_lost``. After a
+        worker died, Ray's GCS is given up to NODE_DEATH_WAIT_S to declare its node dead: the death
+        of a worker's process reaches the supervisor before the node's missed health checks do."""
+        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if err.failure and err.failure.kind is FailureKind.DIED
+                                       else 0.0)
+        while not (lost := self.fleet.lost_nodes()) and time.monotonic() < deadline:
+            time.sleep(0.25)
+        for node_id, ranks in lost.items():
+            self.event(EventKind.NODE_LOST, node_id=node_id, node=self.fleet.node(ranks[0]), ranks=ranks,
+                       action=f"re-placing the fleet on the surviving nodes (or a replacement), waiting up "
+                              f"to supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s")
+        return lost
 
     def rollback(self, spike: SpikeRollback) -> int:
         """PaLM-style: restore the checkpoint before the flagged steps, skip data, continue."""
@@ -115,6 +133,7 @@ class Healer:
                 self.fleet.quarantine_rank(r, f"parameters diverged from the replica majority at step {err.step}")
             self.event(EventKind.SDC_REPAIRED, step=err.step, ranks=bad, steps_lost=0,
                        seconds=round(time.monotonic() - t0, 3))
+            self.repaired_in_place = True
             return err.step
         self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {err}"))
         step = self.ckpt.rollback_to_before(sdc.clean_step + 1)

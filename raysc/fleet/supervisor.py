@@ -37,7 +37,6 @@ from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.fleet.watch import Watch
 from raysc.model.flops import param_count
-from raysc.parallel.dims import rank_table
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -160,12 +159,16 @@ class Supervisor:
                         self.watch.wait, self.stats.touch, self._fired_faults)
         self._phase = "training"
         t_train = time.perf_counter()
-        while step < total and not self._stop:
+        repaired = False  # replicas repaired in place at ``step``: it may still be due its checkpoint
+        while (step < total or repaired) and not self._stop:
             try:
-                step = self._train_chunk(step)
+                if not repaired:
+                    step = self._train_chunk(step)
+                repaired = False
                 step = self._checkpoint_if_due(step)
             except RunFailed as e:
                 step = healer.heal(e, data, self._set_phase)
+                repaired = healer.repaired_in_place
             self._phase = "training"
         if self._stop:
             return self._stopped(step, start_step)
@@ -191,11 +194,8 @@ class Supervisor:
         """Place and start the fleet; the step it starts from (a resumed checkpoint's, else 0)."""
         self._phase = "starting workers"
         self.fleet.reserve()
-        infos = self.fleet.start(data, self.watch.wait, self.stats.touch)
+        self.fleet.start(data, self.watch.wait, self.stats.touch)
         self.ckpt.workers = self.fleet.workers
-        dims = self.cfg.parallel.dims
-        self._event(EventKind.LAYOUT, layout=dims.describe(), world_size=dims.world_size,
-                    table="\n" + rank_table(dims, [i.node for i in infos]))
         return self.ckpt.restore(self.resume) if self.resume else 0
 
     def _train_chunk(self, step: int) -> int:

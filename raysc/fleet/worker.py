@@ -128,7 +128,8 @@ class TrainWorker:
     # ---- checkpoints ----
     def _local_dir(self, step: int, uri: str | None = None) -> Path:
         """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
-        return local_copy_dir(self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step)
+        return local_copy_dir(self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step,
+                              ray.get_runtime_context().get_node_id())
 
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
         """Bring every file of checkpoint ``step`` under ``uri`` to this node, verifying sizes and

@@ -1,0 +1,70 @@
+"""The ``raysc cluster local`` subcommands: start, grow and stop a multi-node Ray cluster on this
+machine (``raysc.cluster.local``). ``CLUSTER`` is their entry in the command table of ``raysc.cli``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from raysc.cli_table import JSON, Command, arg
+
+STATE = arg("--state", type=Path, default=None,
+            help="where the cluster's record lives (default: raysc-local-cluster.json in the temp dir)")
+
+
+def _state(args: argparse.Namespace) -> Path:
+    from raysc.cluster.local import DEFAULT_STATE
+
+    return args.state or DEFAULT_STATE
+
+
+def _show(st, what: str, as_json: bool) -> None:
+    if as_json:
+        from dataclasses import asdict
+
+        print(json.dumps(asdict(st)), flush=True)
+        return
+    print(f"{what}: {len(st.nodes)} worker node(s) + a head without CPUs\n"
+          f"  drivers:   RAY_ADDRESS={st.address} raysc train CONFIG   (or ray.init(address=\"{st.address}\"))\n"
+          + (f"  jobs:      ray job submit --address {st.dashboard} -- raysc train CONFIG\n"
+             f"  dashboard: {st.dashboard}\n" if st.dashboard else "")
+          + f"  stop it:   raysc cluster local down", flush=True)
+
+
+def cmd_cluster_up(args: argparse.Namespace) -> int:
+    from raysc.cluster.local import up
+
+    st = up(args.nodes, args.cpus_per_node, args.gpus_per_node, _state(args), dashboard=not args.no_dashboard)
+    _show(st, "local cluster up", args.json)
+    return 0
+
+
+def cmd_cluster_add_node(args: argparse.Namespace) -> int:
+    from raysc.cluster.local import add_node
+
+    _show(add_node(_state(args)), "node added", args.json)
+    return 0
+
+
+def cmd_cluster_down(args: argparse.Namespace) -> int:
+    from raysc.cluster.local import down
+
+    st = down(_state(args))
+    print(f"local cluster at {st.address} stopped (holder pid {st.pid}, {st.temp_dir})", flush=True)
+    return 0
+
+
+CLUSTER = Command("cluster", "a multi-node Ray cluster on this machine, to rehearse a cluster run", dest="cluster_cmd",
+                  sub=(Command("local", "real Ray nodes (own raylet, object store, node id) on this machine",
+                               dest="local_cmd", sub=(
+    Command("up", "start a head and N worker nodes; prints the address for drivers and `ray job submit`",
+            cmd_cluster_up, (
+                arg("--nodes", type=int, default=2, help="worker nodes (default 2)"),
+                arg("--cpus-per-node", type=float, default=2.0, help="CPUs each worker node offers (default 2)"),
+                arg("--gpus-per-node", type=int, default=0, help="GPUs each worker node offers (default 0)"),
+                arg("--no-dashboard", action="store_true", help="no dashboard / job server (faster start)"),
+                STATE, JSON)),
+    Command("add-node", "one more worker node, as a replacement joining after a node loss", cmd_cluster_add_node,
+            (STATE, JSON)),
+    Command("down", "stop exactly the cluster `up` started (never `ray stop`)", cmd_cluster_down, (STATE,)))),))
