@@ -6,6 +6,8 @@
   a summary of a running or finished run;
 - ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.ckpt_cli``): a store's checkpoints,
   and a checkpoint from a running run now;
+- ``cluster local up`` / ``add-node`` / ``down`` (``raysc.cluster_cli``): a multi-node Ray cluster
+  on this machine, to rehearse a cluster run;
 - ``curate``, ``pack``: raw documents to curated Parquet, curated documents to token shards;
 - ``scale``, ``mup coord-check``: Chinchilla sizing, the μP coordinate check;
 - ``demo``: corpus → tokenizer → training → checkpoint → export → sample.
