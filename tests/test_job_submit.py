@@ -99,3 +99,39 @@ def test_ray_job_stop_saves_shuts_down_and_prints_the_resume_job(ray_head, cache
     finally:
         subprocess.run([ray_bin, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
                        timeout=120)
+
+
+def test_a_job_whose_head_side_driver_dies_is_resubmitted_with_resume(ray_head, cache_dir, tmp_path):
+    """What a head-node loss does to a job: its driver (the entrypoint on the head) is SIGKILLed, the
+    job fails and its actors go with it; the same job resubmitted with --resume continues from the
+    newest committed checkpoint and finishes (docs/operations.md, 'When the head node dies')."""
+    run_dir = tmp_path / "job-head"
+    sets = [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', "train.steps=200",
+            "checkpoint.every_steps=50", "checkpoint.async=false", "train.log_every=100"]
+    env, address = ray_head["env"], ray_head["address"]
+    job = subprocess.Popen(_submit(ray_head, sets), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, cwd=ROOT)
+    try:
+        saved = lambda: [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "checkpoint_saved"]
+        _wait_for(saved, 240, "a committed checkpoint", job)
+        listed = subprocess.run(["pgrep", "-af", f"jobs/pretrain.py .*{run_dir}"], capture_output=True,
+                                text=True).stdout.splitlines()
+        drivers = [int(line.split()[0]) for line in listed if " job submit " not in line]  # not our client
+        assert drivers, listed
+        for pid in drivers:
+            os.kill(pid, signal.SIGKILL)
+        committed = saved()
+        out, _ = job.communicate(timeout=120)
+        assert job.returncode != 0, out[-2000:]  # `ray job submit` reports the job failed
+        _wait_for(lambda: not live_actors(address), 60, "the job's actors to go with its driver")
+        assert CheckpointStore(str(run_dir / "checkpoints")).latest() >= committed[-1]
+        again = subprocess.run([*_submit(ray_head, sets), "--resume"], env=env, cwd=ROOT,
+                               capture_output=True, text=True, timeout=300)
+        assert again.returncode == 0, again.stdout[-3000:]
+        summary = json.loads([line for line in again.stdout.splitlines() if line.startswith("{")][-1])
+        resumed = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resumed"]
+        assert summary["steps"] == 200 and len(resumed) == 1 and resumed[0]["step"] >= committed[-1]
+        assert summary["steps_run"] == 200 - resumed[0]["step"]
+    finally:
+        if job.poll() is None:
+            job.kill()
