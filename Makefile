@@ -27,7 +27,7 @@ run: install
 
 # tests marked gpu are deselected here (tests/conftest.py prints one line saying how many)
 test: dev
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --durations=25
 
 # fails, with the reason, where torch sees no CUDA device: zero tests run is not a pass
 test-gpu: dev
