@@ -146,7 +146,7 @@ def _bubble_worker(rank: int, world: int, port: int, results) -> None:
 
 
 def bubbles() -> dict:
-    from raysc.fleet.worker import free_port
+    from raysc.ports import free_port
 
     manager = mp.Manager()
     results = manager.dict()

@@ -114,7 +114,7 @@ def ray_head():
     import time
     from pathlib import Path
 
-    from raysc.fleet.worker import free_port
+    from raysc.ports import free_port
 
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))  # Ray's socket paths must stay short

@@ -78,7 +78,7 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
     import boto3
 
     from raysc.driver import train
-    from raysc.fleet.worker import free_port
+    from raysc.ports import free_port
 
     port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"}  # only the create_bucket below is unauthenticated
@@ -135,7 +135,7 @@ def test_large_files_download_as_parallel_ranges(s3_server, tmp_path):
 
 def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
     from raysc.driver import train
-    from raysc.fleet.worker import free_port
+    from raysc.ports import free_port
 
     cfg = make_cfg('checkpoint.uri="s3://bucket/run"', s3_options(f"http://127.0.0.1:{free_port()}"))
     with pytest.raises(RunFailed, match="checkpoint.uri 's3://bucket/run'"):

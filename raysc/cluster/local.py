@@ -29,6 +29,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from raysc.ports import free_port
+
 DEFAULT_STATE = Path(tempfile.gettempdir()) / "raysc-local-cluster.json"
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
                  "health_check_initial_delay_ms": 1000}
@@ -138,7 +140,6 @@ def _serve(args: argparse.Namespace) -> None:
     """The holder: run the cluster until SIGTERM; SIGUSR1 adds a node."""
     from ray.cluster_utils import Cluster
 
-    from raysc.fleet.worker import free_port  # a free TCP port; Ray's own picks collide between nodes
 
     head = {"num_cpus": 0, "temp_dir": args.temp_dir, "_system_config": HEALTH_CHECKS,
             "include_dashboard": args.dashboard}

@@ -12,7 +12,6 @@ at world size 1, so checkpointing and later parallel layouts use one code path.
 from __future__ import annotations
 
 import os
-import socket
 import threading
 import time
 import warnings
@@ -30,6 +29,7 @@ from raysc.config.load import config_from_dict
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.stopping import StepVote
+from raysc.ports import free_port
 from raysc.parallel.dims import build_mesh
 from raysc.train.memory import PeakMemory
 from raysc.train.sdc import SilentCorruption
@@ -47,12 +47,6 @@ def _discard_staged(local: Path, rank: int) -> int:
             freed += path.stat().st_size
             path.unlink(missing_ok=True)
     return freed
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        return s.getsockname()[1]
 
 
 @ray.remote(max_concurrency=2)  # a second thread serves save_wait/save_pending/request while train() runs
