@@ -140,6 +140,19 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
+def init_value(cfg: ModelConfig, name: str, shape: torch.Size, generator: torch.Generator | None,
+               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The initial value of parameter ``name`` (full shape, on CPU): Normal(0, init_std) matrices,
+    output projections scaled by 1/sqrt(2·layers), unit norms; under μP hidden matrices also by
+    1/sqrt(width multiplier). Draws ``numel`` normals from ``generator`` for a matrix, none for a norm."""
+    if len(shape) == 1:
+        return torch.ones(shape, dtype=dtype)
+    std = cfg.init_std
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+        std = std / math.sqrt(2 * cfg.n_layers)
+    return torch.empty(shape, dtype=dtype).normal_(0.0, std * mup.init_mult(name, cfg), generator=generator)
+
+
 class Llama(nn.Module):
     """Decoder-only transformer; ``forward(tokens) -> logits`` (batch, seq, vocab)."""
 
@@ -163,17 +176,17 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
-        """Normal(0, init_std) matrices, output projections scaled by 1/sqrt(2·layers), unit norms;
-        under μP hidden matrices also by 1/sqrt(width multiplier)."""
-        std = self.cfg.init_std
-        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        """Every parameter from ``init_value``, in ``named_parameters`` order (the order that fixes
+        which random numbers each parameter draws from ``generator``)."""
         for name, p in self.named_parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            elif name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
-                p.normal_(0.0, out_std * mup.init_mult(name, self.cfg), generator=generator)
-            else:
-                p.normal_(0.0, std * mup.init_mult(name, self.cfg), generator=generator)
+            p.copy_(init_value(self.cfg, name, p.shape, generator, p.dtype))
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Recompute the rotary tables in place (after ``to_empty`` left them uninitialised)."""
+        cos, sin = rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta)
+        self.rope_cos.copy_(cos)
+        self.rope_sin.copy_(sin)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) ids, or hidden states on a later pipeline stage; ``positions``

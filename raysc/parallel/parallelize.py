@@ -1,10 +1,11 @@
 """Build this rank's share of the model: pipeline split, then CP, TP/SP, recompute and FSDP on each stage.
 
-Every rank first builds the full model from ``train.seed`` (identical everywhere),
-so each shard starts from exactly the weights a single process would have; the
-plans then keep only this rank's part. The order matters: TP turns weights into
-DTensors on the ``tp`` mesh, and FSDP then shards those over the data-parallel
-mesh (2-D parallelism, as torchtitan composes them).
+The model is built on the meta device and the plans are applied there, so no rank
+ever holds the full model; ``materialise`` then allocates only this rank's tensors
+and streams the one-process initialisation from ``train.seed`` into them, so each
+shard starts from exactly the weights a single process would have. The order
+matters: TP turns weights into DTensors on the ``tp`` mesh, and FSDP then shards
+those over the data-parallel mesh (2-D parallelism, as torchtitan composes them).
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ from torch import nn
 
 from raysc.config.dims import ParallelDims
 from raysc.config.schema import Config
-from raysc.model.llama import build_model
+from raysc.model.llama import Llama
 from raysc.parallel.cp import apply_cp
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
+from raysc.parallel.materialise import init_order, materialise
 from raysc.parallel.pp import build_stages
 from raysc.parallel.recompute import apply_recompute
 from raysc.parallel.tp import apply_tp
@@ -54,10 +56,20 @@ class ModelShard:
 
 def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device,
                       bf16: bool) -> ModelShard:
-    full = build_model(cfg.model, cfg.rope_len, cfg.train.seed, device)
+    with torch.device("meta"):
+        full = Llama(cfg.model, cfg.rope_len)
+    order = init_order(full)
+    parts, ids, num_stages = _plan_meta(full, cfg, dims, rank, mesh, device, bf16)
+    materialise(parts, order, cfg.model, cfg.train.seed, device)
+    return ModelShard(parts, ids, num_stages)
+
+
+def _plan_meta(full: Llama, cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device,
+               bf16: bool) -> tuple[list[nn.Module], list[int], int]:
+    """Apply the pipeline split, CP, TP/SP, recompute and FSDP to the meta model ``full``."""
     if dims.world_size == 1:
         apply_recompute(full, cfg.parallel.recompute)
-        return ModelShard([full], [0], 1)
+        return [full], [0], 1
     c = dims.coords(rank)
     virtual = cfg.parallel.pp_virtual_stages if dims.pp > 1 else 1
     if dims.pp > 1:
@@ -73,4 +85,4 @@ def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: 
         apply_recompute(part, cfg.parallel.recompute)  # inside FSDP's per-block wrapping, as torchtitan orders it
         if dp_mesh is not None:
             apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1)
-    return ModelShard(parts, ids, dims.pp * virtual)
+    return parts, ids, dims.pp * virtual

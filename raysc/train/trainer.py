@@ -193,19 +193,42 @@ class Trainer:
 
     @torch.no_grad()
     def val_loss(self, max_sequences: int = 256) -> float | None:
-        """Mean loss on held-out rows (None when there are none, or under pipeline parallelism)."""
-        if self.val_rows is None or len(self.val_rows) == 0 or self.schedule is not None:
+        """Mean loss on held-out rows (None when there are none); under pipeline parallelism the
+        last stage computes it through the schedule's forward-only ``eval``."""
+        if self.val_rows is None or len(self.val_rows) == 0:
             return None
-        self.model.eval()
+        for part in self.model_parts:
+            part.eval()
         rows = torch.from_numpy(self.val_rows[:max_sequences].astype(np.int64)).to(self.device)
         x, y = self._inputs(rows)
-        total = torch.zeros((), device=self.device)
         with self._loss_ctx():
-            for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
-                with self._autocast():
-                    total += _local(self._loss(self.model(xb), yb)) * len(xb)
-        self.model.train()
+            if self.schedule is not None:
+                total = self._pipeline_val_sum(x, y)
+            else:
+                total = torch.zeros((), device=self.device)
+                for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
+                    with self._autocast():
+                        total += _local(self._loss(self.model(xb), yb)) * len(xb)
+        for part in self.model_parts:
+            part.train()
         return self._global_mean(total / len(rows))
+
+    def _pipeline_val_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """Sum of per-row losses through the pipeline (zero off the last stage). One row per
+        microbatch, so every call has the same shapes and any row count works: the last call is
+        padded with copies of its last row, whose losses are dropped."""
+        total = torch.zeros((), device=self.device)
+        first, last, n = self.shard.has_first_stage, self.shard.has_last_stage, self.n_micro
+        for start in range(0, len(x), n):
+            xb, yb, real = x[start:start + n], y[start:start + n], min(n, len(x) - start)
+            if real < n:
+                xb, yb = (torch.cat([t, t[-1:].expand(n - real, -1)]) for t in (xb, yb))
+            losses: list[torch.Tensor] = []
+            with self._autocast():
+                self.schedule.eval(*((xb,) if first else ()), target=yb if last else None,
+                                   losses=losses if last else None)
+            total += sum((_local(l) for l in losses[:real]), torch.zeros((), device=self.device))
+        return total
 
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
     def extra_state(self) -> dict:
