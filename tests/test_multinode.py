@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import uuid
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from conftest import TINY
 from raysc.cluster import local
 from raysc.export.restore import load_run
+from raysc.fleet import chaos
 from raysc.fleet.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -119,3 +121,61 @@ def test_a_quarantined_node_is_avoided_or_knowingly_reused(cluster, cache_dir, t
             assert ignored and first[1] in second
         else:
             assert not ignored and first[1] not in second and len(set(second)) == 3
+
+
+CHAOS_SEED = 14
+CHAOS_KINDS = ("nan", "bitflip", "store_outage", "kill", "node_loss")
+
+
+def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_dir, tmp_path, s3_server, monkeypatch):
+    """benchmarks/chaos.py in small: three replicas, a seeded schedule of 5 faults of different kinds
+    (raysc.fleet.chaos) incl. a whole node lost and the store refusing every write of one checkpoint
+    (503 from a proxy in front of moto). Every fault fires (its own event), is detected and healed; no
+    committed checkpoint is lost; the final parameters equal those of the uninterrupted run with the
+    same number-changing faults (nan, bitflip), bit for bit."""
+    from s3_fault_proxy import FaultProxy
+
+    from raysc.checkpoint.store import CheckpointStore
+
+    while len(_alive_nodes(cluster)) < 3:  # node_loss needs room for the fleet on the others
+        local.add_node(cluster["state"])
+    schedule = chaos.make_schedule(CHAOS_SEED, n=len(CHAOS_KINDS), kinds=CHAOS_KINDS, world=3, every=3, first=6)
+    bucket = f"chaos-{uuid.uuid4().hex[:10]}"
+    s3_server["client"].create_bucket(Bucket=bucket)
+    proxy = FaultProxy(s3_server["endpoint"])
+    creds = {"key": "testing", "secret": "testing-secret", "region_name": "us-east-1"}
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", creds["key"])  # config.toml has them redacted: load_run's
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", creds["secret"])
+
+    def store(endpoint: str, name: str) -> list[str]:
+        # one try per request (botocore retries a 503 with backoff for many seconds by default)
+        return [f'checkpoint.uri="s3://{bucket}/{name}"', "checkpoint.upload_retries=0",
+                f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "{creds["key"]}", '
+                f'secret = "{creds["secret"]}", region_name = "us-east-1", '
+                f'config_kwargs = {{retries = {{max_attempts = 1}}}}}}']
+
+    sets = ["parallel.dp_replicate=3", "parallel.cpus_per_worker=1", "train.global_batch=6",
+            "supervisor.sdc_every_steps=1", f"train.steps={schedule.steps}", f"checkpoint.every_steps={schedule.every}",
+            "checkpoint.keep_last=1000"]
+    try:
+        ref = _train(cluster, cache_dir, tmp_path / "ref", *sets, *store(s3_server["endpoint"], "ref"),
+                     f'supervisor.inject="{chaos.reference_spec(schedule)}"')
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        for step in chaos.outage_steps(schedule):
+            proxy.fail(chaos.outage_pattern(bucket, "chaos", step), "ServiceUnavailable", status=503)
+        run_dir = tmp_path / "chaos"
+        run = _train(cluster, cache_dir, run_dir, *sets, *store(proxy.endpoint, "chaos"),
+                     f'supervisor.inject="{chaos.inject_spec(schedule)}"')
+        assert run.returncode == 0, run.stderr[-3000:]
+        proxy.clear()
+        ck = CheckpointStore(f"s3://{bucket}/chaos", {"endpoint_url": s3_server["endpoint"], **creds})
+        committed = [s for s in ck.steps() if ck.verify(s, checksums=True) is None]
+        a, b = (dict(load_run(d).model.named_parameters()) for d in (tmp_path / "ref", run_dir))
+        rep = chaos.report(schedule, read_jsonl(run_dir / "events.jsonl"), committed,
+                           params_equal=all(torch.equal(a[k], b[k]) for k in a))
+    finally:
+        proxy.close()
+    assert rep["faults"] == {"injected": 5, "fired": 5, "detected": 5, "healed": 5}, rep["per_fault"]
+    assert rep["committed_checkpoints_lost"] == [] and rep["unscheduled_restarts"] == 0, rep
+    assert not set(chaos.outage_steps(schedule)) & set(committed)  # the refused save was never committed
+    assert _events(run_dir, "node_lost") and rep["params_equal_reference"], rep
