@@ -114,9 +114,12 @@ def test_rollback_policy_rolls_back_once_per_window(make_cfg):
 
     def flagged_run(n: int, factor: float = 50.0) -> list:
         out = []
-        for _ in range(n):
-            t.loss_fault = factor  # a loss level `factor` times higher, sustained
-            out.append(t.train_step())
+        t.loss_hook = lambda loss: loss * factor  # a loss level `factor` times higher, sustained
+        try:
+            for _ in range(n):
+                out.append(t.train_step())
+        finally:
+            t.loss_hook = None
         return out
 
     with pytest.raises(SpikeRollback) as e:

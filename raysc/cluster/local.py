@@ -9,6 +9,9 @@ kills whatever is left under the cluster's own temp directory — never ``ray st
 stop every Ray on the machine. ``add_node`` asks the holder (SIGUSR1) for one more worker node,
 as a replacement node joining after a node loss.
 
+Drivers join it by address (``RAY_ADDRESS``, printed by ``up``): a bare ``ray.init()`` does not,
+so nothing on the machine is left pointing at the cluster once it is down.
+
 The head has no CPUs, so workers land on worker nodes only and the driver and supervisor (which
 need none) stay on the head. Node failure is detected in about 2 s (GCS health checks every
 0.5 s, 4 misses): local nodes do not suffer network blips, and rehearsals of node loss should
@@ -114,8 +117,30 @@ def down(state: Path = DEFAULT_STATE, timeout_s: float = 30.0) -> ClusterState:
         while _alive(current.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     _kill_leftovers(current.temp_dir)
+    _forget_address(current.address)  # in case the holder died before it could
     state.unlink(missing_ok=True)
     return current
+
+
+def _address_record() -> Path:
+    """Ray's machine-wide record of the "current" cluster, which a bare ``ray.init()`` joins."""
+    from ray._common.utils import get_ray_address_file
+
+    return Path(get_ray_address_file(None))
+
+
+def _forget_address(address: str, previous: str | None = None) -> None:
+    """Put back Ray's "current cluster" record (``previous``, or none) when it names ``address``.
+
+    ``Cluster`` writes it so that a bare ``ray.init()`` joins the newest local cluster; for a
+    rehearsal cluster that is a trap: once the cluster is down, every ``ray.init()`` on the machine
+    would wait on a dead address. Drivers get the address explicitly (``RAY_ADDRESS``)."""
+    record = _address_record()
+    if record.is_file() and record.read_text().strip() == address:
+        if previous:
+            record.write_text(previous)
+        else:
+            record.unlink(missing_ok=True)
 
 
 def _alive(pid: int) -> bool:
@@ -148,7 +173,10 @@ def _serve(args: argparse.Namespace) -> None:
         port = free_port()
         head.update(dashboard_host="127.0.0.1", dashboard_port=port)
         dashboard = f"http://127.0.0.1:{port}"
+    record = _address_record()
+    previous = record.read_text() if record.is_file() else None
     cluster = Cluster(initialize_head=True, head_node_args=head)
+    _forget_address(cluster.address, previous)
     st = ClusterState(pid=os.getpid(), address=cluster.address, dashboard=dashboard, temp_dir=args.temp_dir)
     wanted = threading.Event()
     stop = threading.Event()
