@@ -64,33 +64,28 @@ def test_a_tp_group_that_cannot_stay_on_a_node_fails_before_step_1(cluster, cach
     assert not (tmp_path / "tp4" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "tp4" / "metrics.jsonl")
 
 
-def test_node_loss_is_healed_on_the_surviving_nodes_bit_exact(cluster, cache_dir, tmp_path):
+def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path):
     """tp=2 × dp_replicate=2 on 2-CPU nodes: each TP group on one node, the replicas on two. The node
     of rank 3 dies before step 7 (its raylet SIGKILLed: every process and object on it gone); the
-    supervisor records node_lost, re-places the fleet on the surviving nodes, restores step 4 from
-    the bucket (the hot copy of that node's files died with it) and ends bit-equal to a clean run."""
-    sets = ["parallel.tp=2", "parallel.dp_replicate=2"]
-    ref = _train(cluster, cache_dir, tmp_path / "ref", *sets)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    nodes = _events(tmp_path / "ref", "layout")[0]["node_ids"]
-    assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # a TP group is consecutive ranks, on one node
-    assert nodes[0] != nodes[2]  # the two replicas on different nodes
-    assert not _events(tmp_path / "ref", "layout_warning")
-
-    lost_run = tmp_path / "lost"
-    run = _train(cluster, cache_dir, lost_run, *sets, 'supervisor.inject="node_loss@7:3"')
+    supervisor records node_lost, re-places the fleet on the surviving nodes and restores step 4
+    from the bucket (the hot copy of that node's files died with it). That the healed run ends
+    bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below."""
+    run_dir = tmp_path / "lost"
+    run = _train(cluster, cache_dir, run_dir, "parallel.tp=2", "parallel.dp_replicate=2",
+                 'supervisor.inject="node_loss@7:3"')
     assert run.returncode == 0, run.stderr[-3000:]
-    first, second = (e["node_ids"] for e in _events(lost_run, "layout"))
-    assert [e["fault"] for e in _events(lost_run, "fault_injected")] == ["node_loss@7:3"]
-    lost = _events(lost_run, "node_lost")
+    first, second = (e["node_ids"] for e in _events(run_dir, "layout"))
+    for nodes in (first, second):
+        assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # a TP group is consecutive ranks, on one node
+        assert nodes[0] != nodes[2]  # the two replicas on different nodes
+    assert not _events(run_dir, "layout_warning")
+    assert [e["fault"] for e in _events(run_dir, "fault_injected")] == ["node_loss@7:3"]
+    lost = _events(run_dir, "node_lost")
     assert len(lost) == 1 and lost[0]["node_id"] == first[3] and lost[0]["ranks"] == [2, 3]
     assert first[3] not in second and first[3] not in _alive_nodes(cluster)
-    assert second[0] == second[1] and second[2] == second[3]
-    resumed = _events(lost_run, "resumed")
+    resumed = _events(run_dir, "resumed")
     assert [e["step"] for e in resumed] == [4] and "store" in resumed[0]["source"]
-    assert _events(lost_run, "recovered")[0]["resumed_step"] == 4
-    a, b = (dict(load_run(d).model.named_parameters()) for d in (tmp_path / "ref", lost_run))
-    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert _events(run_dir, "recovered")[0]["resumed_step"] == 4
 
 
 QUARANTINE = ["parallel.dp_replicate=3", "parallel.cpus_per_worker=2", "train.global_batch=6",
