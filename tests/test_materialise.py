@@ -80,6 +80,7 @@ def _check_layout(rank: int, layout: str, ref_val: float, ref_loss: float) -> li
 
 def _rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
+    mat.CHUNK_ELEMS = 1000  # every matrix drawn in several blocks
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=60))
     one = Trainer(load_config(None, MODEL), ROWS, VAL, measure_peak=False)
@@ -97,7 +98,8 @@ def test_every_rank_materialises_exactly_its_slice_of_the_one_process_model():
 
 
 @pytest.mark.parametrize("extra", [[], ["model.tie_embeddings=true"], ["model.mup=true", "model.mup_base_width=24"]])
-def test_one_process_shard_equals_build_model_and_a_changed_order_does_not(extra):
+def test_one_process_shard_equals_build_model_and_a_changed_order_does_not(extra, monkeypatch):
+    monkeypatch.setattr(mat, "CHUNK_ELEMS", 1000)
     cfg = load_config(None, [*MODEL, *extra])
     ref = build_model(cfg.model, cfg.rope_len, cfg.train.seed).state_dict()
     model = build_model_shard(cfg, cfg.parallel.dims, 0, None, torch.device("cpu"), bf16=False).parts[0]
@@ -109,3 +111,13 @@ def test_one_process_shard_equals_build_model_and_a_changed_order_does_not(extra
     order = mat.init_order(meta)
     mat.materialise([meta], order[::-1], cfg.model, cfg.train.seed, torch.device("cpu"))
     assert not torch.equal(meta.embed.weight, ref["embed.weight"])
+
+
+@pytest.mark.parametrize("shape", [(7, 13), (33, 5), (2, 7), (100, 3), (40, 48), (1, 40)])
+def test_row_blocks_draw_what_one_normal_call_draws(shape, monkeypatch):
+    monkeypatch.setattr(mat, "CHUNK_ELEMS", 20)
+    one, blocks = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    want = torch.empty(shape).normal_(0.0, 0.02, generator=one)
+    got = torch.cat([torch.empty((e - s, shape[1])).normal_(0.0, 0.02, generator=blocks)
+                     for s, e in mat.row_blocks(torch.Size(shape))])
+    assert torch.equal(got, want) and torch.equal(one.get_state(), blocks.get_state())

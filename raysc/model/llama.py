@@ -147,10 +147,15 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size, generator: torch.
     1/sqrt(width multiplier). Draws ``numel`` normals from ``generator`` for a matrix, none for a norm."""
     if len(shape) == 1:
         return torch.ones(shape, dtype=dtype)
+    return torch.empty(shape, dtype=dtype).normal_(0.0, init_std(cfg, name), generator=generator)
+
+
+def init_std(cfg: ModelConfig, name: str) -> float:
+    """The standard deviation of matrix parameter ``name``'s normal initialisation."""
     std = cfg.init_std
     if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
         std = std / math.sqrt(2 * cfg.n_layers)
-    return torch.empty(shape, dtype=dtype).normal_(0.0, std * mup.init_mult(name, cfg), generator=generator)
+    return std * mup.init_mult(name, cfg)
 
 
 class Llama(nn.Module):
