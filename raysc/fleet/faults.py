@@ -19,7 +19,8 @@ optimizer step ``STEP``:
 The spec's syntax and the list of kinds are parsed in config (``raysc.config.faults``), which
 checks them when the config loads.
 
-``FaultInjector`` holds one rank's faults and fires them from three hooks the worker calls:
+``FaultInjector`` holds one rank's faults and fires them from three hooks (the worker hangs the
+first two on its ``Trainer``, so they run inside the step and its timing):
 ``before_step`` (raise, kill, hang, slow, bitflip; arms nan/spike), ``after_loss`` (the armed
 loss factor, applied by the ``Trainer``'s loss hook) and ``on_file_written`` (kill_save, from the
 upload path). Nothing else in the training code knows about faults.

@@ -67,9 +67,14 @@ class TrainWorker:
         self.cfg = config_from_dict(cfg_dict, "supervisor")
         self.faults = FaultInjector(self.cfg.supervisor.inject, self.rank, self._announce)
         if self.trainer is not None:
-            self.trainer.loss_hook = self.faults.after_loss
+            self._hook_faults()
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
         torch.set_num_threads(threads)
+
+    def _hook_faults(self) -> None:
+        """Fire this rank's injected faults from inside the trainer's step (and its loss)."""
+        self.trainer.step_hook = lambda step: self.faults.before_step(step, self.trainer.params)
+        self.trainer.loss_hook = self.faults.after_loss
 
     def address(self) -> tuple[str, int, str]:
         """(node IP, a free port, node id): rank 0's answer is the rendezvous point."""
@@ -102,7 +107,7 @@ class TrainWorker:
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
-        self.trainer.loss_hook = self.faults.after_loss
+        self._hook_faults()
         self.memory = PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device) \
             if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory else None
         t_setup.append(time.perf_counter())
@@ -227,7 +232,6 @@ class TrainWorker:
         while self.trainer.step < until_step:
             if self.vote.poll() is not None:
                 break  # every rank breaks after the same step; the supervisor sees it in the step reached
-            self.faults.before_step(self.trainer.step + 1, self.trainer.params)
             if self.memory is not None:
                 self.memory.before_step()
             last = self.trainer.train_step()

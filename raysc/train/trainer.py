@@ -62,7 +62,10 @@ class Trainer:
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
         self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg))
-        # applied to every training loss when set: the worker's fault injector (drills), else None
+        # the worker's fault injector (drills) sets these, else None: step_hook(step) runs at the start
+        # of each step, inside its timing (a straggler's delay shows in step_time); loss_hook(loss) is
+        # applied to every training loss
+        self.step_hook: Callable[[int], None] | None = None
         self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.model_parts = self.shard.parts
         self.model = self.model_parts[0]
@@ -154,6 +157,8 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
+        if self.step_hook is not None:
+            self.step_hook(self.step + 1)
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
         x, y = self._inputs(batch)
         with self._loss_ctx(), self._autocast():
