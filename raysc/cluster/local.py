@@ -58,9 +58,14 @@ class ClusterState:
 
     def env(self) -> dict[str, str]:
         """Environment for a driver or `ray job` command to use this cluster."""
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-        env.update(RAY_ADDRESS=self.address, RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0")
-        return env
+        return {**_ray_env(), "RAY_ADDRESS": self.address}
+
+
+def _ray_env() -> dict[str, str]:
+    """This process's environment without any RAY_ setting, for a loopback-only cluster."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0")
+    return env
 
 
 def up(nodes: int, cpus_per_node: float, gpus_per_node: int = 0, state: Path = DEFAULT_STATE,
@@ -80,8 +85,7 @@ def up(nodes: int, cpus_per_node: float, gpus_per_node: int = 0, state: Path = D
            "--gpus", str(gpus_per_node), "--state", str(state), "--temp-dir", temp]
     if not dashboard:
         cmd.append("--no-dashboard")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0")
+    env = _ray_env()
     log = open(Path(temp) / "holder.log", "w")
     holder = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + timeout_s
@@ -186,18 +190,20 @@ def _serve(args: argparse.Namespace) -> None:
     def add() -> None:
         node = cluster.add_node(num_cpus=args.cpus, num_gpus=args.gpus)
         st.nodes.append({"node_id": node.node_id, "cpus": args.cpus, "gpus": args.gpus})
+
+    def publish() -> None:
         tmp = Path(args.state).with_suffix(".tmp")
         tmp.write_text(json.dumps(asdict(st), indent=1))
         tmp.replace(args.state)  # readers never see half a file
 
-    for _ in range(args.nodes - 1):
+    for _ in range(args.nodes):
         add()
-        Path(args.state).unlink(missing_ok=True)  # written once, when every node is up
-    add()
+    publish()  # once every node is up: `up` waits for this file
     while not stop.is_set():
         if wanted.wait(0.5):
             wanted.clear()
             add()
+            publish()
     _kill_leftovers(args.temp_dir)  # Cluster.shutdown() drains node by node: tens of seconds, for nothing
 
 

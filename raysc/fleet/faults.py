@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 from typing import Callable, Sequence
 
 import torch
@@ -65,7 +66,7 @@ def raylet_pid(pid: int | None = None) -> int:
     """The raylet this process descends from (Ray's node manager starts its workers)."""
     pid = pid or os.getpid()
     while pid > 1:
-        stat = open(f"/proc/{pid}/stat").read()
+        stat = Path(f"/proc/{pid}/stat").read_text()
         name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
         if name == "raylet":
             return pid
