@@ -10,6 +10,7 @@
   on this machine, to rehearse a cluster run;
 - ``curate``, ``pack``: raw documents to curated Parquet, curated documents to token shards;
 - ``scale``, ``mup coord-check``: Chinchilla sizing, the μP coordinate check;
+- ``spec tune`` (``raysc.serve.spec_cli``): α, cost ratio and speculation length for serving;
 - ``demo``: corpus → tokenizer → training → checkpoint → export → sample.
 
 Errors a user can fix (bad config, missing files, a failed run) print one
@@ -204,6 +205,18 @@ def _plan_arguments(p: argparse.ArgumentParser) -> None:
     add_arguments(p)
 
 
+def cmd_spec_tune(args: argparse.Namespace) -> int:
+    from raysc.serve.spec_cli import run
+
+    return run(args)
+
+
+def _spec_tune_arguments(p: argparse.ArgumentParser) -> None:
+    from raysc.serve.spec_cli import add_arguments
+
+    add_arguments(p)
+
+
 COMMANDS = (
     Command("train", "train a model from a TOML config", cmd_train, (
         arg("config", help="TOML config, e.g. jobs/configs/tiny.toml"),
@@ -269,6 +282,9 @@ COMMANDS = (
                                           "config's batch, when a config is given)"),
         SET,
         JSON.but(help="print one JSON object"))),
+    Command("spec", "speculative decoding", dest="spec_cmd", sub=(
+        Command("tune", "measure a draft run's and prompt lookup's acceptance and cost against a target run; "
+                        "choose k; write <target>/serve_speculative.json", cmd_spec_tune, (_spec_tune_arguments,)),)),
     Command("mup", "μP tools", dest="mup_cmd", sub=(
         Command("coord-check", "train SP and μP models at several widths for a few steps; check that μP "
                                "activations stay flat across widths (PNG + JSON)", cmd_mup_coord_check, (

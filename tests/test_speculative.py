@@ -111,6 +111,8 @@ def test_greedy_pass_simulation():
     match = np.array([1, 1, 0, 1, 1, 1, 0, 0], dtype=bool)
     assert greedy_passes(match, 2) == [3, 3, 1, 1]
     assert sum(greedy_passes(match, 8)) == len(match)
+    # with a limit, passes start before it and run whole past it: 0..2 (3 tokens), then 3..6 (k=3 -> 4)
+    assert greedy_passes(match, 3, limit=4) == [3, 4]
 
 
 def test_temperature_zero_is_one_hot():

@@ -53,12 +53,14 @@ def best_k(alpha: float, cost_ratio: float, max_k: int) -> tuple[int, float]:
     return max(((k, speedup(alpha, cost_ratio, k)) for k in range(1, max_k + 1)), key=lambda t: t[1])
 
 
-def greedy_passes(match: np.ndarray, k: int) -> list[int]:
+def greedy_passes(match: np.ndarray, k: int, limit: int | None = None) -> list[int]:
     """Tokens emitted per target pass at T = 0 given ``match[t]``: the drafter's greedy token at
     position t (after the target's own tokens before it) equals the target's. Each pass accepts the run
-    of matches from its start, up to k, then emits the target's token (correction or bonus)."""
+    of matches from its start, up to k, then emits the target's token (correction or bonus). Passes
+    start before ``limit`` (default: the end); ``match`` reaching k + 1 past it keeps every counted pass
+    whole instead of cut short by the end of the output."""
     out, t, n = [], 0, len(match)
-    while t < n:
+    while t < (n if limit is None else limit):
         a = 0
         while a < k and t + a < n and match[t + a]:
             a += 1
@@ -68,10 +70,12 @@ def greedy_passes(match: np.ndarray, k: int) -> list[int]:
     return out
 
 
-def ngram_passes(prompt: list[int], continuation: list[int], k: int, min_n: int, max_n: int) -> list[int]:
-    """Tokens emitted per target pass when prompt lookup drafts for ``continuation`` (T = 0)."""
+def ngram_passes(prompt: list[int], continuation: list[int], k: int, min_n: int, max_n: int,
+                 limit: int | None = None) -> list[int]:
+    """Tokens emitted per target pass when prompt lookup drafts for ``continuation`` (T = 0); passes
+    start before ``limit`` as in ``greedy_passes``."""
     out, t, n = [], 0, len(continuation)
-    while t < n:
+    while t < (n if limit is None else limit):
         proposal = ngram_propose(prompt + continuation[:t], k, min_n, max_n)
         a = 0
         while a < len(proposal) and t + a < n and proposal[a] == continuation[t + a]:
@@ -192,12 +196,13 @@ def tune(target_dir: str | Path, draft_dir: str | Path | None, prompts: int = 32
 
     target = load_run(target_dir)
     target.model.eval()
-    if prompt_len + new_tokens + max_k > target.model.max_seq_len:
-        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} + --max-k {max_k} exceeds the "
+    if prompt_len + new_tokens + max_k + 1 > target.model.max_seq_len:
+        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} + --max-k {max_k} + 1 exceeds the "
                          f"target's context of {target.model.max_seq_len} tokens; lower one of them")
     torch.manual_seed(seed)
     x = held_out_prompts(target.cfg, prompts, prompt_len)
-    seqs = continue_prompts(target.model, x, new_tokens, temperature, seed)
+    # max_k + 1 tokens past new_tokens: a pass starting before new_tokens is never cut short
+    seqs = continue_prompts(target.model, x, new_tokens + max_k + 1, temperature, seed)
     t_target = step_seconds(target.model)
     methods: list[MethodReport] = []
     out: dict = {"target_run": str(Path(target_dir).resolve()), "target_step": target.step,
@@ -215,17 +220,17 @@ def tune(target_dir: str | Path, draft_dir: str | Path | None, prompts: int = 32
         measured = None
         if temperature == 0:
             match = (beta > 0.5).numpy()
-            measured = {k: _per_pass(greedy_passes(m, k) for m in match) for k in range(1, max_k + 1)}
-        methods.append(method_report("draft_model", float(beta.mean()), t_draft / t_target, max_k, measured))
+            measured = {k: _per_pass(greedy_passes(m, k, new_tokens) for m in match) for k in range(1, max_k + 1)}
+        methods.append(method_report("draft_model", float(beta[:, :new_tokens].mean()), t_draft / t_target, max_k, measured))
         out.update(draft_run=str(Path(draft_dir).resolve()), draft_step=draft.step, draft_step_s=t_draft)
     beta_ng = ngram_acceptance(target.model, seqs, prompt_len, temperature, ngram_min, ngram_max)
     rows = seqs.tolist()
     t_lookup = lookup_seconds(rows[0][:prompt_len + new_tokens // 2], max_k, ngram_min, ngram_max)
     measured_ng = None
     if temperature == 0:
-        measured_ng = {k: _per_pass(ngram_passes(r[:prompt_len], r[prompt_len:], k, ngram_min, ngram_max)
+        measured_ng = {k: _per_pass(ngram_passes(r[:prompt_len], r[prompt_len:], k, ngram_min, ngram_max, new_tokens)
                                     for r in rows) for k in range(1, max_k + 1)}
-    methods.append(method_report("ngram", float(beta_ng.mean()), t_lookup / t_target, max_k, measured_ng))
+    methods.append(method_report("ngram", float(beta_ng[:, :new_tokens].mean()), t_lookup / t_target, max_k, measured_ng))
     out.update(ngram={"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}, lookup_s=t_lookup,
                methods=[asdict(m) for m in methods])
     return out
