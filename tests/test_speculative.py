@@ -120,3 +120,17 @@ def test_temperature_zero_is_one_hot():
     assert probs.tolist() == [[0.0, 1.0, 0.0]]
     with pytest.raises(ValueError, match="negative"):
         target_probs(torch.zeros(3), -1.0)
+
+
+def test_distillation_moves_the_draft_towards_the_target(make_cfg):
+    from raysc.serve.spec_distill import distill
+
+    cfg = make_cfg("model.vocab_size=300", "model.dim=32", "model.n_layers=1", "model.n_heads=1",
+                   "model.n_kv_heads=1", "train.steps=30", "train.global_batch=4", "train.seq_len=24",
+                   "schedule.warmup_steps=2", "optim.lr=1e-2")
+    target = _tiny(0, 64, 2)
+    with torch.no_grad():
+        target.output.weight.mul_(30)  # a peaked target, far from the fresh draft's near-uniform q
+    rows = np.random.default_rng(0).integers(0, 300, (32, 25))
+    _, log = distill(target, cfg, rows, log_every=5)
+    assert log[-1]["kl"] < 0.7 * log[0]["kl"]  # 4.1 -> 2.4 here; without optimizer steps 4.3 -> 4.2
