@@ -51,12 +51,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if args.inject:
         overrides.append(f"supervisor.inject={json.dumps(args.inject)}")
+    if args.init_from:
+        overrides.append(f"model.init_from={json.dumps(args.init_from)}")
     try:
         summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress,
                                args.overwrite)
     except RunStopped as e:
         restart = args.restart_command or ["raysc", "train", args.config,
-                                           *[a for o in args.overrides for a in ("--set", o)]]
+                                           *[a for o in args.overrides for a in ("--set", o)],
+                                           *(["--init-from", args.init_from] if args.init_from else [])]
         if e.checkpoint is not None:
             print(f"resume with: {shlex.join([*restart, '--resume'])}", flush=True)
         else:  # nothing committed: start over (from the same checkpoint when one was given)
@@ -227,6 +230,9 @@ COMMANDS = (
         arg("--overwrite", action="store_true",
             help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
                  "once this run commits its first checkpoint (never before)"),
+        arg("--init-from", metavar="HF_DIR|URL", default=None,
+            help="continued pre-training: start from this Hugging Face Llama checkpoint (same as --set "
+                 "model.init_from=...; its tokenizer.json is used when present)"),
         arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
         arg("--inject", metavar="KIND@STEP[:RANK]", default=None,
             help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "

@@ -42,13 +42,18 @@ from raysc.preflight_gate import require_passing
 
 
 def check_inputs(cfg: Config) -> None:
-    """Checks that need no Ray: inputs exist. Raises FileNotFoundError naming the key."""
+    """Checks that need no Ray: inputs exist, a local ``model.init_from`` fits the model config. Raises
+    FileNotFoundError naming the key, or ``CheckpointMismatch`` (a ValueError) listing the differences."""
     if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists():
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
                                 f"or directory, or a `raysc pack` output directory")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")
+    if cfg.model.init_from and not is_url(cfg.model.init_from):
+        from raysc.model.hf_checkpoint import check_init_from
+
+        check_init_from(cfg.model.init_from, cfg.model)  # headers only: a mismatch stops here, before Ray
 
 
 def ensure_ray() -> None:

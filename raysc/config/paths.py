@@ -28,4 +28,6 @@ def absolutize(cfg: Config) -> Config:
         cfg.data.source = str((cwd / cfg.data.source).resolve())
     if cfg.data.tokenizer:
         cfg.data.tokenizer = str((cwd / cfg.data.tokenizer).resolve())
+    if cfg.model.init_from and not is_url(cfg.model.init_from):
+        cfg.model.init_from = str((cwd / cfg.model.init_from).resolve())
     return cfg

@@ -49,6 +49,13 @@ class ModelConfig:
                            "an LR tuned at the base width transfers to wider models (docs/scaling.md)")
     mup_base_width: int = opt(0, "μP base width: the model.dim at which optim.lr and init_std were tuned; "
                                  "0 = model.dim (multiplier 1)", min=0)
+    init_from: str = opt("", "continued pre-training: start from this Hugging Face Llama checkpoint (a directory "
+                             "or URL holding config.json and model.safetensors, or shards with "
+                             "model.safetensors.index.json) instead of a random init; its tokenizer.json becomes "
+                             "the run's tokenizer when data.tokenizer is empty; the optimizer starts fresh "
+                             "(`raysc train --init-from`)")
+    init_from_options: dict = opt_dict("fsspec options for reading model.init_from when it is an object-store URL, "
+                                       "e.g. {endpoint_url = \"http://...\"}")
 
     @property
     def head_dim(self) -> int:

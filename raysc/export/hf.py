@@ -3,7 +3,8 @@
 Writes ``model.safetensors`` (HF parameter names), ``config.json`` for
 ``LlamaForCausalLM``, ``generation_config.json`` and the tokenizer files that
 ``PreTrainedTokenizerFast`` reads. Our rotary layout already matches HF's
-("rotate half"), so q/k weights are copied without permutation.
+("rotate half"), so q/k weights are copied without permutation. The name mapping lives in
+``raysc.model.hf_names`` (import reads it backwards).
 """
 
 from __future__ import annotations
@@ -16,35 +17,9 @@ import torch
 from safetensors.torch import save_file
 
 from raysc.data.tokenizer import EOS, EOS_ID
+from raysc.model.hf_names import hf_name
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
-
-_LAYER_NAMES = {
-    "attn_norm.weight": "input_layernorm.weight",
-    "attn.wq.weight": "self_attn.q_proj.weight",
-    "attn.wk.weight": "self_attn.k_proj.weight",
-    "attn.wv.weight": "self_attn.v_proj.weight",
-    "attn.wo.weight": "self_attn.o_proj.weight",
-    "mlp_norm.weight": "post_attention_layernorm.weight",
-    "mlp.w_gate.weight": "mlp.gate_proj.weight",
-    "mlp.w_up.weight": "mlp.up_proj.weight",
-    "mlp.w_down.weight": "mlp.down_proj.weight",
-}
-
-
-def hf_name(name: str) -> str:
-    """Map a raysc parameter name to its Hugging Face Llama name."""
-    if name == "embed.weight":
-        return "model.embed_tokens.weight"
-    if name == "norm.weight":
-        return "model.norm.weight"
-    if name == "output.weight":
-        return "lm_head.weight"
-    if name.startswith("layers."):
-        _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_NAMES:
-            return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
-    raise KeyError(f"no Hugging Face name for parameter {name!r}")
 
 
 def hf_config(model: Llama, dtype: str) -> dict:

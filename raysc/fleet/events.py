@@ -23,6 +23,8 @@ class EventKind(str, Enum):
 
     # a run's life
     RUN_START = "run_start", "the supervisor took the run: directory, config hash, parameter count, resume"
+    INIT_FROM = "init_from", ("the run starts from a Hugging Face checkpoint (model.init_from), checked against the "
+                              "config: source, content SHA-256, tensors, bytes, tokenizer taken from it")
     DATA_READY = "data_ready", "the training data is packed: tokens, documents, sequences, corpus hash, domains"
     WORKERS_READY = "workers_ready", "every worker joined the process group and built its shard (warm: spares used)"
     LAYOUT = "layout", "the parallel layout and the node (IP, node id) of each rank, at every fleet start"

@@ -37,6 +37,8 @@ from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.fleet.watch import Watch
 from raysc.model.flops import param_count
+from raysc.model.hf_checkpoint import check_init_from, content_sha256
+from raysc.model.hf_fetch import init_dir
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -182,6 +184,8 @@ class Supervisor:
         # before anything in the run directory is written: a refused run leaves the other run's files alone
         self.ckpt.claim(self.resume, self.overwrite, self.run_dir)
         (self.run_dir / "config.toml").write_text(dump_config(self.cfg))
+        if self.cfg.model.init_from:
+            self._init_from()
         self._phase = "preparing data"
         packed, tok_path, data_info = prepare_data(self.cfg)
         (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
@@ -189,6 +193,19 @@ class Supervisor:
             "tokens", "documents", "train_sequences", "val_sequences", "corpus_sha256", "domains", "schedule")
             if k in data_info})
         return {"train": ray.put(packed.train), "val": ray.put(packed.val)}
+
+    def _init_from(self) -> None:
+        """Check ``model.init_from`` against the config before any worker starts, take its tokenizer when
+        ``data.tokenizer`` is empty, and record the checkpoint's content hash (workers read it themselves)."""
+        m = self.cfg.model
+        local = init_dir(m.init_from, m.init_from_options, self.cfg.data.cache_dir)
+        info = check_init_from(local, m)
+        took = bool(info["tokenizer"]) and not self.cfg.data.tokenizer
+        if took:
+            self.cfg.data.tokenizer = info["tokenizer"]
+        self._event(EventKind.INIT_FROM, source=m.init_from, sha256=content_sha256(local), tensors=info["tensors"],
+                    bytes=info["bytes"], tokenizer=info["tokenizer"] if took else None,
+                    note="weights from the checkpoint, optimizer and schedule fresh")
 
     def _start(self, data: dict) -> int:
         """Place and start the fleet; the step it starts from (a resumed checkpoint's, else 0)."""

@@ -16,6 +16,10 @@ draws (16 uniforms, Box-Muller in place) line up, so the blocks hold exactly the
 this rank does not hold (other pipeline stages) are drawn and dropped too, so every later
 parameter draws the same numbers. FSDP2 re-pads its sharded storage from the written local
 tensors at its lazy init, as it does after any ``to_empty``.
+
+Continued pre-training (``model.init_from``) swaps the generator for a checkpoint: with a
+``source`` (``raysc.model.hf_checkpoint.HFCheckpoint``), each held parameter's block is read
+from the safetensors file in row blocks instead of drawn, and nothing else is read.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from raysc.config.schema import ModelConfig
+from raysc.model.hf_checkpoint import HFCheckpoint
 from raysc.model.llama import init_std, init_value
 
 CHUNK_ELEMS = 1 << 22  # values per drawn block: 16 MiB in fp32
@@ -95,13 +100,19 @@ def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def materialise(parts: list[nn.Module], order: list[tuple[str, torch.Size, torch.dtype]], cfg: ModelConfig,
-                seed: int, device: torch.device) -> None:
+                seed: int, device: torch.device, source: HFCheckpoint | None = None) -> None:
     """Allocate ``parts`` (meta modules: pipeline stages of one rank, or the model) on ``device`` and
-    initialise them to exactly this rank's share of ``build_model(cfg, ..., seed)``."""
+    initialise them to exactly this rank's share of ``build_model(cfg, ..., seed)``, or of the
+    checkpoint ``source`` when one is given (checked against ``order`` before)."""
     for part in parts:
         _to_empty_keeping_ties(part, device)
         part.reset_buffers()
     held = {name: p for part in parts for name, p in part.named_parameters()}
+    if source is not None:
+        for name, p in held.items():
+            local, _, offset = _local_region(p)
+            source.copy_into(name, local, offset)
+        return
     generator = torch.Generator().manual_seed(seed)
     for name, shape, dtype in order:
         region = _local_region(held[name]) if name in held else None

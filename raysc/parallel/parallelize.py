@@ -3,7 +3,8 @@
 The model is built on the meta device and the plans are applied there, so no rank
 ever holds the full model; ``materialise`` then allocates only this rank's tensors
 and streams the one-process initialisation from ``train.seed`` into them, so each
-shard starts from exactly the weights a single process would have. The order
+shard starts from exactly the weights a single process would have; with ``model.init_from`` it
+reads its blocks of a Hugging Face checkpoint instead (checked against the config first). The order
 matters: TP turns weights into DTensors on the ``tp`` mesh, and FSDP then shards
 those over the data-parallel mesh (2-D parallelism, as torchtitan composes them).
 """
@@ -17,6 +18,8 @@ from torch import nn
 
 from raysc.config.dims import ParallelDims
 from raysc.config.schema import Config
+from raysc.model.hf_checkpoint import HFCheckpoint
+from raysc.model.hf_fetch import init_dir
 from raysc.model.llama import Llama
 from raysc.parallel.cp import apply_cp
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
@@ -59,8 +62,12 @@ def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: 
     with torch.device("meta"):
         full = Llama(cfg.model, cfg.rope_len)
     order = init_order(full)
+    source = None
+    if cfg.model.init_from:
+        source = HFCheckpoint(init_dir(cfg.model.init_from, cfg.model.init_from_options, cfg.data.cache_dir), cfg.model)
+        source.check(order)
     parts, ids, num_stages = _plan_meta(full, cfg, dims, rank, mesh, device, bf16)
-    materialise(parts, order, cfg.model, cfg.train.seed, device)
+    materialise(parts, order, cfg.model, cfg.train.seed, device, source)
     return ModelShard(parts, ids, num_stages)
 
 

@@ -1,0 +1,250 @@
+"""Read a Hugging Face Llama checkpoint as raysc parameters, one block of one tensor at a time.
+
+``HFCheckpoint`` opens a directory in the layout ``raysc export`` writes and public Llama-family
+checkpoints use: ``config.json`` and ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``. It maps names back through ``raysc.model.hf_names``, compares
+``config.json`` and every tensor's shape with the run's ``[model]`` config (``problems`` lists every
+difference, naming the tensor and both shapes; a missing or an unexpected tensor is one too), and
+``read`` returns any block of a tensor through safetensors' ``get_slice``: the file is memory-mapped
+and only the requested rows are read, so a rank reading its shard never holds the full tensor.
+
+Under μP, export folds the logit multiplier 1/m into ``lm_head`` and the 1/head_dim attention scale
+into ``q_proj`` (``raysc.model.mup.fold_into_weights``); ``read`` multiplies them back out. That is
+exact only when sqrt(head_dim) and m are powers of two (a multiplication by 2^k only changes the
+exponent); otherwise ``problems`` refuses μP and says what to set.
+
+Ours, not transformers' loader: that builds the whole model in one process, while each raysc rank
+needs only its slices. safetensors does the file format; the index is a plain JSON ``weight_map``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from raysc.config.schema import ModelConfig
+from raysc.hashing import file_sha256
+from raysc.model.hf_names import hf_name, raysc_name
+from raysc.model.llama import Llama
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+CONFIG = "config.json"
+TOKENIZER = "tokenizer.json"
+CHUNK_ELEMS = 1 << 22  # values per block read: 16 MiB in fp32
+MAX_LISTED = 12  # problems shown in one error
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed buffers some older checkpoints carry
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint does not fit the run's model config (the message lists every difference)."""
+
+
+def weight_map(directory: Path) -> dict[str, str]:
+    """Hugging Face tensor name -> the safetensors file (in ``directory``) holding it."""
+    if (directory / INDEX).is_file():
+        return dict(json.loads((directory / INDEX).read_text())["weight_map"])
+    if (directory / WEIGHTS).is_file():
+        with safe_open(str(directory / WEIGHTS), framework="pt") as f:
+            return {k: WEIGHTS for k in f.keys()}
+    raise FileNotFoundError(f"model.init_from {str(directory)!r} holds neither {WEIGHTS} nor {INDEX}: point it at "
+                            f"a Hugging Face Llama checkpoint directory (what `raysc export` writes)")
+
+
+def files_read(directory: Path) -> list[str]:
+    """The files an import reads, sorted: config, index, weight files, tokenizer when present."""
+    names = {CONFIG, *weight_map(directory).values()}
+    names |= {n for n in (INDEX, TOKENIZER) if (directory / n).is_file()}
+    return sorted(names)
+
+
+def content_sha256(directory: str | Path) -> str:
+    """One SHA-256 over the name and SHA-256 of every file the import reads (the run records it)."""
+    d = Path(directory)
+    h = hashlib.sha256()
+    for name in files_read(d):
+        h.update(f"{name} {file_sha256(d / name)}\n".encode())
+    return h.hexdigest()
+
+
+def _power_of_two(x: float) -> bool:
+    return x > 0 and math.frexp(x)[0] == 0.5
+
+
+def _rope(hf: dict) -> tuple[float | None, str]:
+    """rope_theta and the rope type, from either the old keys or transformers 5's ``rope_parameters``."""
+    params = hf.get("rope_parameters") or {}
+    scaling = hf.get("rope_scaling") or {}
+    theta = params.get("rope_theta", hf.get("rope_theta"))
+    kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    return theta, kind
+
+
+class HFCheckpoint:
+    """A Hugging Face Llama checkpoint directory read against a raysc ``ModelConfig``."""
+
+    def __init__(self, directory: str | Path, cfg: ModelConfig) -> None:
+        self.dir = Path(directory)
+        self.cfg = cfg
+        if not (self.dir / CONFIG).is_file():
+            raise FileNotFoundError(f"model.init_from {str(self.dir)!r} has no {CONFIG}: point it at a Hugging "
+                                    f"Face Llama checkpoint directory (what `raysc export` writes)")
+        self.hf_config: dict = json.loads((self.dir / CONFIG).read_text())
+        self.files = weight_map(self.dir)
+        self._open: dict[str, safe_open] = {}
+        self.names: dict[str, str] = {}  # raysc name -> HF name
+        self.unexpected: list[str] = []
+        for hf in self.files:
+            ours = raysc_name(hf)
+            if ours is not None:
+                self.names[ours] = hf
+            elif not hf.endswith(_IGNORED_SUFFIXES):
+                self.unexpected.append(hf)
+        self.tied = bool(self.hf_config.get("tie_word_embeddings", False))
+        self.scales = self._unfold_scales()
+
+    def _unfold_scales(self) -> dict[str, float]:
+        """Factors that undo ``fold_into_weights``: sqrt(head_dim) on wq, m on an untied output."""
+        if not self.cfg.mup:
+            return {}
+        out = {"attn.wq.weight": math.sqrt(self.cfg.head_dim)}
+        if not self.cfg.tie_embeddings:
+            out["output.weight"] = self.cfg.mup_width_mult
+        return out
+
+    def _scale(self, name: str) -> float:
+        for suffix, f in self.scales.items():
+            if name.endswith(suffix):
+                return f
+        return 1.0
+
+    def _file(self, name: str):
+        file = self.files[self.names[name]]
+        if file not in self._open:
+            self._open[file] = safe_open(str(self.dir / file), framework="pt")
+        return self._open[file]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(self.names[name]).get_shape())
+
+    def _config_problems(self) -> list[str]:
+        c, hf = self.cfg, self.hf_config
+        out = []
+        if hf.get("model_type", "llama") != "llama":
+            out.append(f"config.json: model_type {hf.get('model_type')!r} is not 'llama'; raysc reads Llama-"
+                       f"architecture checkpoints only")
+        heads = hf.get("num_attention_heads")
+        theta, rope_type = _rope(hf)
+        want = {  # config.json key: (its value, ours, the raysc key)
+            "hidden_size": (hf.get("hidden_size"), c.dim, "model.dim"),
+            "num_hidden_layers": (hf.get("num_hidden_layers"), c.n_layers, "model.n_layers"),
+            "num_attention_heads": (heads, c.n_heads, "model.n_heads"),
+            "num_key_value_heads": (hf.get("num_key_value_heads", heads), c.n_kv_heads, "model.n_kv_heads"),
+            "intermediate_size": (hf.get("intermediate_size"), c.hidden_ffn_dim, "model.ffn_dim"),
+            "vocab_size": (hf.get("vocab_size"), c.vocab_size, "model.vocab_size"),
+            "rms_norm_eps": (hf.get("rms_norm_eps"), c.norm_eps, "model.norm_eps"),
+            "rope_theta": (theta, c.rope_theta, "model.rope_theta"),
+            "tie_word_embeddings": (self.tied, c.tie_embeddings, "model.tie_embeddings"),
+        }
+        for key, (theirs, ours, ours_key) in want.items():
+            if theirs is not None and theirs != ours:
+                value = str(theirs).lower() if isinstance(theirs, bool) else theirs
+                out.append(f"config.json: {key} = {theirs} but {ours_key} = {ours}; set {ours_key}={value}")
+        head_dim = hf.get("head_dim")
+        if head_dim is not None and heads and head_dim != hf.get("hidden_size", 0) // heads:
+            out.append(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads; raysc's attention "
+                       f"has head_dim = model.dim / model.n_heads")
+        if rope_type != "default":
+            out.append(f"config.json: rope type {rope_type!r}; raysc's rotary embedding has no scaling (default only)")
+        if hf.get("hidden_act", "silu") != "silu":
+            out.append(f"config.json: hidden_act {hf.get('hidden_act')!r}; raysc's MLP is SwiGLU (silu)")
+        for key in ("attention_bias", "mlp_bias"):
+            if hf.get(key):
+                out.append(f"config.json: {key} is true; raysc's Llama has no biases")
+        return out
+
+    def _mup_problems(self) -> list[str]:
+        c = self.cfg
+        if not c.mup:
+            return []
+        m = c.mup_width_mult
+        if c.tie_embeddings and m != 1.0:
+            return [f"model.mup with tie_embeddings and width multiplier {m:g}: the checkpoint's tied embedding "
+                    f"cannot take back the 1/m logit multiplier without changing the input side; set model.mup=false "
+                    f"(continue in the standard parametrisation the checkpoint is in)"]
+        bad = [f"sqrt(head_dim) = {math.sqrt(c.head_dim):g}"] if not _power_of_two(math.sqrt(c.head_dim)) else []
+        if not c.tie_embeddings and not _power_of_two(m):
+            bad.append(f"the width multiplier m = {m:g}")
+        if bad:
+            return [f"model.mup: the checkpoint has μP's scales folded into q_proj (1/sqrt(head_dim)) and lm_head "
+                    f"(1/m); multiplying them back out is exact only for powers of two, and {' and '.join(bad)} "
+                    f"is not; set model.mup=false to continue in the standard parametrisation the checkpoint is "
+                    f"in, or use a head_dim that is a power of 4 and a model.mup_base_width with dim/base a power of 2"]
+        return []
+
+    def problems(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> list[str]:
+        """Every difference between the checkpoint and the model of ``expected`` (``init_order``)."""
+        out = self._config_problems() + self._mup_problems()
+        want = {name: tuple(shape) for name, shape, _ in expected}
+        for name, shape in want.items():
+            if name not in self.names:
+                where = INDEX if (self.dir / INDEX).is_file() else WEIGHTS
+                hint = " (config.json says the embeddings are tied; set model.tie_embeddings=true)" if (
+                    name == "output.weight" and self.tied) else ""
+                out.append(f"missing tensor {hf_name(name)} ({name}): not in {where}{hint}")
+                continue
+            got = self.shape(name)
+            if got != shape:
+                out.append(f"tensor {self.names[name]} ({name}): checkpoint shape {list(got)}, the config's "
+                           f"model needs {list(shape)}")
+        extra = [hf for ours, hf in self.names.items() if ours not in want
+                 and not (ours == "output.weight" and self.cfg.tie_embeddings and self.tied)]
+        extra += self.unexpected
+        if extra:
+            out.append(f"{len(extra)} tensor(s) the config's model has no place for: {', '.join(sorted(extra)[:5])}"
+                       f"{', ...' if len(extra) > 5 else ''}")
+        return out
+
+    def check(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> None:
+        """Raise ``CheckpointMismatch`` listing every problem (before any weight is read)."""
+        found = self.problems(expected)
+        if found:
+            shown = found[:MAX_LISTED] + ([f"... and {len(found) - MAX_LISTED} more"] if len(found) > MAX_LISTED else [])
+            raise CheckpointMismatch(f"model.init_from {str(self.dir)!r} does not fit the [model] config:\n  - "
+                                     + "\n  - ".join(shown))
+
+    @torch.no_grad()
+    def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The block of parameter ``name`` starting at ``offset`` with ``shape``, as ``dtype`` (μP unfolded)."""
+        if 0 in shape:
+            return torch.empty(shape, dtype=dtype)
+        index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
+        block = self._file(name).get_slice(self.names[name])[index].to(dtype)
+        scale = self._scale(name)
+        return block if scale == 1.0 else block.mul_(scale)
+
+    def copy_into(self, name: str, local: torch.Tensor, offset: tuple[int, ...]) -> None:
+        """Fill ``local`` (the block of ``name`` at ``offset``) in row blocks of at most ``CHUNK_ELEMS``."""
+        shape = tuple(local.shape)
+        rows = max(1, CHUNK_ELEMS // max(1, math.prod(shape[1:])))
+        for start in range(0, shape[0], rows):
+            n = min(rows, shape[0] - start)
+            part = self.read(name, (offset[0] + start, *offset[1:]), (n, *shape[1:]), local.dtype)
+            local[start:start + n].copy_(part)
+
+
+def check_init_from(directory: str | Path, cfg: ModelConfig) -> dict:
+    """Check the checkpoint in ``directory`` against ``cfg`` (headers only, no weights read) and
+    describe it: tensor count, bytes of weights, tokenizer when present."""
+    with torch.device("meta"):
+        expected = [(n, p.shape, p.dtype) for n, p in Llama(cfg, 1).named_parameters()]
+    ckpt = HFCheckpoint(directory, cfg)
+    ckpt.check(expected)
+    d = Path(directory)
+    return {"tensors": len(expected), "bytes": sum((d / f).stat().st_size for f in set(ckpt.files.values())),
+            "tokenizer": str(d / TOKENIZER) if (d / TOKENIZER).is_file() else None}

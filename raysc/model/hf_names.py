@@ -1,0 +1,49 @@
+"""Parameter names of the raysc Llama and of a Hugging Face ``LlamaForCausalLM``, both ways.
+
+Export (``raysc.export.hf``) writes Hugging Face names; continued pre-training from a Hugging Face
+checkpoint (``raysc.model.hf_checkpoint``) reads them back. One table serves both directions, so the
+two cannot drift apart.
+"""
+
+from __future__ import annotations
+
+LAYER_NAMES: dict[str, str] = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn.wq.weight": "self_attn.q_proj.weight",
+    "attn.wk.weight": "self_attn.k_proj.weight",
+    "attn.wv.weight": "self_attn.v_proj.weight",
+    "attn.wo.weight": "self_attn.o_proj.weight",
+    "mlp_norm.weight": "post_attention_layernorm.weight",
+    "mlp.w_gate.weight": "mlp.gate_proj.weight",
+    "mlp.w_up.weight": "mlp.up_proj.weight",
+    "mlp.w_down.weight": "mlp.down_proj.weight",
+}
+TOP_NAMES: dict[str, str] = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+_FROM_HF_LAYER = {v: k for k, v in LAYER_NAMES.items()}
+_FROM_HF_TOP = {v: k for k, v in TOP_NAMES.items()}
+
+
+def hf_name(name: str) -> str:
+    """Map a raysc parameter name to its Hugging Face Llama name."""
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
+    if name.startswith("layers."):
+        _, idx, rest = name.split(".", 2)
+        if rest in LAYER_NAMES:
+            return f"model.layers.{idx}.{LAYER_NAMES[rest]}"
+    raise KeyError(f"no Hugging Face name for parameter {name!r}")
+
+
+def raysc_name(name: str) -> str | None:
+    """Map a Hugging Face Llama tensor name to the raysc parameter name (None: not a Llama weight)."""
+    if name in _FROM_HF_TOP:
+        return _FROM_HF_TOP[name]
+    if name.startswith("model.layers."):
+        parts = name.split(".", 3)
+        if len(parts) == 4 and parts[2].isdigit() and parts[3] in _FROM_HF_LAYER:
+            return f"layers.{parts[2]}.{_FROM_HF_LAYER[parts[3]]}"
+    return None

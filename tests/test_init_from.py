@@ -1,0 +1,178 @@
+"""Continued pre-training from a Hugging Face checkpoint (``model.init_from``): export → import gives the
+exported parameters bit for bit and the same first-step loss in one process, under FSDP × TP and PP
+(4 forked gloo ranks, no Ray) and through ``raysc train`` from an S3 URL (the shared Ray session); a
+transformers-built, sharded checkpoint computes transformers' logits; a checkpoint that does not fit
+the config is refused before any weight is read, naming what differs."""
+
+from __future__ import annotations
+
+import datetime
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from raysc.config import load_config
+from raysc.data.tokenizer import train_tokenizer
+from raysc.export.hf import export_hf
+from raysc.model import hf_checkpoint
+from raysc.model.hf_checkpoint import CheckpointMismatch, content_sha256
+from raysc.parallel.dims import build_mesh
+from raysc.parity import layout_overrides
+from raysc.ports import free_port
+from raysc.train.trainer import Trainer
+
+from conftest import TINY, s3_options
+
+MODEL = [o for o in TINY if o.startswith("model.")] + ["train.seq_len=32", "train.global_batch=8", "train.seed=3"]
+MUP = ["model.mup=true", "model.mup_base_width=32"]  # m = 2, sqrt(head_dim 16) = 4: unfolding is exact
+ROWS = np.random.default_rng(1).integers(0, 512, size=(16, 33))
+LAYOUTS = ["dp_shard=2,tp=2", "pp=2,dp_shard=2"]
+
+
+def _exported(out: Path, extra: list[str]) -> tuple[dict[str, torch.Tensor], Path]:
+    """Train a tiny model 2 steps (away from its init), export it; its parameters and the folder."""
+    trainer = Trainer(load_config(None, [*MODEL, *extra]), ROWS, measure_peak=False)
+    for _ in range(2):
+        trainer.train_step()
+    tok = train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 300)
+    tok.save(str(out.parent / f"{out.name}-tokenizer.json"))
+    export_hf(trainer.model, out.parent / f"{out.name}-tokenizer.json", out)
+    return {k: v.detach().clone() for k, v in trainer.model.named_parameters()}, out
+
+
+@pytest.fixture(scope="module")
+def export(tmp_path_factory) -> tuple[dict[str, torch.Tensor], Path]:
+    return _exported(tmp_path_factory.mktemp("init-from") / "hf", [])
+
+
+def _first_loss(cfg_overrides: list[str], params: dict[str, torch.Tensor] | None) -> tuple[Trainer, float]:
+    trainer = Trainer(load_config(None, cfg_overrides), ROWS, measure_peak=False)
+    if params is not None:
+        with torch.no_grad():
+            for name, p in trainer.model.named_parameters():
+                p.copy_(params[name])
+    return trainer, trainer.train_step()["loss"]
+
+
+@pytest.mark.parametrize("extra", [[], ["model.tie_embeddings=true"], MUP], ids=["plain", "tied", "mup"])
+def test_round_trip_one_process_is_bit_identical(extra, export, tmp_path):
+    params, out = _exported(tmp_path / "hf", extra) if extra else export
+    imported = Trainer(load_config(None, [*MODEL, *extra, f'model.init_from="{out}"']), ROWS, measure_peak=False)
+    got = dict(imported.model.named_parameters())
+    assert got.keys() == params.keys() and all(torch.equal(got[k], params[k]) for k in params)
+    # the same weights put into a fresh trainer by hand: the same first step, to the bit
+    _, want = _first_loss([*MODEL, *extra], params)
+    assert imported.train_step()["loss"] == want
+
+
+def _rank(rank: int, port: int, out: str, params: dict[str, torch.Tensor], ref_loss: float) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
+                            timeout=datetime.timedelta(seconds=60))
+    errors = []
+    for layout in LAYOUTS:
+        cfg = load_config(None, [*MODEL, f'model.init_from="{out}"', *layout_overrides(layout)])
+        trainer = Trainer(cfg, ROWS, rank=rank, mesh=build_mesh(cfg.parallel.dims, "cpu"), measure_peak=False)
+        for part in trainer.shard.parts:
+            for name, p in part.named_parameters():
+                want = params[name]
+                if isinstance(p, DTensor):
+                    got = p.to_local()
+                    want = distribute_tensor(want, p.device_mesh, p.placements, src_data_rank=None).to_local()
+                else:
+                    got = p
+                if not torch.equal(got, want):
+                    errors.append(f"rank {rank} {layout}: {name} differs")
+        loss = trainer.train_step()["loss"]
+        if abs(loss - ref_loss) > 1e-5 * ref_loss:
+            errors.append(f"rank {rank} {layout}: first loss {loss} != one process's {ref_loss}")
+    dist.destroy_process_group()
+    assert not errors, "\n".join(errors[:20])
+
+
+def test_round_trip_under_fsdp_tp_and_pp(export):
+    params, out = export
+    _, ref_loss = _first_loss(MODEL, params)
+    # forked, not spawned: four fresh interpreters importing torch cost more than the checks
+    mp.start_processes(_rank, args=(free_port(), str(out), params, ref_loss), nprocs=4, start_method="fork")
+
+
+def test_transformers_checkpoint_gives_transformers_logits(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded: model.safetensors.index.json
+    assert (tmp_path / "hf" / hf_checkpoint.INDEX).is_file()
+    cfg = load_config(None, [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=500000.0",
+                             f'model.init_from="{tmp_path / "hf"}"'])
+    ours = Trainer(cfg, ROWS, measure_peak=False).model.eval()
+    ids = torch.from_numpy(ROWS[:2, :32])
+    with torch.no_grad():
+        mine, theirs = ours(ids), hf(ids).logits
+    assert ((mine - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export, tmp_path):
+    params, out = export
+    cfg = load_config(None, [*MODEL, "model.ffn_dim=96", f'model.init_from="{out}"'])
+    with pytest.raises(CheckpointMismatch) as e:
+        Trainer(cfg, ROWS, measure_peak=False)
+    assert ("model.layers.0.mlp.gate_proj.weight (layers.0.mlp.w_gate.weight): checkpoint shape [192, 64], "
+            "the config's model needs [96, 64]") in str(e.value)
+    assert "set model.ffn_dim=192" in str(e.value)
+    # a missing tensor: the same folder without one layer's up projection
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for f in out.iterdir():
+        (cut / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(str(out / hf_checkpoint.WEIGHTS))
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, str(cut / hf_checkpoint.WEIGHTS))
+    with pytest.raises(CheckpointMismatch, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
+                                                 r"\(layers\.1\.mlp\.w_up\.weight\): not in model\.safetensors"):
+        Trainer(load_config(None, [*MODEL, f'model.init_from="{cut}"']), ROWS, measure_peak=False)
+    # μP whose folded scales cannot be multiplied back out exactly (m = 64/24)
+    with pytest.raises(CheckpointMismatch, match="width multiplier m = 2.66667 is not; set model.mup=false"):
+        Trainer(load_config(None, [*MODEL, "model.mup=true", "model.mup_base_width=24",
+                                   f'model.init_from="{out}"']), ROWS, measure_peak=False)
+
+
+def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_path):
+    from raysc.data.prepare import prepare_data
+    from raysc.driver import train
+
+    params, out = export
+    s3_server["client"].create_bucket(Bucket="hf-models")
+    for f in out.iterdir():
+        s3_server["client"].upload_file(str(f), "hf-models", f"tiny/{f.name}")
+    url = "s3://hf-models/tiny"
+    options = s3_options(s3_server["endpoint"]).replace("checkpoint.storage_options", "model.init_from_options")
+    cfg = make_cfg("train.steps=2", "train.seed=3", f'model.init_from="{url}"', options)
+    summary = train(cfg, progress=False)
+    assert summary["step"] == 2
+    run = Path(cfg.run_dir)
+    events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
+    init = [e for e in events if e["kind"] == "init_from"]
+    assert len(init) == 1 and init[0]["source"] == url and init[0]["sha256"] == content_sha256(out)
+    # the run's tokenizer is the checkpoint's
+    assert (run / "tokenizer.json").read_bytes() == (out / "tokenizer.json").read_bytes()
+    # its first loss is that of the exported weights on the run's first batch
+    cfg_ref = make_cfg("train.steps=2", "train.seed=3", f'data.tokenizer="{out / "tokenizer.json"}"')
+    packed, _, _ = prepare_data(cfg_ref)
+    ref = Trainer(cfg_ref, packed.train, measure_peak=False)
+    with torch.no_grad():
+        for name, p in ref.model.named_parameters():
+            p.copy_(params[name])
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["step"] == 1 and first["loss"] == ref.train_step()["loss"]
