@@ -16,9 +16,11 @@ directory, which the driver polls; the driver's SIGUSR1 handler does the same.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-import torch.distributed as dist
+if TYPE_CHECKING:  # torch is imported where the vote runs, not by `raysc ckpt now` (request_checkpoint)
+    import torch
+    import torch.distributed as dist
 
 KINDS = ("stop", "checkpoint")  # in priority order: a stop writes a checkpoint anyway
 REQUEST_FILE = "ckpt_now.request"
@@ -48,6 +50,9 @@ class StepVote:
                     self.flags[j] = 0
                 return kind
         if self.group is not None:
+            import torch
+            import torch.distributed as dist
+
             self._ballot = torch.tensor(self.flags, dtype=torch.int64)
             self._work = dist.all_reduce(self._ballot, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
         return None

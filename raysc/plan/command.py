@@ -13,7 +13,6 @@ from raysc.plan.layout import Cluster
 from raysc.plan.search import format_size, format_table, heuristic_layout, plan
 from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import estimate_step
-from raysc.train.throughput import measure_cpu_peak
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -48,6 +47,8 @@ def cluster_from_args(args: argparse.Namespace, cfg: Config) -> Cluster:
     if not gpus:
         raise ValueError("raysc plan needs --gpus N (the devices of the cluster)")
     if cpu:  # the fleet is CPU workers on this machine: measured matmul peak, host memory, loopback links
+        from raysc.train.throughput import measure_cpu_peak  # torch: only when measuring, not to build the CLI
+
         kw.setdefault("gpus_per_node", gpus)
         kw.setdefault("peak_tflops", measure_cpu_peak() / 1e12)
         kw.setdefault("gpu_mem_gb", os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 1e9 / gpus)
