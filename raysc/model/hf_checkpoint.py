@@ -91,6 +91,9 @@ class HFCheckpoint:
     def __init__(self, directory: str | Path, cfg: ModelConfig) -> None:
         self.dir = Path(directory)
         self.cfg = cfg
+        if not self.dir.is_dir():
+            raise FileNotFoundError(f"model.init_from {str(self.dir)!r} is not a directory; point it at a Hugging "
+                                    f"Face Llama checkpoint directory or URL (what `raysc export` writes)")
         if not (self.dir / CONFIG).is_file():
             raise FileNotFoundError(f"model.init_from {str(self.dir)!r} has no {CONFIG}: point it at a Hugging "
                                     f"Face Llama checkpoint directory (what `raysc export` writes)")

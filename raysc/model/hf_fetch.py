@@ -24,11 +24,7 @@ from raysc.model.hf_checkpoint import CONFIG, INDEX, TOKENIZER, WEIGHTS
 def init_dir(source: str, options: dict, cache_dir: str | Path) -> Path:
     """A local directory holding the checkpoint ``source`` (a path, or a URL copied into the cache)."""
     if not is_url(source):
-        path = Path(source)
-        if not path.is_dir():
-            raise FileNotFoundError(f"model.init_from {source!r} is not a directory; point it at a Hugging Face "
-                                    f"Llama checkpoint directory or URL (what `raysc export` writes)")
-        return path
+        return Path(source)  # HFCheckpoint says what is wrong with it, if anything
     local = Path(cache_dir) / "init_from" / hashlib.sha256(source.encode()).hexdigest()[:16]
     local.mkdir(parents=True, exist_ok=True)
     fs, root = fsspec.core.url_to_fs(source, **dict(options))
