@@ -8,6 +8,7 @@
   and a checkpoint from a running run now;
 - ``cluster local up`` / ``add-node`` / ``down`` (``raysc.cluster_cli``): a multi-node Ray cluster
   on this machine, to rehearse a cluster run;
+- ``quantize`` (``raysc.quantize.command``): a run's checkpoint as a quantized folder vLLM serves;
 - ``curate``, ``pack``: raw documents to curated Parquet, curated documents to token shards;
 - ``scale``, ``mup coord-check``: Chinchilla sizing, the μP coordinate check;
 - ``spec tune`` (``raysc.serve.spec_cli``): α, cost ratio and speculation length for serving;
@@ -28,6 +29,7 @@ from pathlib import Path
 
 from raysc.ckpt_cli import CKPT
 from raysc.cluster_cli import CLUSTER
+from raysc.quantize.command import QUANTIZE
 from raysc.cli_table import JSON, RUN_DIR, SET, STEP, Command, OneOf, arg
 from raysc.config.faults import KINDS as FAULT_KINDS
 from raysc.config.load import ConfigError, load_config
@@ -257,6 +259,7 @@ COMMANDS = (
         SET)),
     CKPT,
     CLUSTER,
+    QUANTIZE,
     Command("curate", "dedup, quality-score and tag documents with Ray Data; write Parquet and a report",
             cmd_curate, (
         arg("config", help="TOML config with [curate], [dedup] and [quality] sections (all optional)"),

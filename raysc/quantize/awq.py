@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from raysc.quantize.rtn import QuantSpec, output_error, rtn
+from raysc.quantize.rtn import QuantSpec, gram, output_error, rtn
 
 GRID = 20
 
@@ -59,7 +59,7 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
         per_kv = mag.view(kv, -1, hd).mean(dim=1)  # (kv, hd): one value per v channel
         mag = per_kv[:, None, :].expand(kv, mag.numel() // (kv * hd), hd).reshape(-1)
     mag = mag.clamp_min(1e-8)
-    refs = [x @ w.T for w in weights]
+    g = gram(x)
     best: AwqScales | None = None
     best_loss = float("inf")
     rtn_errors: list[float] = []
@@ -68,11 +68,11 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
         s = mag.pow(alpha)
         s = s / (s.max() * s.min()).sqrt()
         errors, loss = [], 0.0
-        for w, ref in zip(weights, refs):
-            w_hat = rtn(w.float() * s, spec).dequantize() / s
-            diff = (x @ w_hat.T - ref).pow(2).sum().item()
-            loss += diff
-            errors.append(diff / max(ref.pow(2).sum().item(), 1e-30))
+        for w in weights:
+            w = w.float()
+            err = output_error(g, w, rtn(w * s, spec).dequantize() / s)
+            errors.append(err)
+            loss += err * float(((w.double() @ g) * w.double()).sum())  # back to ||X Ŵᵀ - X Wᵀ||²
         if k == 0:
             rtn_errors = errors
         eligible = all(e <= r for e, r in zip(errors, rtn_errors))
@@ -80,11 +80,4 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
             best_loss = loss
             best = AwqScales(s, alpha, errors, rtn_errors)
     assert best is not None  # α = 0 is always eligible
-    best.rtn_errors = rtn_errors
     return best
-
-
-def scaled_error(x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, spec: QuantSpec) -> float:
-    """The relative error of ``w`` quantized with AWQ scales ``s``, on its input ``x``."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    return output_error(x, w.float(), rtn(w.float() * s, spec).dequantize() / s)

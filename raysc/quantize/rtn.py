@@ -116,8 +116,15 @@ def rtn(w: torch.Tensor, spec: QuantSpec) -> QLinear:
     return QLinear(codes, scales, None if spec.symmetric else zeros.to(torch.int8), spec)
 
 
-def output_error(x: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
-    """Relative reconstruction error of a linear on activations ``x`` (tokens, in):
-    ``||x (ŵ - w)ᵀ||² / ||x wᵀ||²``."""
-    ref = x @ w.T
-    return float(((x @ w_hat.T - ref).pow(2).sum() / ref.pow(2).sum().clamp_min(1e-30)).item())
+def gram(x: torch.Tensor) -> torch.Tensor:
+    """``xᵀx`` (in, in) in float64 of activations ``x`` (..., in): all ``output_error`` needs of them."""
+    x = x.reshape(-1, x.shape[-1]).double()
+    return x.T @ x
+
+
+def output_error(g: torch.Tensor, w: torch.Tensor, w_hat: torch.Tensor) -> float:
+    """Relative reconstruction error of a linear on activations ``x`` with ``g = gram(x)`` (or any
+    positive multiple of it): ``||x (ŵ - w)ᵀ||² / ||x wᵀ||²``, as ``tr(Δ g Δᵀ) / tr(w g wᵀ)``."""
+    w = w.double()
+    d = w_hat.double() - w
+    return float(((d @ g) * d).sum() / ((w @ g) * w).sum().clamp_min(1e-30))

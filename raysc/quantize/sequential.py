@@ -22,7 +22,7 @@ from torch import nn
 from raysc.model.llama import Block, Llama, Rope
 from raysc.quantize.awq import search_scales
 from raysc.quantize.gptq import Hessian, gptq
-from raysc.quantize.rtn import QLinear, QuantSpec, output_error, rtn
+from raysc.quantize.rtn import QLinear, QuantSpec, gram, output_error, rtn
 
 METHODS = ("int8", "rtn4", "gptq", "awq")
 # linears that share an input, in the order a block computes them
@@ -88,18 +88,17 @@ def quantize_model(model: Llama, calib: torch.Tensor, method: str, spec: QuantSp
         else:
             for group in GROUPS:
                 xs = _block_inputs(block, h, rope, [group[0]], chunk)[group[0]]
-                hess = None
-                if method == "gptq":
-                    hess = Hessian(xs.shape[1])
-                    hess.add(xs)
+                hess = Hessian(xs.shape[1])
+                hess.add(xs)
+                g = hess.h  # 2/n·xᵀx: output_error takes any multiple of xᵀx
                 for name in group:
                     lin = _module(block, name)
                     w = lin.weight.detach().float().clone()
                     base = rtn(w, spec)
-                    q = gptq(w, hess.matrix(), spec, act_order=act_order) if hess is not None else base
+                    q = gptq(w, hess.matrix(), spec, act_order=act_order) if method == "gptq" else base
                     w_hat = q.dequantize()
-                    rtn_err = output_error(xs, w, base.dequantize())
-                    err = rtn_err if q is base else output_error(xs, w, w_hat)
+                    rtn_err = output_error(g, w, base.dequantize())
+                    err = rtn_err if q is base else output_error(g, w, w_hat)
                     lin.weight.copy_(w_hat.to(lin.weight.dtype))
                     out.linears[prefix + name] = q
                     out.reports[prefix + name] = LayerReport(err, rtn_err)
@@ -130,7 +129,7 @@ def _awq_block(model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: Qu
     row_scale["attn.wv"] = o_s.view(kv, -1, hd)[:, 0, :].reshape(-1)  # tied: equal across a kv group
     row_scale["mlp.w_up"] = col_scale["mlp.w_down"]
     for group in GROUPS:
-        x = xs[group[0]]
+        g = gram(xs[group[0]])
         for n in group:
             w = weights[n]
             r = row_scale.get(n, torch.ones(w.shape[0]))
@@ -140,6 +139,6 @@ def _awq_block(model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: Qu
             _module(block, n).weight.copy_(deq.to(_module(block, n).weight.dtype))
             effective = deq * r[:, None] / s[None, :]  # the same layer in the original coordinates
             out.linears[prefix + n] = q
-            out.reports[prefix + n] = LayerReport(output_error(x, w, effective),
-                                                  output_error(x, w, rtn(w, spec).dequantize()),
+            out.reports[prefix + n] = LayerReport(output_error(g, w, effective),
+                                                  output_error(g, w, rtn(w, spec).dequantize()),
                                                   {"alpha": alphas[n]})

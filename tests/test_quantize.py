@@ -1,0 +1,212 @@
+"""``raysc quantize``: GPTQ and AWQ against round-to-nearest layer by layer, the compressed-tensors
+folder read back to the weights that were measured, int8's band, the manifest, calibration kept off
+the validation split, and the command end to end (vLLM itself: ``raysc.quantize.vllm_check``)."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from raysc.data.packing import PackedData
+from raysc.data.prepare import prepare_data
+from raysc.export.hf import hf_name
+from raysc.quantize.awq import search_scales
+from raysc.quantize.calibration import calibration, heldout_rows, tokens_sha256
+from raysc.quantize.quality import int8_activations, perplexity
+from raysc.quantize.rtn import QuantSpec, rtn
+from raysc.quantize.run import linear_names, plain_model
+from raysc.quantize.sequential import quantize_model
+from raysc.quantize.writer import pack_int32, read_weights, unpack_int32, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, cache_dir):
+    """A tiny model trained a few steps, its config, packed data and tokenizer."""
+    from raysc.config import load_config
+    from raysc.train.trainer import Trainer
+    from tests.conftest import TINY
+
+    run = tmp_path_factory.mktemp("q") / "run"
+    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run}"', "optim.lr=0.01"])
+    packed, tok_path, _ = prepare_data(cfg)
+    torch.manual_seed(0)
+    trainer = Trainer(cfg, packed.train, measure_peak=False)
+    for _ in range(8):
+        trainer.train_step()
+    return cfg, trainer.model.eval(), packed, tok_path
+
+
+@pytest.fixture(scope="module")
+def quantized(trained):
+    """(method, spec) -> (the model holding the quantized weights, what ``quantize_model`` returned),
+    each computed once for the module."""
+    cfg, model, packed, _ = trained
+    done: dict = {}
+
+    def get(method: str, spec: QuantSpec):
+        if (method, spec) not in done:
+            m = plain_model(model)
+            done[method, spec] = (m, quantize_model(m, calibration(packed, 512, seed=3).tokens, method, spec))
+        return done[method, spec]
+
+    return get
+
+
+@torch.no_grad()
+def logit_error(model, reference, rows) -> float:
+    """Mean squared logit difference relative to the reference logits' variance."""
+    a, b = model(rows[:, :-1]), reference(rows[:, :-1])
+    return float((a - b).pow(2).mean() / b.var())
+
+
+@pytest.mark.parametrize("method,spec", [("gptq", QuantSpec(4, 32)), ("awq", QuantSpec(4, 32, symmetric=False))])
+def test_gptq_and_awq_are_no_worse_than_rtn_on_every_layer(trained, quantized, method, spec):
+    m, q = quantized(method, spec)
+    assert len(q.reports) == 7 * 2
+    for name, r in q.reports.items():
+        assert r.error <= r.rtn_error * (1 + 1e-5), (name, r)
+    total = sum(r.error for r in q.reports.values()) / sum(r.rtn_error for r in q.reports.values())
+    assert total < 0.97, f"{method} is hardly better than round-to-nearest: {total:.3f}"
+    if method == "gptq":
+        assert all(ql.perm is not None and sorted(ql.perm.tolist()) == list(range(ql.codes.shape[1]))
+                   for ql in q.linears.values())
+    else:
+        assert any(r.extra["alpha"] > 0 for r in q.reports.values())
+    # the quantized model (AWQ: scales folded into norms and rows) still computes the same function
+    _, model, packed, _ = trained
+    assert logit_error(m, plain_model(model), heldout_rows(packed, 8)) < 0.05
+
+
+def test_awq_protects_salient_channels_and_folds_its_scales(trained):
+    """Make a few input channels salient without changing the function (norm weight ×8, the columns
+    reading it /8): AWQ finds scales for them and folds them into the norms, so its model stays
+    close to full precision where round-to-nearest (same asymmetric grid) does not."""
+    _, model, packed, _ = trained
+    base = plain_model(model)
+    rows = heldout_rows(packed, 8)
+    reference = copy.deepcopy(base)
+    with torch.no_grad():
+        for block in base.layers.values():
+            for norm, linears in ((block.attn_norm, (block.attn.wq, block.attn.wk, block.attn.wv)),
+                                  (block.mlp_norm, (block.mlp.w_gate, block.mlp.w_up))):
+                norm.weight[::7] *= 8
+                for lin in linears:
+                    lin.weight[:, ::7] /= 8
+    assert logit_error(base, reference, rows) < 1e-10
+    calib = calibration(packed, 512, seed=3).tokens
+    spec = QuantSpec(4, 32, symmetric=False)
+    results = {}
+    for method in ("awq", "rtn4"):
+        m = copy.deepcopy(base)
+        q = quantize_model(m, calib, method, spec)
+        results[method] = (logit_error(m, reference, rows), q)
+    awq_err, q = results["awq"]
+    assert all(q.reports[f"layers.{i}.attn.wq"].extra["alpha"] > 0 for i in base.layers)
+    assert awq_err < 0.7 * results["rtn4"][0], (awq_err, results["rtn4"][0])
+
+
+def test_awq_never_trades_one_layer_for_another():
+    """Two linears on one input: the big one gains from scaling, the small one (whose grid is set by
+    the salient channels) would lose; the search keeps only exponents that hurt neither."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(256, 64, generator=g) * torch.linspace(0.2, 4, 64)
+    x[:, ::8] *= 5
+    big = torch.randn(64, 64, generator=g)
+    small = torch.randn(16, 64, generator=g) * 0.01
+    small[:, ::8] *= 20
+    found = search_scales(x, [big, small], QuantSpec(4, 32))
+    assert all(e <= r for e, r in zip(found.errors, found.rtn_errors)), found
+
+
+def test_packing_matches_compressed_tensors_layout():
+    # compressed-tensors' own example: 8-bit codes [1, 2] -> unsigned [129, 130] -> 33409
+    assert pack_int32(torch.tensor([[1, 2]], dtype=torch.int8), 8).item() == 33409
+    # 4-bit: codes -8..-1 are unsigned 0..7, lowest bits first
+    assert pack_int32(torch.arange(-8, 0, dtype=torch.int8)[None], 4).item() == 0x76543210
+    codes = torch.randint(-8, 8, (40, 72), generator=torch.Generator().manual_seed(0)).to(torch.int8)
+    assert torch.equal(unpack_int32(pack_int32(codes, 4), 4, 72), codes)
+    assert torch.equal(unpack_int32(pack_int32(codes, 4, dim=0), 4, 40, dim=0), codes)
+    assert pack_int32(codes, 4).shape == (40, 9) and pack_int32(codes, 4, dim=0).shape == (5, 72)
+
+
+@pytest.mark.parametrize("method,spec", [("rtn4", QuantSpec(4, 32)), ("awq", QuantSpec(4, 32, symmetric=False)),
+                                         ("int8", QuantSpec(8, -1))])
+def test_written_checkpoint_dequantizes_to_the_measured_weights(trained, quantized, tmp_path, method, spec):
+    cfg, _, _, tok_path = trained
+    m, q = quantized(method, spec)
+    out = write_checkpoint(m, q.linears, tok_path, tmp_path / method, spec, act_order=False)
+    config = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert config["format"] == ("int-quantized" if spec.bits == 8 else "pack-quantized")
+    back = read_weights(out)
+    for name, p in m.named_parameters():  # every weight, AWQ's folded norms included, bit for bit
+        assert torch.equal(back[hf_name(name)], p.detach()), name
+
+
+def test_int8_per_channel_stays_in_a_tight_band(trained, quantized):
+    cfg, model, packed, _ = trained
+    w = model.layers["0"].mlp.w_down.weight.detach()
+    q = rtn(w, QuantSpec(8, -1))
+    step = 2 * w.abs().amax(dim=1, keepdim=True) / 255
+    assert torch.allclose(q.scale, step)
+    assert ((q.dequantize() - w).abs() <= step / 2 + 1e-7).all()
+    m, _ = quantized("int8", QuantSpec(8, -1))
+    rows = heldout_rows(packed, 16)
+    before = perplexity(plain_model(model), rows)
+    with int8_activations(m, linear_names(m)):
+        after = perplexity(m, rows)
+    assert abs(after / before - 1) < 0.005, (before, after)
+
+
+def test_calibration_never_touches_the_validation_split():
+    train = np.arange(40 * 9, dtype=np.uint16).reshape(40, 9) % 100  # ids < 100
+    val = np.full((10, 9), 500, dtype=np.uint16)
+    packed = PackedData({"b": train[20:], "a": train[:20]}, val, {})
+    a = calibration(packed, 64, seed=1)
+    assert a.tokens.shape == (8, 8) and int(a.tokens.max()) < 100
+    assert a.sha256 == calibration(packed, 64, seed=1).sha256 != calibration(packed, 64, seed=2).sha256
+    assert a.sha256 == tokens_sha256(a.tokens)
+    with pytest.raises(ValueError, match="--calib-tokens"):  # too many: never topped up from val
+        calibration(packed, 41 * 8, seed=1)
+    assert int(heldout_rows(packed, 3).min()) == 500
+
+
+def test_quantize_command_round_trip(trained, tmp_path, monkeypatch, capsys):
+    """`raysc quantize` end to end: the folder, the manifest, and the folder's weights reproduce the
+    quantized perplexity the manifest records."""
+    from raysc import cli
+    from raysc.export.restore import RunModel
+    from raysc.quantize import run as qrun
+
+    cfg, model, packed, tok_path = trained
+    monkeypatch.setattr(qrun, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", 8))
+    out = tmp_path / "gptq"
+    assert cli.main(["quantize", str(tmp_path / "run"), "--method", "gptq", "--group-size", "32",
+                     "--calib-tokens", "512", "--eval-tokens", "1024", "--out", str(out)]) == 0
+    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    man = json.loads((out / "quantize_manifest.json").read_text())
+    assert printed["out"] == str(out) and printed["perplexity_after"] == man["quality"]["perplexity_after"]
+    assert (man["method"], man["bits"], man["group_size"], man["symmetric"], man["act_order"]) == \
+        ("gptq", 4, 32, True, True)
+    assert man["format"]["format"] == "pack-quantized" and man["source"]["step"] == 8
+    cal = man["calibration"]
+    assert cal["split"] == "train" and cal["tokens"] == 512 and cal["seed"] == cfg.train.seed
+    assert cal["sha256"] == calibration(packed, 512, cfg.train.seed).sha256
+    assert len(man["layers"]) == 14 and all(v["error"] <= v["rtn_error"] * (1 + 1e-5) for v in man["layers"].values())
+    from safetensors.torch import load_file
+
+    perms = load_file(str(out / man["act_order_permutations"]["file"]))
+    assert set(perms) == set(man["layers"])
+    q = man["quality"]
+    assert q["perplexity_before"] < q["perplexity_after"] < q["perplexity_before"] * 1.2
+    # the written folder, read back into a model, scores what the manifest says
+    back = read_weights(out)
+    m = plain_model(model)
+    m.load_state_dict({n: back[hf_name(n)] for n, _ in m.named_parameters()}, strict=False)
+    rows = heldout_rows(packed, 1024 // cfg.train.seq_len)
+    assert perplexity(m, rows) == pytest.approx(q["perplexity_after"], rel=1e-6)
+    assert cli.main(["quantize", str(tmp_path / "run"), "--method", "rtn4", "--bits", "8"]) == 2
+    assert "--method rtn4 is 4-bit" in capsys.readouterr().err
