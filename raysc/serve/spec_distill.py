@@ -1,6 +1,6 @@
 """Distil a draft model from its target on soft targets, and measure what it buys in acceptance.
 
-The draft's architecture, optimizer, schedule, batch and steps come from a draft run's config (e.g.
+The draft's architecture, optimizer, schedule, batch and steps come from a draft config (e.g.
 ``jobs/configs/draft.toml``); instead of the corpus's next token it learns the target's whole
 next-token distribution on the target's *training* rows: loss = KL(p_target ‖ q_draft) at
 temperature 1 (Hinton et al. 2015; DistillSpec, Zhou et al. 2024, shows that matching the target's
@@ -12,7 +12,8 @@ A one-process loop of our own, not ``raysc train``: the fleet's step has no seco
 and a ~0.3M-parameter draft needs no parallelism. The distilled draft is written as a Hugging Face
 folder (``raysc.export.hf``), which vLLM takes as a speculative draft model.
 
-    python -m raysc.serve.spec_distill runs/demo runs/draft --out runs/draft-distilled-hf
+    python -m raysc.serve.spec_distill runs/demo jobs/configs/draft.toml --baseline runs/draft \
+        --out runs/draft-distilled-hf
 """
 
 from __future__ import annotations
@@ -39,9 +40,13 @@ def training_rows(target_cfg) -> np.ndarray:
     return train if isinstance(train, np.ndarray) else np.concatenate(list(train.values()))
 
 
-def distill(target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50) -> tuple[Llama, list[dict]]:
+def distill(target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50, loss_kind: str = "kl"
+            ) -> tuple[Llama, list[dict]]:
     """A fresh draft (``draft_cfg``'s model, seed, optimizer, schedule, batch and steps) trained on
-    KL(p_target ‖ q_draft) over ``rows``; returns it and its loss log."""
+    KL(p_target ‖ q_draft) over ``rows`` (``loss_kind="ce"``: on the rows' next tokens instead, the
+    same-data control with everything else equal); returns it and its loss log."""
+    if loss_kind not in ("kl", "ce"):
+        raise ValueError(f"loss_kind {loss_kind!r}: use 'kl' (distillation) or 'ce' (the data's next tokens)")
     from raysc.train.optim import build_optimizer, build_scheduler
 
     t = draft_cfg.train
@@ -56,17 +61,20 @@ def distill(target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50) -> 
     for step in range(t.steps):
         idx = np.take(order, range(step * t.global_batch, (step + 1) * t.global_batch), mode="wrap")
         x = torch.from_numpy(rows[idx, :-1]).long()
-        with torch.no_grad():
-            p_log = F.log_softmax(target(x).float(), -1)
         q_log = F.log_softmax(draft(x).float(), -1)
-        loss = F.kl_div(q_log.flatten(0, 1), p_log.flatten(0, 1), log_target=True, reduction="batchmean")
+        if loss_kind == "ce":
+            loss = F.nll_loss(q_log.flatten(0, 1), torch.from_numpy(rows[idx, 1:]).long().flatten())
+        else:
+            with torch.no_grad():
+                p_log = F.log_softmax(target(x).float(), -1)
+            loss = F.kl_div(q_log.flatten(0, 1), p_log.flatten(0, 1), log_target=True, reduction="batchmean")
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(draft.parameters(), draft_cfg.optim.clip_norm)
         opt.step()
         sched.step()
         if (step + 1) % log_every == 0 or step + 1 == t.steps:
-            log.append({"step": step + 1, "kl": float(loss.detach()), "time": time.perf_counter() - t0})
+            log.append({"step": step + 1, loss_kind: float(loss.detach()), "time": time.perf_counter() - t0})
     return draft.eval(), log
 
 
@@ -90,32 +98,40 @@ def compare(target: Llama, drafts: dict[str, Llama], target_cfg, prompts: int = 
 
 
 def main(argv: list[str] | None = None) -> int:
+    from raysc.config.load import load_config
     from raysc.export.hf import export_hf
     from raysc.export.restore import load_run
 
     ap = argparse.ArgumentParser(description="distil a draft from its target (soft targets) and compare acceptance")
     ap.add_argument("target_run")
-    ap.add_argument("draft_run", help="a draft run: its config is the recipe, its model the same-data baseline")
+    ap.add_argument("draft_config", help="the draft's TOML config (model, optim, schedule, train.steps/batch/seed)")
+    ap.add_argument("--baseline", help="a draft run trained on the same data, compared on the same prompts")
     ap.add_argument("--out", help="write the distilled draft here as a Hugging Face folder")
-    ap.add_argument("--steps", type=int, help="override the draft run's train.steps")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--loss", choices=["kl", "ce"], default="kl",
+                    help="kl: distil the target's distribution; ce: the data's next tokens (same-loop control)")
+    ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
-    target, baseline = load_run(a.target_run), load_run(a.draft_run)
-    if baseline.tokenizer_path.read_bytes() != target.tokenizer_path.read_bytes():
-        raise ValueError(f"{a.draft_run} and {a.target_run} use different tokenizers; a draft needs the target's")
-    cfg = baseline.cfg
-    if a.steps:
-        cfg.train.steps = a.steps
-    distilled, log = distill(target.model, cfg, training_rows(target.cfg))
+    target = load_run(a.target_run)
+    cfg = load_config(a.draft_config, a.overrides)
+    if cfg.model.vocab_size != target.cfg.model.vocab_size:
+        raise ValueError(f"draft model.vocab_size {cfg.model.vocab_size} != the target's {target.cfg.model.vocab_size}")
+    drafts = {}
+    if a.baseline:
+        baseline = load_run(a.baseline)
+        if baseline.tokenizer_path.read_bytes() != target.tokenizer_path.read_bytes():
+            raise ValueError(f"{a.baseline} and {a.target_run} use different tokenizers; a draft needs the target's")
+        drafts["same_data"] = baseline.model.eval()
+    distilled, log = distill(target.model, cfg, training_rows(target.cfg), loss_kind=a.loss)
+    drafts["distilled" if a.loss == "kl" else "same_data_loop"] = distilled
     if a.out:
         export_hf(distilled, target.tokenizer_path, a.out)
-    result = {"recipe": f"KL(p_target || q_draft), T=1, {cfg.train.steps} steps x {cfg.train.global_batch} rows "
-                        f"of the target's training data, draft config of {a.draft_run}",
-              "distill_log": log,
-              "compare": compare(target.model, {"same_data": baseline.model.eval(), "distilled": distilled},
-                                 target.cfg, a.prompts)}
+    loss = "KL(p_target || q_draft), T=1" if a.loss == "kl" else "cross-entropy on the data's next tokens"
+    result = {"recipe": f"{loss}, {cfg.train.steps} steps x {cfg.train.global_batch} rows "
+                        f"of the target's training data, model/optim/schedule of {a.draft_config}",
+              "distill_log": log, "compare": compare(target.model, drafts, target.cfg, a.prompts)}
     print(json.dumps(result))
     return 0
 

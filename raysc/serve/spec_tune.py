@@ -7,9 +7,10 @@ neither the target nor a draft trained on the same data has seen):
   one teacher-forced pass of target and drafter over the result gives, at every position, the chance
   that a drafted token is accepted, Σ_x min(p(x), q(x)) (1 when the argmaxes agree at T = 0). For
   prompt lookup q is a point mass on the token the lookup proposes (0 when it proposes none).
-- c, the draft/target step-cost ratio: timed one-token forward passes at batch 1 (the work of one
-  decode step with a KV cache, less its attention over the cache), median of several; for prompt
-  lookup the time of one lookup over the context.
+- c, the draft/target step-cost ratio: one-token forward passes at batch 1 (the work of one decode
+  step with a KV cache, less its attention over the cache), target and draft timed alternately, ratio
+  of the fastest of each (the least disturbed by other processes); for prompt lookup the time of one
+  lookup over the context.
 - at T = 0 the tokens each target pass really emits, k by k: a drafted run is accepted up to the
   first position where the drafter's greedy token differs from the target's, so one teacher-forced
   pass gives every k's outcome exactly (``greedy_passes``); prompt lookup is replayed token by token.
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,24 +126,34 @@ def ngram_acceptance(target: Llama, seqs: torch.Tensor, prompt_len: int, tempera
 
 @torch.no_grad()
 def step_seconds(model: Llama, reps: int = 30, warmup: int = 5) -> float:
-    """Median wall time of a one-token forward pass at batch 1."""
+    """Fastest of ``reps`` one-token forward passes at batch 1: the minimum is the time least disturbed
+    by other processes (``timeit``'s advice); medians on a shared 2-core machine varied 2x run to run."""
+    return paired_step_seconds(model, model, reps, warmup)[0]
+
+
+@torch.no_grad()
+def paired_step_seconds(a: Llama, b: Llama, reps: int = 60, warmup: int = 5) -> tuple[float, float]:
+    """Fastest one-token forward times of ``a`` and ``b`` (as ``step_seconds``), timed alternately so
+    that both see the same machine load."""
     x = torch.zeros(1, 1, dtype=torch.long)
-    times = []
+    times: tuple[list[float], list[float]] = ([], [])
     for i in range(warmup + reps):
-        t0 = time.perf_counter()
-        model(x)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for model, out in ((a, times[0]), (b, times[1])):
+            t0 = time.perf_counter()
+            model(x)
+            if i >= warmup:
+                out.append(time.perf_counter() - t0)
+    return min(times[0]), min(times[1])
 
 
 def lookup_seconds(context: list[int], k: int, min_n: int, max_n: int, reps: int = 30) -> float:
+    """Fastest of ``reps`` prompt lookups over ``context``."""
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         ngram_propose(context, k, min_n, max_n)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 @dataclass
@@ -216,13 +226,14 @@ def tune(target_dir: str | Path, draft_dir: str | Path | None, prompts: int = 32
                              f"train the draft with the target's (--set data.tokenizer=\"{target.tokenizer_path}\", "
                              f"or the same corpus, model.vocab_size and train.seed)")
         beta = acceptance(target.model, draft.model, seqs, prompt_len, temperature)
-        t_draft = step_seconds(draft.model)
+        t_target, t_draft = paired_step_seconds(target.model, draft.model)
         measured = None
         if temperature == 0:
             match = (beta > 0.5).numpy()
             measured = {k: _per_pass(greedy_passes(m, k, new_tokens) for m in match) for k in range(1, max_k + 1)}
         methods.append(method_report("draft_model", float(beta[:, :new_tokens].mean()), t_draft / t_target, max_k, measured))
-        out.update(draft_run=str(Path(draft_dir).resolve()), draft_step=draft.step, draft_step_s=t_draft)
+        out.update(draft_run=str(Path(draft_dir).resolve()), draft_step=draft.step, draft_step_s=t_draft,
+                   target_step_s=t_target)
     beta_ng = ngram_acceptance(target.model, seqs, prompt_len, temperature, ngram_min, ngram_max)
     rows = seqs.tolist()
     t_lookup = lookup_seconds(rows[0][:prompt_len + new_tokens // 2], max_k, ngram_min, ngram_max)
