@@ -317,6 +317,9 @@ class ServeConfig:
     quantization: str = opt("", "the precision the model will be served in (checked by raysc preflight against "
                                 "the training precision); empty = not decided",
                             choices=["", "bf16", "fp16", "fp8", "int8", "int4"])
+    max_quality_loss: float = opt(0.05, "largest relative held-out perplexity increase a quantized checkpoint may "
+                                        "cost against the training precision (raysc quantize, preflight item 7)",
+                                  min=0.0)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""Load a quantized folder in vLLM and generate greedily; compare with the same weights in torch.
+
+``vllm_smoke(path)`` starts vLLM's offline engine (``vllm.LLM``, ``enforce_eager``; the caller sets
+``VLLM_CPU_KVCACHE_SPACE`` and must call it under ``if __name__ == "__main__":``, since vLLM starts
+worker processes) and returns its greedy continuations of ``PROMPTS``, the continuations of the
+folder's weights read back by ``writer.read_weights`` into the raysc model (int8 activations
+simulated for W8A8), and how many tokens agree. ``python -m raysc.quantize.vllm_check DIR...``
+prints that as JSON for each folder.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PROMPTS = ["def main():\n    ", "import os\nimport sys\n\n", "class Config:\n    def __init__(self", "    return "]
+
+
+def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[list[int]]:
+    """Greedy token ids from the folder's weights in the raysc model (what vLLM should compute)."""
+    import torch
+
+    from raysc.config.schema import ModelConfig
+    from raysc.data.tokenizer import EOS_ID, load_tokenizer
+    from raysc.export.hf import hf_name
+    from raysc.model.generate import generate
+    from raysc.model.llama import Llama
+    from raysc.quantize.quality import int8_activations
+    from raysc.quantize.run import linear_names
+    from raysc.quantize.writer import read_weights
+
+    path = Path(path)
+    c = json.loads((path / "config.json").read_text())
+    cfg = ModelConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
+                      n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
+                      ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], rope_theta=c["rope_theta"],
+                      tie_embeddings=c["tie_word_embeddings"])
+    model = Llama(cfg, c["max_position_embeddings"]).eval()
+    weights = read_weights(path)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            p.copy_(weights[hf_name(n)])
+    tok = load_tokenizer(path / "tokenizer.json")
+    w8a8 = c["quantization_config"]["format"] == "int-quantized"
+    out = []
+    for prompt in prompts:
+        if w8a8:
+            with int8_activations(model, linear_names(model)):
+                out.append(generate(model, tok.encode(prompt).ids, max_tokens, stop_id=EOS_ID))
+        else:
+            out.append(generate(model, tok.encode(prompt).ids, max_tokens, stop_id=EOS_ID))
+    return out
+
+
+def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: int = 24) -> dict:
+    """vLLM's greedy continuations of ``prompts`` from the folder at ``path``, torch's from the same
+    weights, and the share of tokens on which they agree up to the first difference."""
+    from vllm import LLM, SamplingParams
+
+    prompts = prompts or PROMPTS
+    llm = LLM(model=str(path), enforce_eager=True, dtype="float32", max_model_len=128, seed=0)
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens))
+    ours = torch_greedy(path, prompts, max_tokens)
+    texts, agree, total = [], 0, 0
+    for o, mine in zip(outs, ours):
+        ids = list(o.outputs[0].token_ids)
+        texts.append(o.outputs[0].text)
+        same = 0
+        for a, b in zip(ids, mine):
+            if a != b:
+                break
+            same += 1
+        agree += same
+        total += max(len(ids), len(mine))
+    quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    return {"path": str(path), "format": quant["format"], "texts": texts, "prefix_agreement": agree / max(total, 1)}
+
+
+if __name__ == "__main__":
+    for folder in sys.argv[1:]:
+        print(json.dumps(vllm_smoke(folder)), flush=True)
