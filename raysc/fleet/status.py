@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from raysc.fleet.events import EventKind
-from raysc.fleet.records import read_jsonl
+from raysc.fleet.records import read_jsonl, read_serving
 
 
 def goodput(metrics: list[dict], wall_s: float) -> float | None:
@@ -53,4 +53,5 @@ def run_status(run_dir: str | Path) -> dict:
         "last_checkpoint": saved[-1]["step"] if saved else None,
         "wall_s": round(t1 - t0, 2), "goodput": goodput(metrics, t1 - t0),
         "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],
+        "serving": read_serving(rd),
     }

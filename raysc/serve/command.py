@@ -1,0 +1,199 @@
+"""``raysc serve``: a run (or an export) answered by vLLM inside Ray Serve LLM, on the current Ray
+cluster, through an OpenAI-compatible endpoint; ``--follow`` rolls it onto each new checkpoint.
+
+The command resolves what to serve (``raysc.serve.source``), maps ``serve.*`` onto the engine
+(``raysc.serve.engine``), deploys the application (``raysc.serve.app``) and records what serves a
+run in ``<run>/serve/serving.json`` (``raysc status`` shows it). It stays in the foreground until
+Ctrl-C or SIGTERM, then deletes its application; ``--detach`` leaves the application on the cluster.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from raysc.config.schema import Config, ServeConfig
+from raysc.fleet.records import SERVING_RECORD
+from raysc.serve.app import API_KEY_ENV, build_app, key_digest
+from raysc.serve.engine import llm_config_dict, speculative_config
+from raysc.serve.source import ServedModel, export_run, is_run_dir, newest_verified_step, resolve
+
+SPEC_TUNED = "serve_speculative.json"  # written into the target run by `raysc spec tune`
+
+
+@dataclass
+class Deployment:
+    """A deployed application and what it serves."""
+
+    app_name: str
+    url: str
+    model_id: str
+    model: ServedModel
+    serve: ServeConfig
+    speculative: dict | None = None
+
+
+def settings(source: str, overrides: list[str]) -> Config:
+    """The config whose ``serve.*`` section applies: a run's own (with ``overrides``), else defaults."""
+    from raysc.config.load import load_config
+
+    path = Path(source) / "config.toml" if is_run_dir(source) else None
+    return load_config(path, overrides)
+
+
+def _model_id(cfg: Config, model: ServedModel) -> str:
+    if cfg.serve.model_id:
+        return cfg.serve.model_id
+    return cfg.run.name if model.run_dir is not None else Path(model.path.rstrip("/")).name
+
+
+def _api_key(cfg: ServeConfig) -> str:
+    return cfg.api_key or os.environ.get(API_KEY_ENV, "")
+
+
+def _max_model_len(model: ServedModel, cfg: ServeConfig) -> int:
+    if cfg.max_model_len or model.remote:
+        return cfg.max_model_len
+    try:
+        return int(json.loads((Path(model.path) / "config.json").read_text())["max_position_embeddings"])
+    except (OSError, KeyError, ValueError):
+        return 0
+
+
+def _speculative(cfg: Config, source: str, draft: str | None) -> dict | None:
+    tuned = None
+    if is_run_dir(source) and (Path(source) / SPEC_TUNED).is_file():
+        tuned = json.loads((Path(source) / SPEC_TUNED).read_text())
+    draft_path = resolve(draft).path if draft else None
+    if draft is None and not cfg.serve.num_speculative_tokens:
+        # a tuned draft-model choice needs the draft: without --draft only a tuned n-gram choice applies
+        tuned = tuned if (tuned or {}).get("method") == "ngram" else None
+    return speculative_config(cfg.serve, draft_path, tuned)
+
+
+def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None = None,
+           model: ServedModel | None = None) -> Deployment:
+    """Deploy (or roll) the application serving ``source`` on the connected Ray cluster; returns when the
+    new version answers."""
+    from ray import serve
+
+    model = model or resolve(source, step)
+    model_id = _model_id(cfg, model)
+    spec = _speculative(cfg, source, draft)
+    llm_cfg = llm_config_dict(model, cfg.serve, model_id, spec)
+    key = _api_key(cfg.serve)
+    app = build_app(llm_cfg, key_digest(key) if key else "", _max_model_len(model, cfg.serve))
+    serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
+    name = f"raysc-{model_id}"
+    serve.run(app, name=name, route_prefix="/", blocking=False)
+    host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
+    dep = Deployment(name, f"http://{host}:{cfg.serve.port}/v1", model_id, model, cfg.serve, spec)
+    if model.run_dir is not None:
+        _record(dep)
+    return dep
+
+
+def _record(dep: Deployment) -> None:
+    path = dep.model.run_dir / SERVING_RECORD
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({
+        "app": dep.app_name, "url": dep.url, "model_id": dep.model_id, "step": dep.model.step,
+        "checkpoint": dep.model.checkpoint, "export": dep.model.path, "pid": os.getpid(),
+        "since": time.time(), "speculative": dep.speculative,
+        "replicas": dep.serve.replicas if not dep.serve.autoscale_max
+        else f"{dep.serve.autoscale_min}-{dep.serve.autoscale_max}",
+    }, indent=2))
+
+
+def undeploy(dep: Deployment) -> None:
+    from ray import serve
+
+    serve.delete(dep.app_name)
+    if dep.model.run_dir is not None:
+        (dep.model.run_dir / SERVING_RECORD).unlink(missing_ok=True)
+
+
+def follow(dep: Deployment, source: str, cfg: Config, stop: threading.Event, poll_s: float = 10.0,
+           draft: str | None = None, log=print) -> Deployment:
+    """Until ``stop`` is set: roll ``dep`` onto each newly committed, verified checkpoint of the run in
+    ``source`` (Ray Serve replaces the replicas; requests in flight finish on the old weights)."""
+    run_dir = Path(source)
+    while not stop.wait(poll_s):
+        step = newest_verified_step(run_dir)
+        if step is None or (dep.model.step is not None and step <= dep.model.step):
+            continue
+        t0 = time.perf_counter()
+        model = export_run(run_dir, step)
+        dep = deploy(source, cfg, draft=draft, model=model)
+        log(json.dumps({"serving_step": step, "export": model.path, "rolled_s": round(time.perf_counter() - t0, 1)}),
+            flush=True)
+    return dep
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+
+    overrides = list(args.overrides)
+    if args.replicas is not None:
+        overrides.append(f"serve.replicas={args.replicas}")
+    if args.autoscale:
+        lo, _, hi = args.autoscale.partition(",")
+        if not (lo.strip().isdigit() and hi.strip().isdigit()):
+            raise SystemExit(f"--autoscale takes MIN,MAX (two whole numbers), got {args.autoscale!r}")
+        overrides += [f"serve.autoscale_min={lo.strip()}", f"serve.autoscale_max={hi.strip()}"]
+    if args.host:
+        overrides.append(f"serve.host={json.dumps(args.host)}")
+    if args.port:
+        overrides.append(f"serve.port={args.port}")
+    cfg = settings(args.source, overrides)
+    if args.follow and not is_run_dir(args.source):
+        raise SystemExit("--follow watches a run's checkpoints: pass a run directory (config.toml), not an export")
+    if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not _api_key(cfg.serve):
+        print(f"warning: serving on {cfg.serve.host} without an API key; anyone who can reach the port can use "
+              f"the model (set serve.api_key or {API_KEY_ENV})", flush=True)
+    if args.follow and newest_verified_step(Path(args.source)) is None:
+        print(f"waiting for the first verified checkpoint of {args.source} ...", flush=True)
+        while newest_verified_step(Path(args.source)) is None:
+            time.sleep(args.poll_s)
+    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, configure_logging=False)
+    t0 = time.perf_counter()
+    dep = deploy(args.source, cfg, args.step, args.draft)
+    print(json.dumps({"serving": dep.url, "model": dep.model_id, "step": dep.model.step, "export": dep.model.path,
+                      "reused_export": dep.model.reused, "speculative": dep.speculative,
+                      "ready_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    if args.detach:
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if args.follow:
+            dep = follow(dep, args.source, cfg, stop, args.poll_s, args.draft)
+        else:
+            stop.wait()
+    finally:
+        undeploy(dep)
+        print(json.dumps({"stopped": dep.app_name}), flush=True)
+    return 0
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="a run directory (its newest verified checkpoint), a Hugging Face export folder, "
+                                  "or an s3:// export")
+    p.add_argument("--step", type=int, help="serve this checkpoint step of a run (default: the newest verified)")
+    group = p.add_mutually_exclusive_group()
+    group.add_argument("--replicas", type=int, help="fixed number of vLLM replicas (serve.replicas)")
+    group.add_argument("--autoscale", metavar="MIN,MAX", help="autoscale between MIN and MAX replicas")
+    p.add_argument("--host", help="bind address (serve.host, default 127.0.0.1)")
+    p.add_argument("--port", type=int, help="HTTP port (serve.port, default 8000)")
+    p.add_argument("--draft", metavar="DRAFT_RUN", help="a draft model's run (same tokenizer) for speculative "
+                                                        "decoding; k from `raysc spec tune` or serve.num_speculative_tokens")
+    p.add_argument("--follow", action="store_true", help="roll onto each newly committed checkpoint of the run")
+    p.add_argument("--poll-s", type=float, default=10.0, help="how often --follow looks for a new checkpoint")
+    p.add_argument("--detach", action="store_true", help="deploy and return; the app stays on the cluster")
