@@ -5,6 +5,7 @@ the validation split, and the command end to end (vLLM itself: ``raysc.quantize.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
@@ -210,3 +211,27 @@ def test_quantize_command_round_trip(trained, tmp_path, monkeypatch, capsys):
     assert perplexity(m, rows) == pytest.approx(q["perplexity_after"], rel=1e-6)
     assert cli.main(["quantize", str(tmp_path / "run"), "--method", "rtn4", "--bits", "8"]) == 2
     assert "--method rtn4 is 4-bit" in capsys.readouterr().err
+
+
+def test_preflight_item_7_measures_the_quantized_probe(trained, tmp_path, monkeypatch):
+    """Item 7 quantizes the probe checkpoint with serve.quantization's method and judges the measured
+    perplexity increase against serve.max_quality_loss."""
+    from raysc.config import load_config
+    from raysc.export.restore import RunModel
+    from raysc.preflight.checklist import check_serving
+    from raysc.preflight.quantized import measure_quantization
+    from raysc.quantize import run as qrun
+
+    cfg, model, _, tok_path = trained
+    monkeypatch.setattr(qrun, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", 6))
+    int8 = load_config(None, ['serve.quantization="int8"'])
+    measured = measure_quantization(dataclasses.replace(cfg, serve=int8.serve), tmp_path / "probe", 512, 1024)
+    assert measured["method"] == "int8" and measured["bits"] == 8 and measured["step"] == 6
+    assert measured["bytes"] < measured["full_precision_bytes"] and 0 <= measured["relative_increase"] < 0.01
+    item = check_serving(int8, measured)
+    assert item.status == "pass" and "int8" in item.summary and item.evidence["measured"] is measured
+    for loss, status in ((0.07, "warn"), (0.2, "fail")):
+        item = check_serving(int8, {**measured, "relative_increase": loss})
+        assert item.status == status and "serve.max_quality_loss" in item.summary
+    assert check_serving(int8, {"error": "boom"}).status == "warn"
+    assert measure_quantization(load_config(None, ['serve.quantization="bf16"']), tmp_path) is None

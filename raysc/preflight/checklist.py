@@ -223,7 +223,9 @@ SERVE_FROM_TRAIN = {  # serving precision -> training precisions that export to 
 }
 
 
-def check_serving(cfg: Config) -> Item:
+def check_serving(cfg: Config, measured: dict | None = None) -> Item:
+    """Item 7. ``measured``: the probe checkpoint quantized with ``serve.quantization``'s method
+    (``raysc.preflight.quantized``), or ``{"error": ...}`` when that failed."""
     q = cfg.serve.quantization
     train = cfg.compute_dtype
     evidence = {"quantization": q or None, "training_precision": train}
@@ -232,7 +234,22 @@ def check_serving(cfg: Config) -> Item:
     if train not in SERVE_FROM_TRAIN[q]:
         return Item(7, "serving", WARN, f"serving in {q} from {train} training: bf16's range exceeds fp16's, "
                     f"activations may overflow; check them or serve in bf16", evidence)
-    return Item(7, "serving", PASS, f"serve in {q}, trained in {train}", evidence)
+    if measured is None:
+        return Item(7, "serving", PASS, f"serve in {q}, trained in {train} (not measured: no quantized "
+                    f"checkpoint is needed for {q})", evidence)
+    evidence["measured"] = measured
+    if "error" in measured:
+        return Item(7, "serving", WARN, f"serve in {q}: quantizing the probe checkpoint failed, quality not "
+                    f"measured: {measured['error']}", evidence)
+    rel, limit = measured["relative_increase"], cfg.serve.max_quality_loss
+    status = PASS if rel <= limit else WARN if rel <= 2 * limit else FAIL
+    text = (f"serve in {q} ({measured['method']}, {measured['bits']}-bit): held-out perplexity "
+            f"{measured['perplexity_training_precision']:.3f} -> {measured['perplexity_quantized']:.3f} "
+            f"({rel:+.2%}, limit serve.max_quality_loss={limit:.0%}) on the probe checkpoint (step "
+            f"{measured['step']}); {measured['bytes'] / 1e6:.2f} MB vs {measured['full_precision_bytes'] / 1e6:.2f} MB")
+    if status != PASS:
+        text += ": choose another serve.quantization (int8 loses least) or raise serve.max_quality_loss"
+    return Item(7, "serving", status, text, evidence)
 
 
 def check_timeouts(cfg: Config, ev: Evidence) -> Item:

@@ -34,6 +34,7 @@ from raysc.plan.memory import estimate_memory
 from raysc.preflight.checklist import (FAIL, Evidence, Item, check_checkpoint, check_consistency, check_data,
                                        check_hyperparameters, check_profile, check_serving, check_timeouts,
                                        check_topology)
+from raysc.preflight.quantized import measure_quantization
 from raysc.preflight_gate import preflight_hash
 
 
@@ -81,10 +82,14 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
     dtype = cfg.compute_dtype
     ev = Evidence(summary=summary, events=events, step_s=statistics.median(times) if times else 0.0, store=store,
                   estimate_bytes=estimate_memory(cfg.model, t.seq_len, t.global_batch_sequences, lay, dtype)["total"])
+    try:  # item 7: quantize the probe checkpoint before it is deleted
+        measured = measure_quantization(cfg, probe_cfg.run_dir)
+    except (ValueError, FileNotFoundError, RuntimeError) as e:
+        measured = {"error": str(e).splitlines()[0]}
     Storage(probe_cfg.checkpoint_uri, dict(cfg.checkpoint.storage_options)).delete_prefix("")
     items: list[Item] = [check_profile(cfg, ev), check_topology(cfg, ev), check_checkpoint(cfg, ev),
                          check_consistency(cfg, ev), check_data(cfg), check_hyperparameters(cfg),
-                         check_serving(cfg), check_timeouts(cfg, ev)]
+                         check_serving(cfg, measured), check_timeouts(cfg, ev)]
     report = {"config_hash": preflight_hash(cfg), "time": time.time(), "run_dir": cfg.run_dir,
               "passed": all(i.status != FAIL for i in items),
               "counts": {s: sum(i.status == s for i in items) for s in ("pass", "warn", "fail")},

@@ -105,15 +105,12 @@ def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | No
 def rtn(w: torch.Tensor, spec: QuantSpec) -> QLinear:
     """Round-to-nearest: every (row, group) onto its min-max grid."""
     w = w.float()
-    n = spec.groups(w.shape[1])
-    width = spec.width(w.shape[1])
-    codes = torch.empty_like(w, dtype=torch.int8)
-    scales, zeros = torch.empty(w.shape[0], n), torch.empty(w.shape[0], n)
-    for g in range(n):
-        cols = slice(g * width, (g + 1) * width)
-        scales[:, g], zeros[:, g] = grid_params(w[:, cols], spec)
-        codes[:, cols] = quantize(w[:, cols], scales[:, g], zeros[:, g], spec).to(torch.int8)
-    return QLinear(codes, scales, None if spec.symmetric else zeros.to(torch.int8), spec)
+    rows, cols = w.shape
+    n = spec.groups(cols)
+    groups = w.reshape(rows * n, spec.width(cols))  # row r's group g is row r·n + g
+    scale, zero = grid_params(groups, spec)
+    codes = quantize(groups, scale, zero, spec).reshape(rows, cols).to(torch.int8)
+    return QLinear(codes, scale.view(rows, n), None if spec.symmetric else zero.view(rows, n).to(torch.int8), spec)
 
 
 def gram(x: torch.Tensor) -> torch.Tensor:

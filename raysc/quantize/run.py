@@ -113,6 +113,7 @@ def quantize_run(run_dir: str | Path, method: str, *, bits: int | None = None, g
                     "within_max_quality_loss": ppl_after / ppl_before - 1.0 <= cfg.serve.max_quality_loss},
         "layers": layers,
         "bytes": file_bytes(out),
+        "full_precision_bytes": 4 * sum(p.numel() for p in reference.parameters()),  # the fp32 export's weights
         "seconds": round(time.perf_counter() - t0, 2),
     }
     write_manifest(out, manifest, perms)
