@@ -28,7 +28,7 @@ from raysc.parity import layout_overrides
 from raysc.ports import free_port
 from raysc.train.trainer import Trainer
 
-from conftest import TINY, s3_options
+from conftest import TINY
 
 MODEL = [o for o in TINY if o.startswith("model.")] + ["train.seq_len=32", "train.global_batch=8", "train.seed=3"]
 MUP = ["model.mup=true", "model.mup_base_width=32"]  # m = 2, sqrt(head_dim 16) = 4: unfolding is exact
@@ -157,7 +157,9 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
     for f in out.iterdir():
         s3_server["client"].upload_file(str(f), "hf-models", f"tiny/{f.name}")
     url = "s3://hf-models/tiny"
-    options = s3_options(s3_server["endpoint"]).replace("checkpoint.storage_options", "model.init_from_options")
+    # s3fs's own keyword arguments, passed to fsspec as they are
+    options = (f'model.init_from_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
+               f'secret = "testing-secret", client_kwargs = {{region_name = "us-east-1"}}}}')
     cfg = make_cfg("train.steps=2", "train.seed=3", f'model.init_from="{url}"', options)
     summary = train(cfg, progress=False)
     assert summary["step"] == 2
