@@ -54,6 +54,7 @@ class ParityReport:
     rtol: float
     steps: list[dict] = field(default_factory=list)
     params: dict[str, float] = field(default_factory=dict)
+    run_dir: str = ""  # the layout's run (its events.jsonl holds the ``layout`` event)
 
     @property
     def worst_param(self) -> tuple[str, float]:
@@ -83,7 +84,7 @@ def _rel(a: float, b: float) -> float:
 def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> ParityReport:
     ref = {m["step"]: m for m in read_jsonl(ref_dir / "metrics.jsonl")}
     got = {m["step"]: m for m in read_jsonl(got_dir / "metrics.jsonl")}
-    report = ParityReport(layout, rtol)
+    report = ParityReport(layout, rtol, run_dir=str(got_dir))
     for step in sorted(ref):
         if step not in got:
             report.steps.append({"step": step, "loss_ref": ref[step]["loss"], "loss": float("nan"),
@@ -102,6 +103,23 @@ def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> Pari
     return report
 
 
+def _common(overrides: list[str], steps: int) -> list[str]:
+    return [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\""]
+
+
+def ensure_reference(config: str | Path | None, overrides: list[str], steps: int, ref_dir: Path,
+                     progress: bool = False) -> Path:
+    """The world-size-1 run of ``config`` + ``overrides`` in ``ref_dir``, trained unless it is
+    there. Whoever calls first decides its overrides: callers that share a ``ref_dir`` train it
+    up front with the plain overrides (a layout run with extra overrides would otherwise do it)."""
+    from raysc.driver import train
+
+    if not (ref_dir / "metrics.jsonl").is_file():
+        train(load_config(config, [*_common(overrides, steps), f'run.dir="{ref_dir}"']), progress=progress,
+              overwrite=True)  # a reference that never finished is scratch
+    return ref_dir
+
+
 def run_parity(config: str | Path | None, layout: str, overrides: list[str] = (), steps: int = 10,
                rtol: float = 1e-4, work_dir: str | Path = "runs/parity", ref_dir: str | Path | None = None,
                progress: bool = False) -> ParityReport:
@@ -109,11 +127,9 @@ def run_parity(config: str | Path | None, layout: str, overrides: list[str] = ()
     from raysc.driver import train
 
     work = Path(work_dir)
-    common = [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\""]
-    ref_path = Path(ref_dir) if ref_dir else work / "reference"
-    if not (ref_path / "metrics.jsonl").is_file():
-        train(load_config(config, [*common, f'run.dir="{ref_path}"']), progress=progress,
-              overwrite=True)  # a reference that never finished is scratch
+    common = _common(overrides, steps)
+    ref_path = ensure_reference(config, overrides, steps, Path(ref_dir) if ref_dir else work / "reference",
+                                progress)
     name = layout.replace(",", "_").replace("=", "") or "single"
     got_path = work / name
     # the layout's run directory is this harness's scratch: a run of the same layout before (other

@@ -1,7 +1,10 @@
-"""Hybrid parallelism: every layout reproduces single-process training (the parity bar), plus the
-rank layout and the context-parallel pieces."""
+"""Hybrid parallelism: every layout reproduces single-process training (the parity bar) and
+builds what it asks for (the ``layout`` event: an option that only changes scheduling would pass
+parity even if ignored), plus the rank layout and the context-parallel pieces."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -9,7 +12,8 @@ import torch
 from raysc.parallel.cp import local_positions
 from raysc.config.dims import ParallelDims
 from raysc.parallel.dims import rank_table
-from raysc.parity import layout_overrides, run_parity
+from raysc.fleet.records import read_jsonl
+from raysc.parity import ensure_reference, layout_overrides, run_parity
 
 # a 4-layer model so that pp=2 with 2 virtual stages has a layer per stage
 PARITY = [
@@ -38,10 +42,38 @@ LAYOUTS = [
 ]
 
 
+SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
+                  "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}
+
+
 @pytest.fixture(scope="module")
-def parity_dirs(tmp_path_factory, cache_dir):
+def parity_dirs(ray_session, tmp_path_factory, cache_dir):
+    """The work directory, with the single-process reference trained up front (whatever test runs
+    first, and with whatever extra overrides, compares against the same reference)."""
     work = tmp_path_factory.mktemp("parity")
-    return work, [*PARITY, f'data.cache_dir="{cache_dir}"']
+    overrides = [*PARITY, f'data.cache_dir="{cache_dir}"']
+    ensure_reference(None, overrides, 10, work / "reference")
+    return work, overrides
+
+
+def check_built(layout: str, run_dir: str) -> None:
+    """The run's ``layout`` event names the layout asked for, and rank 0 built what it implies."""
+    from raysc.config import load_config
+
+    par = load_config(None, [*PARITY, *layout_overrides(layout)]).parallel
+    events = [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["kind"] == "layout"]
+    assert events and events[0]["layout"] == par.dims.describe() and events[0]["world_size"] == par.world_size
+    built = events[0]["built"]
+    virtual = par.pp_virtual_stages if par.pp > 1 else 1
+    assert built["schedule"] == (SCHEDULE_CLASS[par.pp_schedule] if par.pp > 1 else None), built
+    assert built["stages"] == [k * par.pp for k in range(virtual)] and built["num_stages"] == par.pp * virtual
+    wq, norm = built["placements"]["attn.wq.weight"], built["placements"]["attn_norm.weight"]
+    assert ("tp:S(0)" in wq) == (par.tp > 1), wq  # column-parallel over the TP mesh
+    assert ("dp_replicate:R " in wq) == (par.dp_replicate > 1), wq  # HSDP / plain DP
+    assert ("dp_shard_cp:" in wq) == (par.dp_replicate * par.dp_shard * par.cp > 1), wq  # FSDP
+    assert ("tp:R" in norm) == par.sequence_parallel, norm  # SP: norms are TP-replicated DTensors
+    assert (built["attention"] == "ContextParallelAttention") == (par.cp > 1), built["attention"]
+    assert built["recompute"] == (par.recompute == "full")
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -52,6 +84,7 @@ def test_layout_matches_single_process(ray_session, parity_dirs, layout):
     print(report.table())
     assert len(report.steps) == 10
     assert report.ok, report.table()
+    check_built(layout, report.run_dir)
 
 
 def test_parity_detects_a_real_difference(ray_session, parity_dirs):
@@ -95,6 +128,8 @@ def test_mup_layouts_match_single_process(ray_session, parity_dirs, layout):
     logit multiplier and 1/head_dim attention scale reproduce the single-process run."""
     work, overrides = parity_dirs
     mup = [*overrides, "model.mup=true", "model.mup_base_width=32"]
-    report = run_parity(None, layout, mup, steps=10, rtol=1e-4, work_dir=work, ref_dir=work / "reference-mup")
+    report = run_parity(None, layout, mup, steps=10, rtol=1e-4, work_dir=work,
+                        ref_dir=ensure_reference(None, mup, 10, work / "reference-mup"))
     print(report.table())
     assert report.ok, report.table()
+    check_built(layout, report.run_dir)

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from raysc.export.restore import load_run
 from raysc.fleet.records import read_jsonl
 from raysc.train.sdc import fingerprint, flip_bit, vote
 
@@ -47,6 +48,12 @@ def _events(cfg, kind):
 
 
 def test_bitflip_in_one_of_three_replicas_is_repaired_from_the_majority(ray_session, make_cfg):
+    """What is claimed: the check after the flip names rank 1 alone, rank 1 is restored in place
+    from a replica of the majority (no step lost), and from then on all three replicas hold
+    bit-identical parameters (the exact fingerprints agree at steps 15 and 20). Not claimed: that
+    the run equals a clean run. Rank 1's flipped weight fed its gradients into the all-reduce of
+    steps 7-10, which every replica applied; no repair can take that back without a rollback
+    (the two-replica test below is the bit-identity claim)."""
     from raysc.driver import train
 
     cfg = make_cfg("parallel.dp_replicate=3", "train.global_batch=12", "train.steps=20",
@@ -55,12 +62,16 @@ def test_bitflip_in_one_of_three_replicas_is_repaired_from_the_majority(ray_sess
     mismatch = _events(cfg, "sdc_mismatch")
     assert len(mismatch) == 1 and mismatch[0]["step"] == 10  # the next check after the flip
     assert mismatch[0]["ranks"] == [1] and mismatch[0]["action"] == "restore_from_replica"
-    assert _events(cfg, "sdc_repaired")[0]["steps_lost"] == 0
+    # every rank reports its replica group's verdict: the same one here (one group of three)
+    assert {(tuple(e["bad"]), e["source"], e["replicas"]) for e in mismatch[0]["evidence"]} == {((1,), 0, 3)}
+    repaired = _events(cfg, "sdc_repaired")
+    assert [(e["step"], e["ranks"], e["steps_lost"]) for e in repaired] == [(10, [1], 0)]
     assert _events(cfg, "node_quarantined")[0]["rank"] == 1
     assert (Path(cfg.run_dir) / "quarantine.json").is_file()
     # after the repair every later check (15, 20: the final parameters) finds the replicas identical
     assert summary["sdc"]["mismatches"] == 1 and summary["sdc"]["checks"] == 3
-    assert summary["steps"] == 20 and summary["final_loss"] < 10
+    assert summary["steps"] == 20 and summary["restarts"] == 0
+    assert [m["step"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")] == list(range(1, 21))
 
 
 def test_two_replicas_roll_back_and_match_a_clean_run_exactly(ray_session, make_cfg):
@@ -80,3 +91,6 @@ def test_two_replicas_roll_back_and_match_a_clean_run_exactly(ray_session, make_
     assert len(rb) == 1 and rb[0]["step"] == 8 and rb[0]["resumed_step"] == 4 and rb[0]["steps_lost"] == 4
     assert _events(cfg, "sdc_mismatch")[0]["action"] == "rollback"
     assert summary["final_loss"] == clean["final_loss"]
+    a = dict(load_run(make_cfg(run="clean").run_dir).model.named_parameters())
+    b = dict(load_run(cfg.run_dir).model.named_parameters())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # every parameter, bit for bit

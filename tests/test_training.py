@@ -213,7 +213,10 @@ def _final_params(run_dir):
 def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg):
     """pp=2 × dp_replicate=2: a worker SIGKILLed at step 7, one raising at step 12 and one hanging
     (SIGSTOP) at step 17. The supervisor replaces the fleet each time (warm spares), restores the
-    newest checkpoint and the run ends with the uninterrupted run's parameters, bit for bit."""
+    newest checkpoint and the run ends with the uninterrupted run's parameters, bit for bit.
+    One step before each fault the node loses its local checkpoint copies (``disk_loss``), so
+    every restore reads the hot copy in Ray's object store; the node keeps keep_last copies."""
+    from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root
     from raysc.driver import train
 
     # synchronous saves, so that each checkpoint is committed before the next fault fires
@@ -222,7 +225,8 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
             "supervisor.timeout_floor_s=2"]
     ref = make_cfg(*base, run="ref")
     train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="kill@7:1,raise@12:3,hang@17:2"', run="faulty")
+    cfg = make_cfg(*base, 'supervisor.inject="disk_loss@6:0,kill@7:1,disk_loss@11:0,raise@12:3,disk_loss@16:0,'
+                          'hang@17:2"', run="faulty")
     summary = train(cfg, progress=False)
     assert summary["restarts"] == 3 and summary["steps"] == 20
     a, b = _final_params(ref.run_dir), _final_params(cfg.run_dir)
@@ -237,11 +241,38 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     assert [e["steps_lost"] for e in recovered] == [1, 1, 1]
     assert [e["warm"] for e in events if e["kind"] == "workers_ready"] == [False, True, True, True]
     resumed = [e for e in events if e["kind"] == "resumed"]
-    assert all(e["source"] == ["hot"] or "local" in e["source"] for e in resumed)
+    assert [(e["step"], e["source"]) for e in resumed] == [(5, ["hot"]), (10, ["hot"]), (15, ["hot"])]
+    # node-local copies follow the store's retention (keep_last = 2), also across restores
+    key = local_copy_dir(cfg.data.cache_dir, cfg.checkpoint_uri, 20).parent.name  # this run's store
+    copies = [sorted(p.name for p in d.iterdir()) for d in node_copies_root(cfg.data.cache_dir).glob(f"node-*/{key}")]
+    assert copies == [["step_00000015", "step_00000020"]]
     from raysc.fleet.status import run_status
     st = run_status(cfg.run_dir)
     assert st["state"] == "finished" and st["restarts"] == 3 and st["step"] == 20
     assert 0 < st["goodput"] < 1 and 0 < summary["goodput"] < 1  # restarts cost time
+
+
+def test_node_local_copies_are_pruned_to_keep_last(tmp_path):
+    """The newest keep_last copies up to the step being saved stay; newer ones (a run that rolled
+    back past them) are left for a later save; a second pruner (another rank) finds nothing to do."""
+    from raysc.checkpoint.local_copies import local_copy_dir, prune_local_copies
+
+    def make(step):
+        d = local_copy_dir(tmp_path, "s3://b/run", step, node="abc")
+        d.mkdir(parents=True)
+        (d / "__0_0.distcp").write_bytes(b"x")
+        return d
+
+    for step in (5, 10, 15, 30):
+        make(step)
+    here = make(20)
+    (here.parent / "unrelated").mkdir()
+    assert prune_local_copies(here, keep_last=2) == [5, 10]
+    assert sorted(p.name for p in here.parent.iterdir()) == ["step_00000015", "step_00000020", "step_00000030",
+                                                             "unrelated"]
+    assert prune_local_copies(here, keep_last=2) == []
+    assert prune_local_copies(here, keep_last=3) == []
+    assert prune_local_copies(local_copy_dir(tmp_path, "s3://b/run", 40, node="abc"), keep_last=2) == [15, 20]
 
 
 def test_restarts_are_bounded(ray_session, make_cfg):

@@ -27,7 +27,6 @@ file's SHA-256 before it is parsed.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -40,6 +39,7 @@ from typing import Callable
 
 
 from raysc.checkpoint.failures import PermanentStorageError, permanent_reason
+from raysc.checkpoint.local_copies import local_copy_dir  # noqa: F401  (its older home; importers use it from here)
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import Storage, step_name
 from raysc.hashing import file_sha256
@@ -300,11 +300,3 @@ def read_run_id(run_dir: str | Path) -> str | None:
         return json.loads((Path(run_dir) / RUN_FILE).read_text()).get("run_id")
     except (FileNotFoundError, json.JSONDecodeError, AttributeError):
         return None
-
-
-def local_copy_dir(cache_dir: str | Path, uri: str, step: int, node: str = "") -> Path:
-    """Where node ``node`` (a Ray node id; "" outside a fleet) keeps its copy of checkpoint ``step``
-    of ``uri`` (save staging and restore cache). Per node, because nodes do not share disks: on a
-    local multi-node cluster, where they share one, a new node must not find another's copy."""
-    key = hashlib.sha256(uri.encode()).hexdigest()[:12]
-    return Path(cache_dir) / "checkpoints" / (f"node-{node[:12]}" if node else "") / key / step_name(step)

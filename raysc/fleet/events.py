@@ -27,7 +27,9 @@ class EventKind(str, Enum):
                               "config: source, content SHA-256, tensors, bytes, tokenizer taken from it")
     DATA_READY = "data_ready", "the training data is packed: tokens, documents, sequences, corpus hash, domains"
     WORKERS_READY = "workers_ready", "every worker joined the process group and built its shard (warm: spares used)"
-    LAYOUT = "layout", "the parallel layout and the node (IP, node id) of each rank, at every fleet start"
+    LAYOUT = "layout", ("the parallel layout, the node (IP, node id) of each rank and what rank 0 built "
+                         "(stages, schedule class, weight placements, attention kernel, recompute), "
+                         "at every fleet start")
     LAYOUT_WARNING = "layout_warning", "a tensor/context-parallel group spans nodes (slow collectives)"
     RUN_END = "run_end", "the run finished; the fields are its summary"
     RUN_FAILED = "run_failed", "the run stopped on an error it could not heal"

@@ -15,20 +15,26 @@ optimizer step ``STEP``:
 - ``node_loss``: the whole Ray node hosting that rank dies: its raylet gets SIGKILL, and with it
   every worker and object on that node (a spot reclaim, a kernel panic). Real on a multi-node
   cluster (``raysc cluster local up``); on a single-node cluster it kills the only node.
+- ``disk_loss``: that rank's node loses every node-local checkpoint copy (a replaced disk, a
+  re-imaged VM); nothing fails, but the next restore must come from the hot copy in Ray's object
+  store or from the store. A save being staged on that node at that moment fails (and is retried
+  at the next checkpoint step).
 
 The spec's syntax and the list of kinds are parsed in config (``raysc.config.faults``), which
 checks them when the config loads.
 
 ``FaultInjector`` holds one rank's faults and fires them from three hooks (the worker hangs the
 first two on its ``Trainer``, so they run inside the step and its timing):
-``before_step`` (raise, kill, hang, slow, bitflip; arms nan/spike), ``after_loss`` (the armed
-loss factor, applied by the ``Trainer``'s loss hook) and ``on_file_written`` (kill_save, from the
-upload path). Nothing else in the training code knows about faults.
+``before_step`` (raise, kill, hang, slow, bitflip, node_loss, disk_loss; arms nan/spike),
+``after_loss`` (the armed loss factor, applied by the ``Trainer``'s loss hook) and
+``on_file_written`` (kill_save, from the upload path). Nothing else in the training code knows
+about faults.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -47,8 +53,9 @@ class InjectedFault(RuntimeError):
     """The exception the ``raise`` fault throws inside a training step."""
 
 
-def fire(fault: Fault) -> None:
-    """Carry out ``fault`` in the calling process."""
+def fire(fault: Fault, local_copies: Path | None = None) -> None:
+    """Carry out ``fault`` in the calling process (``local_copies``: this node's checkpoint copies,
+    which ``disk_loss`` deletes)."""
     if fault.kind == "raise":
         raise InjectedFault(f"injected fault {fault.spec}")
     if fault.kind in ("kill", "kill_save"):
@@ -57,6 +64,8 @@ def fire(fault: Fault) -> None:
         os.kill(os.getpid(), signal.SIGSTOP)
     if fault.kind == "slow":
         time.sleep(SLOW_S)
+    if fault.kind == "disk_loss" and local_copies is not None:
+        shutil.rmtree(local_copies, ignore_errors=True)
     if fault.kind == "node_loss":
         os.kill(raylet_pid(), signal.SIGKILL)
         time.sleep(60)  # this process goes down with its node
@@ -84,11 +93,13 @@ class FaultInjector:
     """The faults of ``spec`` for ``rank``, fired at the worker's hooks. ``announce(fault)`` is
     called (and returns) before a fault fires, so the supervisor records it first."""
 
-    def __init__(self, spec: str, rank: int, announce: Callable[[Fault], None]) -> None:
+    def __init__(self, spec: str, rank: int, announce: Callable[[Fault], None],
+                 local_copies: Path | None = None) -> None:
         mine = [f for f in parse_faults(spec) if f.rank == rank]
         self._step_faults = {f.step: f for f in mine if f.kind != "kill_save"}
         self._save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
         self._announce = announce
+        self._local_copies = local_copies
         self._loss_factor: float | None = None  # armed by a nan/spike fault for one step
 
     def before_step(self, step: int, params: Sequence[torch.Tensor]) -> None:
@@ -103,7 +114,7 @@ class FaultInjector:
         elif fault.kind == "bitflip":
             flip_bit(params[0])
         else:
-            fire(fault)
+            fire(fault, self._local_copies)
 
     def after_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """A training loss of the current step, times the armed factor (unchanged when none is)."""

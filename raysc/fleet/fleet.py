@@ -220,7 +220,8 @@ class Fleet:
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
         dims = self.cfg.parallel.dims
         self.event(EventKind.LAYOUT, layout=dims.describe(), world_size=dims.world_size,
-                   node_ids=[i.node_id for i in infos], table="\n" + rank_table(dims, [i.node for i in infos]))
+                   node_ids=[i.node_id for i in infos], built=infos[0].built,
+                   table="\n" + rank_table(dims, [i.node for i in infos]))
         if self.cfg.supervisor.sdc_every_steps and not infos[0].replicas:
             self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
                                                        "no rank holds a replica of another's parameters to compare")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -20,3 +20,4 @@ class WorkerInfo:
     device: str
     peak_flops: float
     setup_s: dict  # seconds per setup phase: process group, data, model, checkpoint group
+    built: dict = field(default_factory=dict)  # what the plans built (raysc.parallel.describe)

@@ -24,13 +24,15 @@ import torch.distributed as dist
 
 from raysc.checkpoint.failures import PermanentStorageError
 from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
-from raysc.checkpoint.store import CheckpointStore, local_copy_dir
+from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root, prune_local_copies
+from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.stopping import StepVote
 from raysc.ports import free_port
 from raysc.parallel.dims import build_mesh
+from raysc.parallel.describe import describe_shard
 from raysc.train.memory import PeakMemory
 from raysc.train.sdc import SilentCorruption
 from raysc.train.trainer import Trainer
@@ -65,7 +67,8 @@ class TrainWorker:
 
     def _configure(self, cfg_dict: dict) -> None:
         self.cfg = config_from_dict(cfg_dict, "supervisor")
-        self.faults = FaultInjector(self.cfg.supervisor.inject, self.rank, self._announce)
+        self.faults = FaultInjector(self.cfg.supervisor.inject, self.rank, self._announce,
+                                    node_copies_root(self.cfg.data.cache_dir, ray.get_runtime_context().get_node_id()))
         if self.trainer is not None:
             self._hook_faults()
         threads = max(1, int(self.cfg.parallel.cpus_per_worker))
@@ -121,6 +124,7 @@ class TrainWorker:
             rank=self.rank, pid=os.getpid(), node=ray.util.get_node_ip_address(),
             node_id=ray.get_runtime_context().get_node_id(), replicas=self.trainer.replicas.enabled,
             gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()], coords=dims.coords(self.rank),
+            built=describe_shard(self.trainer.shard, self.trainer.schedule),
             threads=torch.get_num_threads(), device=str(self.trainer.device), peak_flops=self.trainer.peak_flops,
             setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))))
 
@@ -154,6 +158,7 @@ class TrainWorker:
         and the loader state recorded in the manifest."""
         t0 = time.perf_counter()
         local = self._local_dir(step)
+        prune_local_copies(local, self.cfg.checkpoint.keep_last)  # a cache of the store: the store's count
         local.mkdir(parents=True, exist_ok=True)
         for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
             (local / stale).unlink(missing_ok=True)

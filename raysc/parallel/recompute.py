@@ -32,3 +32,9 @@ def apply_recompute(model: nn.Module, mode: str) -> None:
         raise ValueError(f"parallel.recompute={mode!r}: choose 'none' or 'full'")
     for block in model.layers.values():
         block.forward = functools.partial(_checkpointed, block.forward)
+
+
+def is_recomputed(block: nn.Module) -> bool:
+    """Whether ``apply_recompute`` wrapped ``block`` (its forward recomputes in backward)."""
+    forward = block.__dict__.get("forward")
+    return isinstance(forward, functools.partial) and forward.func is _checkpointed
