@@ -1,0 +1,184 @@
+"""Export a raysc model to one GGUF file that llama.cpp runs (``raysc export --format gguf``).
+
+The ``gguf`` package (llama.cpp's own gguf-py, pure numpy) writes the file and
+quantizes Q8_0/Q4_0 blocks; what is ours is the mapping:
+
+- metadata of llama.cpp's ``llama`` architecture: sizes, GQA head counts, head
+  dimension, RMSNorm epsilon, RoPE base and dimension, context length;
+- the run's byte-level BPE ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer
+  model: tokens in id order (padded to the embedding's size with unused
+  ``[PAD<id>]`` tokens), merges, token types (``<|endoftext|>`` control), BOS =
+  EOS = id 0 and no automatic BOS, the same as the Hugging Face export. Its
+  pre-tokenizer is ``gpt-2``: llama.cpp splits text with GPT-2's regex for it,
+  the regex of the ``tokenizers`` ByteLevel pre-tokenizer we train with
+  (``raysc.data.tokenizer``); tests/test_export_gguf.py checks that llama.cpp
+  tokenizes like raysc;
+- q/k projections permuted from our rotary layout ("rotate half": dimension i
+  pairs with i + head_dim/2) to the interleaved pairs (2i, 2i+1) that llama.cpp's
+  ``llama`` architecture rotates, the permutation llama.cpp's HF converter applies;
+- μP's logit and attention scales folded into the weights (``fold_into_weights``,
+  as the HF export does); a tied output is left out, so llama.cpp reads the
+  embedding for it.
+
+Types (``--type``): norms stay F32 in every file. ``f32`` and ``f16`` store the
+matrices in that type. ``q8_0`` stores every matrix as Q8_0; ``q4_0`` stores them
+as Q4_0 except the output projection (or the tied embedding that serves as it),
+which gets Q8_0, as llama.cpp's own Q4_0 keeps its output at 6 bits or more. A
+matrix whose rows do not split into 32-value blocks falls back to F16 (llama.cpp's
+converter does the same). ``blocks`` lets a caller supply some matrices' quantized
+blocks itself (``raysc.quantize.gguf_gptq``: GPTQ's rounding on the Q4_0 grid).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+import gguf
+import numpy as np
+import torch
+
+from raysc.data.tokenizer import EOS_ID
+from raysc.model.llama import Llama
+from raysc.model.mup import fold_into_weights
+
+Q = gguf.GGMLQuantizationType
+TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
+FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
+              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+PRE_TOKENIZER = "gpt-2"
+
+T = gguf.MODEL_TENSOR
+_LAYER_TENSORS = {
+    "attn_norm.weight": T.ATTN_NORM, "attn.wq.weight": T.ATTN_Q, "attn.wk.weight": T.ATTN_K,
+    "attn.wv.weight": T.ATTN_V, "attn.wo.weight": T.ATTN_OUT, "mlp_norm.weight": T.FFN_NORM,
+    "mlp.w_gate.weight": T.FFN_GATE, "mlp.w_up.weight": T.FFN_UP, "mlp.w_down.weight": T.FFN_DOWN,
+}
+
+def gguf_name(name: str) -> str:
+    """Map a raysc parameter name to its llama.cpp tensor name (``blk.0.attn_q.weight``)."""
+    top = {"embed.weight": T.TOKEN_EMBD, "norm.weight": T.OUTPUT_NORM, "output.weight": T.OUTPUT}
+    if name in top:
+        return gguf.TENSOR_NAMES[top[name]] + ".weight"
+    if name.startswith("layers."):
+        _, idx, rest = name.split(".", 2)
+        if rest in _LAYER_TENSORS:
+            return gguf.TENSOR_NAMES[_LAYER_TENSORS[rest]].format(bid=int(idx)) + ".weight"
+    raise KeyError(f"no GGUF name for parameter {name!r}")
+
+
+def interleave_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q or k projection (n_heads·head_dim, ...) reordered per head from the rotate-half
+    layout (row i pairs with i + head_dim/2) to interleaved pairs (rows 2i, 2i+1); the rows may
+    be weights or their quantized blocks."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
+    """tokens, token types and merges of a byte-level BPE ``tokenizer.json`` for a ``gpt2`` GGUF vocab."""
+    spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE":
+        raise ValueError(f"{tokenizer_json}: GGUF export handles byte-level BPE tokenizers, not "
+                         f"{model.get('type')!r}; export a run trained with raysc's tokenizer")
+    by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
+    control = set()
+    for added in spec.get("added_tokens", []):
+        by_id[added["id"]] = added["content"]
+        if added.get("special"):
+            control.add(added["id"])
+    if max(by_id) >= vocab_size:
+        raise ValueError(f"{tokenizer_json} has token id {max(by_id)} but the model's embedding has "
+                         f"{vocab_size} rows; export with the tokenizer the run trained with")
+    tokens, types = [], []
+    for i in range(vocab_size):
+        if i in by_id:
+            tokens.append(by_id[i])
+            types.append(gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL)
+        else:  # embedding rows the tokenizer never produces (a small corpus learns fewer merges)
+            tokens.append(f"[PAD{i}]")
+            types.append(gguf.TokenType.UNUSED)
+    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
+    return {"tokens": tokens, "types": types, "merges": merges}
+
+
+def tensor_type(name: str, shape: tuple[int, ...], qtype: str, tied: bool) -> Q:
+    """The GGML type of tensor ``name`` (a gguf name) in a ``qtype`` file."""
+    if len(shape) == 1:
+        return Q.F32
+    want = TYPES[qtype]
+    output = name == "output.weight" or (tied and name == "token_embd.weight")
+    if want == Q.Q4_0 and output:
+        want = Q.Q8_0
+    if want in (Q.Q8_0, Q.Q4_0) and shape[-1] % gguf.GGML_QUANT_SIZES[want][0] != 0:
+        want = Q.F16
+    return want
+
+
+def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, qtype: str = "f32",
+                name: str = "raysc", blocks: dict[str, np.ndarray] | None = None) -> Path:
+    """Write ``model`` and its tokenizer as one GGUF file of type ``qtype`` (f32, f16, q8_0, q4_0).
+
+    ``blocks``: raysc parameter name -> that matrix's blocks of the type ``tensor_type`` gives it
+    (uint8, one row of blocks per weight row, rows in raysc's order), written instead of quantizing
+    the weight here; they must be blocks of the weights as exported (μP folded)."""
+    if qtype not in TYPES:
+        raise ValueError(f"GGUF type {qtype!r} is not one of {', '.join(TYPES)}")
+    c = model.cfg
+    out = Path(out_file)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    w = gguf.GGUFWriter(str(out), "llama")
+    w.add_name(name)
+    w.add_file_type(FILE_TYPES[qtype])
+    w.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    w.add_vocab_size(c.vocab_size)
+    w.add_context_length(model.max_seq_len)
+    w.add_embedding_length(c.dim)
+    w.add_block_count(c.n_layers)
+    w.add_feed_forward_length(c.hidden_ffn_dim)
+    w.add_head_count(c.n_heads)
+    w.add_head_count_kv(c.n_kv_heads)
+    w.add_key_length(c.head_dim)
+    w.add_value_length(c.head_dim)
+    w.add_rope_dimension_count(c.head_dim)
+    w.add_rope_freq_base(c.rope_theta)
+    w.add_layer_norm_rms_eps(c.norm_eps)
+
+    tok = tokenizer_fields(tokenizer_json, c.vocab_size)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(PRE_TOKENIZER)
+    w.add_token_list(tok["tokens"])
+    w.add_token_types(tok["types"])
+    w.add_token_merges(tok["merges"])
+    w.add_bos_token_id(EOS_ID)
+    w.add_eos_token_id(EOS_ID)
+    w.add_add_bos_token(False)
+    w.add_add_eos_token(False)
+
+    # a tied output matrix appears once, as embed.weight (named_parameters lists shared ones once)
+    state = fold_into_weights(dict(model.named_parameters()), c)
+    blocks = blocks or {}
+    if unknown := set(blocks) - set(state):
+        raise KeyError(f"blocks given for {sorted(unknown)}, which the model does not have")
+    for pname, p in state.items():
+        gname = gguf_name(pname)
+        kind = tensor_type(gname, tuple(p.shape), qtype, c.tie_embeddings)
+        if pname in blocks:
+            t = torch.from_numpy(np.ascontiguousarray(blocks[pname]))
+            expect = (p.shape[0], p.shape[1] // gguf.GGML_QUANT_SIZES[kind][0] * gguf.GGML_QUANT_SIZES[kind][1])
+            if t.dtype != torch.uint8 or tuple(t.shape) != expect:
+                raise ValueError(f"blocks of {pname} are {t.dtype} {tuple(t.shape)}; a {kind.name} tensor of "
+                                 f"shape {tuple(p.shape)} needs uint8 {expect}")
+        else:
+            t = p.detach().to("cpu", torch.float32)
+        if pname.endswith("attn.wq.weight"):
+            t = interleave_rotary(t, c.n_heads)
+        elif pname.endswith("attn.wk.weight"):
+            t = interleave_rotary(t, c.n_kv_heads)
+        data = t.contiguous().numpy()
+        w.add_tensor(gname, data if pname in blocks else gguf.quantize(data, kind), raw_dtype=kind)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
