@@ -28,7 +28,26 @@ from raysc.train.sdc import SilentCorruption
 from raysc.train.stability import SpikeRollback
 
 NODE_DEATH_WAIT_S = 3.0
+RAYLET_PROBE_S = 0.5
 PHASES = {Action.RESTART: "recovering", Action.ROLLBACK: "rolling back", Action.REPAIR: "repairing replicas"}
+
+
+def raylet_answers(node_id: str) -> bool:
+    """Whether the raylet of ``node_id`` is alive in Ray's GCS and accepts a TCP connection on its
+    node-manager port (within RAYLET_PROBE_S): its node is up. A killed raylet refuses at once."""
+    import socket
+
+    import ray
+
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node.get("Alive"):
+        return False
+    address = (node["NodeManagerAddress"], node["NodeManagerPort"])
+    try:
+        socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
+    except OSError:
+        return False
+    return True
 
 
 class Healer:
@@ -86,9 +105,13 @@ class Healer:
     def _lost_nodes(self, err: RunFailed) -> dict[str, list[int]]:
         """The fleet's nodes Ray reports dead (node id -> ranks), recorded as ``node_lost``. After a
         worker died, Ray's GCS is given up to NODE_DEATH_WAIT_S to declare its node dead: the death
-        of a worker's process reaches the supervisor before the node's missed health checks do."""
-        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if err.failure and err.failure.kind is FailureKind.DIED
-                                       else 0.0)
+        of a worker's process reaches the supervisor before the node's missed health checks do. No
+        wait when the dead worker's raylet still answers: that worker died alone (killed, OOM)."""
+        failure = err.failure
+        died = failure is not None and failure.kind is FailureKind.DIED
+        if died and failure.rank is not None and failure.rank < len(self.fleet.infos):
+            died = not raylet_answers(self.fleet.infos[failure.rank].node_id)
+        deadline = time.monotonic() + (NODE_DEATH_WAIT_S if died else 0.0)
         while not (lost := self.fleet.lost_nodes()) and time.monotonic() < deadline:
             time.sleep(0.25)
         for node_id, ranks in lost.items():
