@@ -24,6 +24,15 @@ from raysc.quantize.sequential import quantize_model
 from raysc.quantize.writer import pack_int32, read_weights, unpack_int32, write_checkpoint
 
 
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Tiny matrices: one torch thread is several times faster than two on a busy 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, cache_dir):
     """A tiny model trained a few steps, its config, packed data and tokenizer."""
