@@ -57,13 +57,24 @@ def _api_key(cfg: ServeConfig) -> str:
     return cfg.api_key or os.environ.get(API_KEY_ENV, "")
 
 
-def _max_model_len(model: ServedModel, cfg: ServeConfig) -> int:
-    if cfg.max_model_len or model.remote:
-        return cfg.max_model_len
-    try:
-        return int(json.loads((Path(model.path) / "config.json").read_text())["max_position_embeddings"])
-    except (OSError, KeyError, ValueError):
-        return 0
+def _hf_config(model: ServedModel) -> dict:
+    if model.remote:
+        import fsspec
+
+        with fsspec.open(f"{model.path}/config.json") as f:
+            return json.load(f)
+    return json.loads((Path(model.path) / "config.json").read_text())
+
+
+def _resolved(cfg: ServeConfig, hf: dict) -> ServeConfig:
+    """``cfg`` with ``dtype = "auto"`` made the exported dtype: vLLM's own "auto" serves an fp32
+    checkpoint in 16 bits, which would not be the model that was trained and evaluated."""
+    from dataclasses import replace
+
+    if cfg.dtype != "auto":
+        return cfg
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "auto"
+    return replace(cfg, dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
 
 
 def _speculative(cfg: Config, source: str, draft: str | None) -> dict | None:
@@ -86,14 +97,17 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
     model = model or resolve(source, step)
     model_id = _model_id(cfg, model)
     spec = _speculative(cfg, source, draft)
-    llm_cfg = llm_config_dict(model, cfg.serve, model_id, spec)
+    hf = _hf_config(model)
+    serve_cfg = _resolved(cfg.serve, hf)
+    llm_cfg = llm_config_dict(model, serve_cfg, model_id, spec)
     key = _api_key(cfg.serve)
-    app = build_app(llm_cfg, key_digest(key) if key else "", _max_model_len(model, cfg.serve))
+    max_len = serve_cfg.max_model_len or int(hf.get("max_position_embeddings", 0))
+    app = build_app(llm_cfg, key_digest(key) if key else "", max_len)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     name = f"raysc-{model_id}"
     serve.run(app, name=name, route_prefix="/", blocking=False)
     host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
-    dep = Deployment(name, f"http://{host}:{cfg.serve.port}/v1", model_id, model, cfg.serve, spec)
+    dep = Deployment(name, f"http://{host}:{cfg.serve.port}/v1", model_id, model, serve_cfg, spec)
     if model.run_dir is not None:
         _record(dep)
     return dep
