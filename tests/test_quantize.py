@@ -143,6 +143,22 @@ def test_packing_matches_compressed_tensors_layout():
     assert pack_int32(codes, 4).shape == (40, 9) and pack_int32(codes, 4, dim=0).shape == (5, 72)
 
 
+def test_packing_and_dequantization_equal_the_compressed_tensors_library():
+    """Where vLLM's pin of compressed-tensors is installed (the serve extra), its own helpers agree."""
+    ct_pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
+
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(48, 96, generator=g)
+    for spec in (QuantSpec(4, 32), QuantSpec(4, 32, symmetric=False), QuantSpec(8, -1)):
+        q = rtn(w, spec)
+        assert torch.equal(pack_int32(q.codes, spec.bits), ct_pack.pack_to_int32(q.codes, spec.bits))
+        if q.zero is not None:
+            assert torch.equal(pack_int32(q.zero, 4, dim=0), ct_pack.pack_to_int32(q.zero, 4, packed_dim=0))
+        theirs = ct_dequantize(q.codes, q.scale, q.zero, dtype=torch.float32)
+        assert torch.allclose(theirs, q.dequantize(), atol=1e-6), spec
+
+
 @pytest.mark.parametrize("method,spec", [("rtn4", QuantSpec(4, 32)), ("awq", QuantSpec(4, 32, symmetric=False)),
                                          ("int8", QuantSpec(8, -1))])
 def test_written_checkpoint_dequantizes_to_the_measured_weights(trained, quantized, tmp_path, method, spec):
