@@ -88,6 +88,34 @@ def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path
     assert _events(run_dir, "recovered")[0]["resumed_step"] == 4
 
 
+def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypatch):
+    """healing.raylet_answers, which lets a restart skip the wait for Ray's GCS to declare a node dead:
+    yes only for a node the GCS lists alive whose raylet port accepts a connection. (On the local
+    cluster the GCS already knows a killed raylet's node is dead when the worker's death arrives, so
+    the node-loss test above cannot tell a wrong yes: this one does.)"""
+    import socket
+
+    import ray
+
+    from raysc.fleet.healing import raylet_answers
+    from raysc.ports import free_port
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    nodes = [{"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening.getsockname()[1]},
+             {"NodeID": "raylet-killed", "Alive": True, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": free_port()},
+             {"NodeID": "declared-dead", "Alive": False, "NodeManagerAddress": "127.0.0.1",
+              "NodeManagerPort": listening.getsockname()[1]}]
+    monkeypatch.setattr(ray, "nodes", lambda: nodes)
+    try:
+        assert raylet_answers("up")
+        assert not raylet_answers("raylet-killed") and not raylet_answers("declared-dead")
+        assert not raylet_answers("unknown")
+    finally:
+        listening.close()
+
+
 QUARANTINE = ["parallel.dp_replicate=3", "parallel.cpus_per_worker=2", "train.global_batch=6",
               "supervisor.sdc_every_steps=2", 'supervisor.inject="bitflip@3:1,kill@6:0"']
 
