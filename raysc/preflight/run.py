@@ -7,6 +7,8 @@ judged separately), then each rank's
 bandwidth per parallel group and its node's topology — writes under
 ``<run.dir>/preflight/probe`` and checkpoints under ``<checkpoint.uri>/_preflight`` (deleted
 after). The store's raw write and read speed is measured with a 32 MB object (8 MB on CPU).
+Before the probe's checkpoints are deleted, item 7 quantizes the newest with the method
+``serve.quantization`` names (``raysc.preflight.quantized``).
 The eight items (``raysc.preflight.checklist``) are judged from that evidence and written to
 ``<run.dir>/preflight.json`` and ``preflight.md``; the command exits non-zero on a fail.
 
