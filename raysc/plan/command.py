@@ -33,6 +33,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="run the top candidates for a few steps and compare")
     p.add_argument("--profile-top", type=int, default=3, help="candidates to profile")
     p.add_argument("--profile-steps", type=int, default=6, help="steps per profiled candidate")
+    p.add_argument("--serve", action="store_true", help="only the serving memory per vLLM replica (weights at "
+                   "serve.dtype + KV cache for serve.max_num_seqs x max_model_len); needs no --gpus")
 
 
 def cluster_from_args(args: argparse.Namespace, cfg: Config) -> Cluster:
@@ -62,6 +64,14 @@ def cluster_from_args(args: argparse.Namespace, cfg: Config) -> Cluster:
 
 def run(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
+    if args.serve:
+        from raysc.plan.serve_memory import format_serve_memory, serve_memory
+
+        est = serve_memory(cfg)
+        print(format_serve_memory(est), flush=True)
+        if args.json:
+            print(json.dumps({"serve": est}))
+        return 0
     cluster = cluster_from_args(args, cfg)
     dtype = "fp32" if cluster.device == "cpu" or cfg.train.dtype == "fp32" else "bf16"
     gb = cfg.train.global_batch_sequences
