@@ -161,9 +161,10 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
     options = (f'model.init_from_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
                f'secret = "testing-secret", client_kwargs = {{region_name = "us-east-1"}}}}')
     cfg = make_cfg("train.steps=2", "train.seed=3", f'model.init_from="{url}"', options)
-    summary = train(cfg, progress=False)
-    assert summary["step"] == 2
+    train(cfg, progress=False)
     run = Path(cfg.run_dir)
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics] == [1, 2]
     events = [json.loads(line) for line in (run / "events.jsonl").read_text().splitlines()]
     init = [e for e in events if e["kind"] == "init_from"]
     assert len(init) == 1 and init[0]["source"] == url and init[0]["sha256"] == content_sha256(out)
@@ -176,5 +177,5 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
     with torch.no_grad():
         for name, p in ref.model.named_parameters():
             p.copy_(params[name])
-    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-    assert first["step"] == 1 and first["loss"] == ref.train_step()["loss"]
+    want = ref.train_step()["loss"]  # this process's thread count, not the worker's: not to the bit
+    assert abs(metrics[0]["loss"] - want) <= 1e-6 * want
