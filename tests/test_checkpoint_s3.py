@@ -137,7 +137,10 @@ def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
     from raysc.driver import train
     from raysc.ports import free_port
 
-    cfg = make_cfg('checkpoint.uri="s3://bucket/run"', s3_options(f"http://127.0.0.1:{free_port()}"))
+    # one try per request: botocore's default retries of a refused connection, with backoff, take
+    # 8-11 s on 2 cores and are not what this asserts
+    options = s3_options(f"http://127.0.0.1:{free_port()}")[:-1] + ", config_kwargs = {retries = {max_attempts = 1}}}"
+    cfg = make_cfg('checkpoint.uri="s3://bucket/run"', options)
     with pytest.raises(RunFailed, match="checkpoint.uri 's3://bucket/run'"):
         train(cfg, progress=False)
 
