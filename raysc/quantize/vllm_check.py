@@ -2,7 +2,7 @@
 
 ``vllm_smoke(path)`` starts vLLM's offline engine (``vllm.LLM``, ``enforce_eager``; the caller sets
 ``VLLM_CPU_KVCACHE_SPACE`` and must call it under ``if __name__ == "__main__":``, since vLLM starts
-worker processes) and returns its greedy continuations of ``PROMPTS``, the continuations of the
+worker processes; 4-bit folders need an AVX-512 CPU, see ``w4a16_supported``) and returns its greedy continuations of ``PROMPTS``, the continuations of the
 folder's weights read back by ``writer.read_weights`` into the raysc model (int8 activations
 simulated for W8A8), and how many tokens agree. ``python -m raysc.quantize.vllm_check DIR...``
 prints that as JSON for each folder.
@@ -13,6 +13,15 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+
+def w4a16_supported(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether vLLM's CPU build can run 4-bit (W4A16) weights here: its W4A16 kernel
+    (``cpu_gemm_wna16``) is compiled into the AVX-512 library only, not the AVX2 one (vllm-cpu 0.32)."""
+    try:
+        return "avx512f" in Path(cpuinfo).read_text().split()
+    except OSError:
+        return False
+
 
 PROMPTS = ["def main():\n    ", "import os\nimport sys\n\n", "class Config:\n    def __init__(self", "    return "]
 
@@ -56,6 +65,11 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
 def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: int = 24) -> dict:
     """vLLM's greedy continuations of ``prompts`` from the folder at ``path``, torch's from the same
     weights, and the share of tokens on which they agree up to the first difference."""
+    quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
+    if quant["format"] == "pack-quantized" and not w4a16_supported():
+        raise RuntimeError(f"{path} holds 4-bit (W4A16) weights, which vLLM's CPU build runs only on CPUs with "
+                           f"AVX-512 (its AVX2 library has no W4A16 kernel); this CPU has none: check it on an "
+                           f"AVX-512 machine, or quantize with --method int8 (W8A8 runs on AVX2)")
     from vllm import LLM, SamplingParams
 
     prompts = prompts or PROMPTS
@@ -73,7 +87,6 @@ def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: i
             same += 1
         agree += same
         total += max(len(ids), len(mine))
-    quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
     return {"path": str(path), "format": quant["format"], "texts": texts, "prefix_agreement": agree / max(total, 1)}
 
 
