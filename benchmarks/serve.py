@@ -12,10 +12,13 @@ and the replica's memory next to ``raysc plan --serve``.
      when its last sequence is); only the requested tokens count as output.
    - continuous: the streaming ``openai`` client against ``raysc serve`` with at most ``--batch``
      requests in flight (the same concurrency), ``serve.max_num_seqs = --batch``; time to first
-     token and inter-token latency per streamed chunk.
+     token, inter-token latency per streamed chunk (Ray Serve's ingress forwards a stream in batches,
+     so a client sees tokens in bursts: the per-chunk gaps are mostly ~0 with a long tail) and time per
+     output token per request ((last - first token) / (tokens - 1)).
    Both sides get ``--threads`` threads: ``torch.set_num_threads`` for transformers; vLLM's CPU
-   worker binds its OpenMP threads to the cores it is given (VLLM_CPU_OMP_THREADS_BIND=auto), which
-   on this 2-core machine is both cores; ``--threads`` defaults to the machine's cores to match.
+   engine (VLLM_CPU_OMP_THREADS_BIND=auto) binds one OpenMP thread per core and keeps one core for
+   its frontend (its log: ``reserve_cpu_num=1``, ``core ids=[0]`` on this 2-core machine), so
+   ``--threads`` defaults to the machine's cores minus one to match.
 2. Speculative decoding on the demo run itself (held-out prompts of 48 tokens, 64 new tokens):
    none, n-gram prompt lookup with k from ``runs/demo/serve_speculative.json``, and the draft run
    (``runs/draft``) with its tuned k, at batch 1 and 8; vLLM's reported acceptance when it logs one.
@@ -105,12 +108,12 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
 
     client = openai.AsyncOpenAI(base_url=url, api_key="none", max_retries=0, timeout=600)
     sem = asyncio.Semaphore(concurrency)
-    ttft, itl, tokens, errors = [], [], [0], []
+    ttft, itl, tpot, tokens, errors = [], [], [], [0], []
 
     async def one(prompt: list[int], n: int) -> None:
         async with sem:
             t0 = time.perf_counter()
-            last, got = None, 0
+            last, first, got = None, None, 0
             try:
                 stream = await client.completions.create(
                     model=model_id, prompt=prompt, max_tokens=n, temperature=0, stream=True,
@@ -122,6 +125,7 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
                         new = len(getattr(chunk.choices[0], "token_ids", None) or []) or 1
                         if last is None:
                             ttft.append(now - t0)
+                            first = now
                         else:
                             itl.extend([(now - last) / new] * new)
                         last = now
@@ -130,6 +134,8 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
             except Exception as e:  # noqa: BLE001 - counted and reported, the run goes on
                 errors.append(f"{type(e).__name__}: {e}"[:200])
             tokens[0] += got
+            if first is not None and got > 1:  # time per output token after the first, per request
+                tpot.append((last - first) / (got - 1))
 
     t0 = time.perf_counter()
     await asyncio.gather(*(one(p, n) for p, n in reqs))
@@ -138,7 +144,8 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
     return {"output_tokens": tokens[0], "wall_s": wall, "tokens_per_s": tokens[0] / wall, "errors": len(errors),
             "first_error": errors[0] if errors else None,
             "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99)}
+            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99),
+            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99)}
 
 
 def continuous(url: str, model_id: str, reqs: list, concurrency: int) -> dict:
@@ -254,7 +261,8 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="static batch size = client concurrency = max_num_seqs")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of each throughput measurement (median)")
-    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                    help="transformers' threads; default = the cores vLLM's engine binds (all but one)")
     ap.add_argument("--max-len", type=int, default=768, help="serve.max_model_len (512 + 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8475)
