@@ -24,7 +24,7 @@ from raysc.export.restore import RunModel
 from raysc.model.generate import generate
 from raysc.train.trainer import Trainer
 
-llama_cpp = pytest.importorskip("llama_cpp")
+import llama_cpp
 
 TYPES = ("f32", "f16", "q8_0", "q4_0")
 STEPS = 150

