@@ -63,6 +63,11 @@ def _mine(owners: dict[int, str | None], run_id: str | None) -> list[int]:
     return [s for s, o in owners.items() if run_id is None or o in (None, run_id)]
 
 
+def newest_verified(store: CheckpointStore, steps: list[int]) -> int | None:
+    """The newest of ``steps`` (oldest first) whose checkpoint verifies; None if none does."""
+    return next((s for s in reversed(steps) if store.verify(s) is None), None)
+
+
 def run_store(run_dir: str | Path) -> tuple[CheckpointStore, list[int]]:
     """The checkpoint store of the run in ``run_dir`` and the committed steps that run wrote (oldest
     first; another run's steps sharing the store are left out)."""
@@ -78,7 +83,7 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     run_id = read_run_id(rd)
     mine = _mine(owners, run_id)
     if step is None:
-        step = next((s for s in reversed(mine) if store.verify(s) is None), None)
+        step = newest_verified(store, mine)
         if step is None:
             others = sorted(s for s in owners if s not in mine)
             raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}"

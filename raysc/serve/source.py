@@ -68,21 +68,20 @@ def resolve(source: str, step: int | None = None) -> ServedModel:
 
 def newest_verified_step(run_dir: Path) -> int | None:
     """The newest committed, verified checkpoint step the run in ``run_dir`` wrote (None if none yet)."""
-    from raysc.export.restore import run_store
+    from raysc.export.restore import newest_verified, run_store
 
-    store, mine = run_store(run_dir)
-    return next((s for s in reversed(mine) if store.verify(s) is None), None)
+    return newest_verified(*run_store(run_dir))
 
 
 def export_run(run_dir: Path, step: int | None = None) -> ServedModel:
     """Export ``step`` (default: the newest verified) of the run in ``run_dir`` to ``<run>/serve/step_N``,
     unless that folder already holds an export of the same manifest."""
-    from raysc.export.restore import run_store
+    from raysc.export.restore import newest_verified, run_store
 
     run_dir = run_dir.resolve()
     store, mine = run_store(run_dir)
     if step is None:
-        step = next((s for s in reversed(mine) if store.verify(s) is None), None)
+        step = newest_verified(store, mine)
         if step is None:
             raise FileNotFoundError(f"run {run_dir} has no committed, verified checkpoint yet; train it first "
                                     f"(or wait for its first checkpoint: `raysc serve --follow` does)")
