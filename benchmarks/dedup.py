@@ -1,26 +1,27 @@
-"""Near-dedup speed and accuracy: raysc's MinHash-LSH against datasketch (and datatrove where it installs).
+"""Curation end to end: the ``raysc curate`` pipeline against single-process MinHash-LSH tools.
 
-One corpus for everyone: the bundled stdlib corpus (``--corpus-mb``) plus rewritten copies of
-seeded documents at known shingle Jaccard similarities (``raysc.curate.audit.inject_pairs``,
-0.3 … 1.0). Everyone uses the same shingles (``words()`` 5-grams), 112 hashes as 14 bands × 8
-rows, and the same decision: an LSH candidate pair is a duplicate when its signatures agree on
-at least ``dedup.threshold`` (0.7) of the hashes; clusters are connected components; the
-smallest id of a cluster survives. Measured, each on this machine, one after the other:
+``python benchmarks/dedup.py --docs 10000`` writes (once, cached) a synthetic corpus of N
+documents with seeded exact and near duplicates at measured Jaccard similarities
+(``raysc.curate.synth``), then runs every implementation the same way: a fresh Python process
+each (cold: imports, Ray start-up where used, reading the shards, normalising, exact dedup,
+MinHash-LSH, verification, clusters, writing the kept documents as Parquet), timed from process
+start to exit by this parent, which also samples the resident memory of the process and of
+every process it starts (Ray's workers) every 0.2 s. Same parameters everywhere: ``words()``
+5-gram shingles, 112 hashes as 14 bands × 8 rows, a candidate pair is a duplicate when its
+signatures agree on >= 0.7 of the hashes, clusters are connected components, the smallest id
+survives.
 
-- ``raysc``: the near-dedup stage of ``raysc curate`` (Ray Data: signatures, band buckets,
-  verified pairs, hash-to-min connected components, anti-join) from its report's stage timing;
-  end-to-end pipeline seconds are printed too.
-- ``raysc_kernel``: the same MinHasher / band keys / verification in one process with numpy
-  (what each Ray Data task runs), for a like-for-like single-process comparison.
-- ``datasketch``: ``MinHash.update_batch`` per document + ``MinHashLSH(params=(14, 8))`` insert
-  and query, then the same verification and union-find.
-- ``datatrove``: its four MinHash stages (signature, buckets, cluster, filter) with a
-  ``LocalPipelineExecutor``, its word tokenizer replaced by ours so the shingles match (it
-  also simplifies the text first) and 64-bit sha1 shingle hashes. It does not verify
-  candidates: any shared band makes a duplicate, by its design.
+- ``raysc``: ``raysc curate`` (Ray Data; quality rules off, but its measurements are still
+  computed and their stage is reported apart, as ``seconds_without_quality``).
+- ``raysc_kernel``: raysc's MinHasher, band keys and verification in one process with numpy.
+- ``datasketch``: ``MinHash.update_batch`` + ``MinHashLSH(params=(14, 8))`` insert and query,
+  the same verification and union-find.
+- ``datatrove`` (when installed, ``pip install -e '.[bench]'``): its four MinHash stages with
+  our word splitting; it does not verify candidates (any shared band is a duplicate).
 
-Documents/s of each, the ratios ours/theirs (target ≥ 3× datasketch), recall on pairs with
-similarity ≥ 0.85 and false removals at ≤ 0.5 (precision) of each. The last line is JSON.
+Recall on truth pairs with Jaccard >= 0.85, removals at <= 0.5, and removals of documents
+that no truth pair at > 0.5 explains. Medians over ``--repeats``; ratios of medians. The last
+line is JSON.
 """
 
 from __future__ import annotations
@@ -28,33 +29,43 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
+import subprocess
 import sys
-import tempfile
+import threading
 import time
 from pathlib import Path
 
-import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from raysc.curate.audit import inject_pairs, pair_detected  # noqa: E402
-from raysc.curate.minhash import MinHasher, words  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
 
 THRESHOLD, SHINGLE, BANDS, ROWS = 0.7, 5, 14, 8
+IMPLS = ("raysc", "raysc_kernel", "datasketch", "datatrove")
 
 
-def corpus(max_mb: float, cache: str, per_target: int) -> tuple[list[dict], list[dict]]:
-    from raysc.data.corpus import build_bundled_corpus, read_documents
+# ---- the implementations, each run in its own process (``--run NAME``) ----
+def load_docs(corpus: Path) -> list[dict]:
+    """Every document of the shards, normalised (``inputs.normalise``), one per distinct text
+    (the smallest id), sorted by id."""
+    import hashlib
 
-    docs = [{"id": d["id"], "text": d["text"], "domain": d["domain"]}
-            for d in read_documents(build_bundled_corpus(cache, max_mb))]
-    pairs, copies = inject_pairs(docs, SHINGLE, seed=0, per_target=per_target)
-    return docs + copies, pairs
+    from raysc.curate.inputs import normalise
+
+    best: dict[str, dict] = {}
+    for f in sorted((corpus / "docs").glob("part-*.jsonl")):
+        with open(f, encoding="utf-8") as fh:
+            for line in fh:
+                d = json.loads(line)
+                text = normalise(d["text"])
+                h = hashlib.sha1(text.encode()).hexdigest()
+                if h not in best or d["id"] < best[h]["id"]:
+                    best[h] = {"id": d["id"], "text": text, "domain": d["domain"]}
+    return sorted(best.values(), key=lambda d: d["id"])
 
 
-def survivors_from_edges(ids: list[str], edges: list[tuple[int, int]]) -> set[str]:
-    """Union-find over document indices; the smallest id of each component survives."""
-    parent = list(range(len(ids)))
+def survivors(docs: list[dict], edges) -> list[dict]:
+    """Union-find over document indices (ids sorted, so the smaller index is the smaller id)."""
+    parent = list(range(len(docs)))
 
     def find(x: int) -> int:
         while parent[x] != x:
@@ -65,56 +76,66 @@ def survivors_from_edges(ids: list[str], edges: list[tuple[int, int]]) -> set[st
     for a, b in edges:
         ra, rb = find(a), find(b)
         if ra != rb:
-            parent[max(ra, rb, key=lambda r: ids[r])] = min(ra, rb, key=lambda r: ids[r])
-    return {ids[i] for i in range(len(ids)) if find(i) == i}
+            parent[max(ra, rb)] = min(ra, rb)
+    return [d for i, d in enumerate(docs) if find(i) == i]
 
 
-def run_kernel(docs: list[dict]) -> set[str]:
-    """raysc's near-dedup math in one process: signatures, band keys, candidates per bucket, verification."""
+def write_kept(kept: list[dict], out: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (out / "documents").mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(kept), out / "documents" / "part-0.parquet")
+
+
+def kernel_edges(docs: list[dict]) -> set:
+    import numpy as np
+
+    from raysc.curate.minhash import MinHasher
+
     hasher = MinHasher(BANDS * ROWS, BANDS, ROWS, SHINGLE, 1)
-    ids = [d["id"] for d in docs]
     sig = np.concatenate([hasher.signatures([d["text"] for d in docs[i:i + 512]]) for i in range(0, len(docs), 512)])
     keys = hasher.band_keys(sig)
     edges = set()
     for band in range(BANDS):
         order = np.argsort(keys[:, band], kind="stable")
         k = keys[order, band]
-        bounds = np.flatnonzero(np.diff(k)) + 1
-        for group in np.split(order, bounds):
-            if len(group) < 2:
-                continue
+        starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
+        sizes = np.diff(np.r_[starts, len(k)])
+        for s, n in zip(starts[sizes > 1], sizes[sizes > 1]):
+            group = order[s:s + n]
             est = (sig[group][:, None, :] == sig[group][None, :, :]).mean(axis=2)
             i, j = np.nonzero(np.triu(est >= THRESHOLD, k=1))
-            edges.update((int(group[a]), int(group[b])) for a, b in zip(i, j))
-    return survivors_from_edges(ids, sorted(edges))
+            edges.update((int(min(group[a], group[b])), int(max(group[a], group[b]))) for a, b in zip(i, j))
+    return edges
 
 
-def run_datasketch(docs: list[dict]) -> set[str]:
+def datasketch_edges(docs: list[dict]) -> set:
     from datasketch import MinHash, MinHashLSH
+
+    from raysc.curate.minhash import words
 
     lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
     sigs = []
     for i, d in enumerate(docs):
         w = words(d["text"])
-        grams = [" ".join(w[k:k + SHINGLE]).encode() for k in range(max(1, len(w) - SHINGLE + 1))]
         m = MinHash(num_perm=BANDS * ROWS, seed=1)
-        m.update_batch(grams)
+        m.update_batch([" ".join(w[k:k + SHINGLE]).encode() for k in range(max(1, len(w) - SHINGLE + 1))])
         lsh.insert(i, m)
         sigs.append(m)
-    edges = set()
-    for i, m in enumerate(sigs):
-        for j in lsh.query(m):
-            if j > i and m.jaccard(sigs[j]) >= THRESHOLD:
-                edges.add((i, j))
-    return survivors_from_edges([d["id"] for d in docs], sorted(edges))
+    return {(i, j) for i, m in enumerate(sigs) for j in lsh.query(m) if j > i and m.jaccard(sigs[j]) >= THRESHOLD}
 
 
-def run_datatrove(docs: list[dict], workdir: Path) -> set[str]:
-    """datatrove's 4-stage MinHash dedup, in this process (workers=1), with our word splitting."""
+def datatrove_kept(docs: list[dict], work: Path) -> list[dict]:
+    """datatrove's 4-stage MinHash dedup in this process (workers=1), with our word splitting and
+    64-bit sha1 shingle hashes (its xxhash path passes str, which current xxhash rejects)."""
     import datatrove.pipeline.dedup.minhash as dm
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor
+    from datatrove.utils.hashing import HashConfig
     from datatrove.utils.word_tokenizers import WordTokenizer
+
+    from raysc.curate.minhash import words
 
     class OurWords(WordTokenizer):
         def word_tokenize(self, text: str) -> list[str]:
@@ -127,9 +148,6 @@ def run_datatrove(docs: list[dict], workdir: Path) -> set[str]:
             return [(0, len(text))]
 
     dm.load_word_tokenizer = lambda language: OurWords()
-    from datatrove.utils.hashing import HashConfig
-
-    # sha1 shingle hashes: its xxhash path passes str to xxhash, which current xxhash releases reject
     config = dm.MinhashConfig(n_grams=SHINGLE, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=1,
                               hash_config=HashConfig(precision=64, hash_fc="sha1"))
 
@@ -137,95 +155,167 @@ def run_datatrove(docs: list[dict], workdir: Path) -> set[str]:
         for d in docs:
             yield Document(text=d["text"], id=d["id"])
 
-    kept: list[str] = []
+    kept_ids: set[str] = set()
 
     def collect(data, rank: int = 0, world_size: int = 1):
         for doc in data:
-            kept.append(doc.id)
+            kept_ids.add(doc.id)
             yield doc
 
-    stages = [
-        ([reader, dm.MinhashDedupSignature(output_folder=str(workdir / "sigs"), config=config)], 1),
-        ([dm.MinhashDedupBuckets(input_folder=str(workdir / "sigs"), output_folder=str(workdir / "buckets"),
-                                 config=config)], BANDS),
-        ([dm.MinhashDedupCluster(input_folder=str(workdir / "buckets"), output_folder=str(workdir / "remove"),
-                                 config=config)], 1),
-        ([reader, dm.MinhashDedupFilter(input_folder=str(workdir / "remove")), collect], 1),
-    ]
+    w = str(work)
+    stages = [([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], 1),
+              ([dm.MinhashDedupBuckets(input_folder=f"{w}/sigs", output_folder=f"{w}/buckets", config=config)], BANDS),
+              ([dm.MinhashDedupCluster(input_folder=f"{w}/buckets", output_folder=f"{w}/remove", config=config)], 1),
+              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), collect], 1)]
     for i, (pipeline, tasks) in enumerate(stages):
-        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=str(workdir / f"logs{i}"),
+        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=f"{w}/logs{i}",
                               skip_completed=False).run()
-    return set(kept)
+    return [d for d in docs if d["id"] in kept_ids]
 
 
-def run_raysc(docs: list[dict], workdir: Path) -> tuple[set[str], dict]:
-    import pyarrow.parquet as pq
+def run_one(name: str, corpus: Path, work: Path) -> dict:
+    """One implementation from corpus to Parquet; stage seconds where it reports them."""
+    if name == "raysc":
+        from raysc.config import load_config
+        from raysc.curate.pipeline import curate
+        from raysc.driver import ensure_ray
 
-    from raysc.config import load_config
-    from raysc.curate.pipeline import curate
-    from raysc.driver import ensure_ray
+        cfg = load_config(None, [f'curate.input="{corpus / "docs"}"', f'curate.output="{work / "out"}"',
+                                 "quality.enabled=false", f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
+                                 f'data.cache_dir="{ROOT / ".cache/raysc"}"'])
+        ensure_ray()
+        report = curate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+        return {"stages": report["seconds"], "cc_rounds": report["near_dedup"]["cc_rounds"],
+                "shuffles": report["near_dedup"].get("shuffles")}
+    t0 = time.perf_counter()
+    docs = load_docs(corpus)
+    t1 = time.perf_counter()
+    if name == "datatrove":
+        kept = datatrove_kept(docs, work / "datatrove")
+    else:
+        kept = survivors(docs, sorted((kernel_edges if name == "raysc_kernel" else datasketch_edges)(docs)))
+    t2 = time.perf_counter()
+    write_kept(kept, work / "out")
+    return {"stages": {"read_normalise_exact": round(t1 - t0, 3), "near_dedup": round(t2 - t1, 3),
+                       "write": round(time.perf_counter() - t2, 3)}}
 
-    workdir.mkdir(parents=True, exist_ok=True)
-    src = workdir / "input.jsonl"
-    src.write_text("".join(json.dumps(d) + "\n" for d in docs))
-    cfg = load_config(None, [f'curate.input="{src}"', f'curate.output="{workdir / "out"}"', "quality.enabled=false",
-                             "dedup.exact=false", f"dedup.threshold={THRESHOLD}", f'run.dir="{workdir / "run"}"'])
-    ensure_ray()
-    report = curate(cfg, log=lambda *_: None)
-    kept = set(pq.read_table(workdir / "out" / "documents").column("id").to_pylist())
-    return kept, report
+
+# ---- the parent: corpus, processes, memory, accuracy ----
+def tree_rss(pid: int, peaks: dict[int, tuple[str, int]], stop: threading.Event) -> None:
+    """Peak resident bytes of ``pid`` and every process below it, sampled until ``stop``."""
+    import psutil
+
+    root = psutil.Process(pid)
+    while not stop.is_set():
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.Error:
+            break
+        for p in procs:
+            try:
+                rss, name = p.memory_info().rss, (p.name() if p.pid != pid else "driver")
+            except psutil.Error:
+                continue
+            if rss > peaks.get(p.pid, ("", 0))[1]:
+                peaks[p.pid] = (name, rss)
+        stop.wait(0.2)
 
 
-def accuracy(pairs: list[dict], kept: set[str]) -> dict:
-    high = [p for p in pairs if p["jaccard"] >= 0.85]
-    low = [p for p in pairs if p["jaccard"] <= 0.5]
-    removed = [p for p in pairs if pair_detected(p, kept)]
-    false = [p for p in removed if p["jaccard"] <= 0.5]
-    return {"recall_ge_0.85": round(sum(pair_detected(p, kept) for p in high) / max(1, len(high)), 3),
-            "removed_le_0.5": len(false), "pairs_le_0.5": len(low),
-            "precision": round(1 - len(false) / len(removed), 3) if removed else None}
+def timed_run(name: str, corpus: Path, work: Path) -> dict:
+    """Run ``name`` in a fresh process; wall seconds from start to exit, peak memory, its output."""
+    peaks: dict[int, tuple[str, int]] = {}
+    stop = threading.Event()
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, __file__, "--run", name, "--corpus", str(corpus), "--work", str(work)],
+                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    sampler = threading.Thread(target=tree_rss, args=(proc.pid, peaks, stop), daemon=True)
+    sampler.start()
+    out, _ = proc.communicate()
+    seconds = time.perf_counter() - t0
+    stop.set()
+    sampler.join()
+    if proc.returncode:
+        raise RuntimeError(f"{name} exited with {proc.returncode}")
+    result = json.loads(out.strip().splitlines()[-1])
+    workers = sorted((rss for pid, (n, rss) in peaks.items() if n != "driver"), reverse=True)
+    mb = 1 << 20
+    return {"seconds": round(seconds, 2), **result,
+            "peak_mb": {"driver": round(peaks.get(proc.pid, ("", 0))[1] / mb), "processes": 1 + len(workers),
+                        "largest_other": [round(r / mb) for r in workers[:6]]}}
+
+
+def accuracy(truth: list[dict], n: int, seed: int, kept: set[str]) -> dict:
+    from raysc.curate.audit import pair_detected
+    from raysc.curate.synth import Synth, SynthSpec
+
+    high = [p for p in truth if p["jaccard"] >= 0.85]
+    low = [p for p in truth if p["jaccard"] <= 0.5]
+    explained = {p["copy"] for p in truth if p["jaccard"] > 0.5}
+    ids = Synth(SynthSpec(n, seed), pools={"prose": [""], "code": [""]})
+    removed = {ids.doc_id(i) for i in range(n)} - kept
+    return {"recall_ge_0.85": round(sum(pair_detected(p, kept) for p in high) / max(1, len(high)), 4),
+            "removed_le_0.5": sum(pair_detected(p, kept) for p in low), "pairs_le_0.5": len(low),
+            "unexplained_removals": len(removed - explained)}
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--corpus-mb", type=float, default=6.0)
-    ap.add_argument("--pairs-per-target", type=int, default=20)
-    ap.add_argument("--cache", default=".cache/raysc")
-    args = ap.parse_args()
-    docs, pairs = corpus(args.corpus_mb, args.cache, args.pairs_per_target)
-    n, mb = len(docs), sum(len(d["text"]) for d in docs) / 1e6
-    print(f"corpus: {n} documents ({mb:.1f} MB) incl. {len(pairs)} rewritten copies", flush=True)
-    results: dict = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        runs = [("raysc_kernel", lambda: run_kernel(docs)), ("datasketch", lambda: run_datasketch(docs))]
+    ap.add_argument("--docs", type=int, default=10_000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--cache", default=str(ROOT / ".cache/raysc/synth"))
+    ap.add_argument("--run", choices=IMPLS, help=argparse.SUPPRESS)
+    ap.add_argument("--corpus", help=argparse.SUPPRESS)
+    ap.add_argument("--work", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.run:  # a child: one implementation, its figures as the last line
+        print(json.dumps(run_one(a.run, Path(a.corpus), Path(a.work))))
+        return
+    import shutil
+    import tempfile
+
+    from raysc.curate.synth import SynthSpec, read_truth, write_corpus
+
+    corpus = Path(a.cache) / f"n{a.docs}-s{a.seed}"
+    if not (corpus / "meta.json").is_file():
+        write_corpus(SynthSpec(a.docs, a.seed), corpus, shard_docs=5_000, log=lambda m: print(m, flush=True))
+    meta, truth = json.loads((corpus / "meta.json").read_text()), read_truth(corpus)
+    print(f"corpus: {a.docs} documents ({meta['bytes'] / 1e6:.1f} MB), roles {meta['roles']}", flush=True)
+    impls = [i for i in a.impls.split(",") if i]
+    if "datatrove" in impls:
         try:
             import datatrove  # noqa: F401
+        except ImportError:
+            impls.remove("datatrove")
+            print("datatrove: not installed, left out (pip install -e '.[bench]')", flush=True)
+    runs: dict[str, list[dict]] = {name: [] for name in impls}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r in range(a.repeats):  # interleaved, so a load change hits every implementation alike
+            for name in impls:
+                work = Path(tmp) / f"{name}-{r}"
+                res = timed_run(name, corpus, work)
+                import pyarrow.parquet as pq
 
-            runs.append(("datatrove", lambda: run_datatrove(docs, tmp_path / "datatrove")))
-        except ImportError as e:
-            results["datatrove"] = {"skipped": f"not installed ({e.name}); pip install -e '.[bench]'"}
-        for name, fn in runs:
-            t0 = time.perf_counter()
-            kept = fn()
-            dt = time.perf_counter() - t0
-            results[name] = {"seconds": round(dt, 2), "docs_per_s": round(n / dt, 1), **accuracy(pairs, kept)}
-            print(f"{name}: {results[name]}", flush=True)
-        # twice: the first run also starts Ray's worker processes and imports; the second is reported
-        run_raysc(docs, tmp_path / "raysc-warmup")
-        kept, report = run_raysc(docs, tmp_path / "raysc")
-        dt = report["seconds"]["near_dedup"]
-        results["raysc"] = {"seconds": dt, "docs_per_s": round(n / dt, 1),
-                            "pipeline_seconds": report["seconds_total"], **accuracy(pairs, kept)}
-        print(f"raysc (Ray Data, {os.cpu_count()} cores): {results['raysc']}", flush=True)
-    theirs = results["datasketch"]["docs_per_s"]
-    out = {"documents": n, "megabytes": round(mb, 2), "cores": os.cpu_count(),
-           "shingle": SHINGLE, "num_perm": BANDS * ROWS, "bands": BANDS, "rows": ROWS, "threshold": THRESHOLD,
-           **results,
-           "ratio_raysc_vs_datasketch": round(results["raysc"]["docs_per_s"] / theirs, 2),
-           "ratio_kernel_vs_datasketch": round(results["raysc_kernel"]["docs_per_s"] / theirs, 2)}
-    if "docs_per_s" in results.get("datatrove", {}):
-        out["ratio_raysc_vs_datatrove"] = round(results["raysc"]["docs_per_s"] / results["datatrove"]["docs_per_s"], 2)
+                kept = set(pq.read_table(work / "out" / "documents", columns=["id"]).column("id").to_pylist())
+                res.update(accuracy(truth, a.docs, a.seed, kept))
+                shutil.rmtree(work, ignore_errors=True)
+                runs[name].append(res)
+                print(f"{name} #{r}: {json.dumps(res)}", flush=True)
+    results = {}
+    for name, rs in runs.items():
+        sec = statistics.median(x["seconds"] for x in rs)
+        results[name] = {**rs[-1], "seconds": sec, "seconds_all": [x["seconds"] for x in rs],
+                         "docs_per_s": round(a.docs / sec, 1)}
+        if name == "raysc":
+            wq = statistics.median(x["seconds"] - x["stages"].get("quality", 0.0) for x in rs)
+            results[name]["seconds_without_quality"] = round(wq, 2)
+    out = {"documents": a.docs, "megabytes": round(meta["bytes"] / 1e6, 1), "cores": os.cpu_count(),
+           "repeats": a.repeats, "shingle": SHINGLE, "num_perm": BANDS * ROWS, "bands": BANDS, "rows": ROWS,
+           "threshold": THRESHOLD, **results}
+    for name in impls:
+        if name != "raysc" and "raysc" in results:
+            out[f"ratio_raysc_vs_{name}"] = round(results[name]["seconds"] / results["raysc"]["seconds"], 2)
     print(json.dumps(out))
 
 

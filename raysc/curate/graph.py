@@ -1,6 +1,12 @@
-"""Graph steps of near dedup on Ray Data: connected components of the candidate pairs
-(hash-to-min, all group-bys, no single process holds the graph) and removing the losers from
-the corpus (a broadcast filter, or a shuffle anti-join for very many ids)."""
+"""Graph steps of near dedup on Ray Data: connected components of the candidate pairs and
+removing the losers from the corpus (a broadcast filter, or a shuffle anti-join for very many ids).
+
+Components (``components``): the pairs arrive already reduced to a forest by a union-find
+inside each LSH bucket partition (``union_find``), so they are few (at most one per duplicate
+document and band). Up to ``GATHER_MAX_EDGES`` of them go to one task that finishes the
+union-find: no further shuffle, zero rounds, bounded memory (the graph of the duplicates, never
+the corpus), as datatrove's single cluster stage does. Beyond that, hash-to-min rounds of
+group-bys (``connected_components``), in which no single process holds the graph."""
 
 from __future__ import annotations
 
@@ -20,6 +26,62 @@ def shuffle_partitions(rows: int) -> int:
     """Partitions of a group-by: about 2,000 rows each, at most 200 (Ray Data's default), so small
     inputs do not pay for hundreds of nearly empty shuffle tasks."""
     return max(1, min(200, rows // 2000))
+
+
+def partitions(rows: int, per: int = 100_000) -> int:
+    """Partitions of a hash shuffle of ``rows`` rows of a few small columns: ``per`` rows each
+    (fewer, bigger tasks: a task costs milliseconds of fixed overhead), 1 to 200."""
+    return max(1, min(200, -(-rows // per)))
+
+
+GATHER_MAX_EDGES = 2_000_000  # up to this many forest edges, components are one union-find task
+
+
+def union_find(a: list, b: list) -> dict:
+    """{node: root} of the undirected graph with edges (a[i], b[i]): the root of a component is
+    its smallest node. Path halving; the smaller root wins a union."""
+    parent: dict = {}
+
+    def find(x):
+        parent.setdefault(x, x)
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for x, y in zip(a, b):
+        rx, ry = find(x), find(y)
+        if rx != ry:
+            parent[max(rx, ry)] = min(rx, ry)
+    return {x: find(x) for x in parent}
+
+
+def forest_edges(a: list, b: list) -> pa.Table:
+    """The edges (root, node) that span the components of the edges (a, b): one per non-root node."""
+    import pyarrow as pa
+
+    roots = union_find(a, b)
+    pairs = [(r, x) for x, r in roots.items() if x != r]
+    return pa.table({"a": pa.array([r for r, _ in pairs], pa.string()),
+                     "b": pa.array([x for _, x in pairs], pa.string())})
+
+
+def _roots_of_block(t: pa.Table) -> pa.Table:
+    """One task's union-find over every edge it is given: (node, root) of every node."""
+    import pyarrow as pa
+
+    roots = union_find(t["a"].to_pylist(), t["b"].to_pylist())
+    return pa.table({"node": pa.array(list(roots), pa.string()), "root": pa.array(list(roots.values()), pa.string())})
+
+
+def components(edges: Dataset, count: int, max_rounds: int,
+               log: Callable[[str], None] = print) -> tuple[Dataset, int, int]:
+    """(node, root) of every node of the graph ``edges`` (``count`` (a, b) rows), the hash-to-min
+    rounds and shuffles used: zero of each when the edges fit ``GATHER_MAX_EDGES``."""
+    if count <= GATHER_MAX_EDGES:
+        return edges.repartition(1).map_batches(_roots_of_block, batch_size=None, batch_format="pyarrow"), 0, 0
+    roots, rounds = connected_components(edges, max_rounds, log)
+    return roots, rounds, rounds + 1
 
 
 def connected_components(edges: Dataset, max_rounds: int,

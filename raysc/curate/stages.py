@@ -1,5 +1,4 @@
-"""The curation stages other than near dedup (``raysc.curate.near_dedup``): read, exact dedup,
-quality, write. Each takes a Ray Dataset (and its row count) and returns the next Dataset with its
+"""The curation stages other than dedup (``raysc.curate.dedup``): read, quality, write. Each takes a Ray Dataset (and its row count) and returns the next Dataset with its
 stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
 
 from __future__ import annotations
@@ -9,8 +8,7 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from raysc.config.schema import CurateConfig, DedupConfig, QualityConfig
-from raysc.curate.graph import shuffle_partitions
+from raysc.config.schema import CurateConfig, QualityConfig
 from raysc.curate.inputs import normalise_batch, parse_file
 from raysc.curate.output import arrow_fs, clear_outputs
 from raysc.curate.quality import QualityRules
@@ -25,9 +23,21 @@ HIST_FIELDS = ("q_words", "q_avg_word_len", "q_alpha_words_ratio", "q_stop_words
 HIST_SAMPLE = 200_000  # documents whose scores go into the report's histograms
 
 
-def count_by(ds: Dataset, key: str) -> dict:
-    """{value of ``key``: rows} of a Dataset."""
-    return {row[key]: row["count()"] for row in ds.groupby(key, num_partitions=1).count().take_all()}
+def count_by(ds: Dataset, key: str, weight: str | None = None) -> dict:
+    """{value of ``key``: rows} of a Dataset, or the sum of column ``weight`` per value. Per-block
+    partial counts summed here (a few values): a Ray Data aggregate would start a hash shuffle,
+    seconds of fixed cost for a handful of numbers."""
+    import pyarrow as pa
+
+    def partial(t: pa.Table) -> pa.Table:
+        g = t.group_by(key).aggregate([(weight, "sum")] if weight else [(key, "count")])
+        return pa.table({"k": g[key].cast(pa.string()), "n": g[f"{weight}_sum" if weight else f"{key}_count"]
+                         .cast(pa.int64())})
+
+    totals: dict = {}
+    for row in ds.map_batches(partial, batch_format="pyarrow", batch_size=None).take_all():
+        totals[row["k"]] = totals.get(row["k"], 0) + row["n"]
+    return totals
 
 
 # ---- read ----
@@ -58,25 +68,6 @@ def read_documents(files: list[str], options: dict, c: CurateConfig,
                       bad.take(c.bad_samples) if n_bad else [])
     log(f"curate: {stats.documents} documents, {n_bad} bad input record(s) skipped")
     return docs, stats
-
-
-# ---- exact dedup ----
-def _smallest_node(group: pa.Table) -> pa.Table:
-    """The row of a group with the smallest node key (its id first)."""
-    import pyarrow.compute as pc
-
-    return group.take([int(pc.index(group["node"], pc.min(group["node"])).as_py())])
-
-
-def exact_dedup(docs: Dataset, count: int, d: DedupConfig,
-                log: Callable[[str], None] = print) -> tuple[Dataset, int]:
-    """One survivor per content hash (the smallest node key: id first); the documents left."""
-    if d.exact and count:
-        docs = docs.groupby("hash", num_partitions=shuffle_partitions(count)).map_groups(
-            _smallest_node, batch_format="pyarrow").materialize()
-    left = docs.count()
-    log(f"curate: exact dedup removed {count - left}")
-    return docs, left
 
 
 # ---- quality ----
@@ -143,4 +134,5 @@ def write_documents(kept: Dataset, dropped: Dataset | None, out_uri: str, option
     kept.write_parquet(f"{out_uri}/documents", filesystem=arrow_fs(out_uri, options))
     if dropped is not None and dropped.count():
         dropped.drop_columns(["node"]).write_parquet(f"{out_uri}/dropped", filesystem=arrow_fs(out_uri, options))
-    return WriteStats(n_kept, count_by(kept, "domain") if n_kept else {}, int(kept.sum("bytes")) if n_kept else 0)
+    return WriteStats(n_kept, count_by(kept, "domain") if n_kept else {},
+                      sum(count_by(kept, "domain", "bytes").values()) if n_kept else 0)

@@ -1,0 +1,144 @@
+"""The dedup stage, exact and near in one shuffle: a document's LSH band keys (MinHash over word
+shingles, ``raysc.curate.minhash``) and, for exact dedup, one more key from its content hash
+are rows (key, node, signature); one hash shuffle brings every key's rows into one partition;
+per partition, vectorised, keys of one row are skipped with numpy, a content-hash key's rows
+are exact duplicates (the smallest node key survives), a band key's pairs are duplicates when
+their signatures agree on at least ``dedup.threshold`` of the hash functions; a union-find per
+partition reduces these pairs to a forest (one edge per non-root node). Clusters are the
+connected components of the forests (``raysc.curate.graph.components``: one union-find task, or
+hash-to-min rounds past ``GATHER_MAX_EDGES``); the smallest node key of a cluster survives, the
+rest leave by a broadcast filter (``graph.drop_nodes``).
+
+Shuffles: one, of small columns (never the text), plus ``1 + rounds`` only on the hash-to-min
+path and one for an anti-join of more than ``BROADCAST_MAX_IDS`` losers. Exact first, then near
+(the old order) keeps the same survivors: an exact copy has its twin's signature, so it joins
+its twin's cluster, whose smallest node is at most the twin's. Ray Data's
+``groupby().map_groups`` would call Python once per key (``bands + 1`` calls per document,
+nearly all on one-row buckets): one shuffle and one call per partition is why this is ours.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
+
+import numpy as np
+
+from raysc.config.schema import DedupConfig
+from raysc.curate.graph import BROADCAST_MAX_IDS, components, drop_nodes, forest_edges, partitions
+from raysc.curate.minhash import MinHasher
+from raysc.curate.stages import count_by
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+    from ray.data import Dataset
+
+PAIRWISE_MAX = 2048  # buckets up to this size compare every pair; larger ones pair with their smallest member
+_EXACT_KEY = np.uint64(0x5EED0F00D15EA5E5)  # mixed into content-hash keys so they never meet a band key
+
+
+@dataclass(frozen=True)
+class DedupStats:
+    """After dedup: documents left, exact and near copies removed, near-duplicate clusters,
+    hash-to-min rounds and shuffles."""
+
+    documents: int
+    exact_removed: int
+    near_removed: int
+    clusters: int
+    rounds: int
+    shuffles: int
+
+
+def similar_pairs(sig: np.ndarray, threshold: float) -> tuple[np.ndarray, np.ndarray]:
+    """Index pairs (i < j) of one bucket's signatures (rows sorted by node key) that agree on at
+    least ``threshold`` of the hash functions (the estimated Jaccard similarity). A bucket of more
+    than ``PAIRWISE_MAX`` is compared with its first member only."""
+    if len(sig) <= PAIRWISE_MAX:  # every pair of the bucket
+        est = (sig[:, None, :] == sig[None, :, :]).mean(axis=2)
+        return np.nonzero(np.triu(est >= threshold, k=1))
+    est = (sig[1:] == sig[0]).mean(axis=1)
+    j = np.nonzero(est >= threshold)[0] + 1
+    return np.zeros_like(j), j
+
+
+def key_rows(batch: dict, hasher: MinHasher, exact: bool, near: bool) -> dict:
+    """Per document, one row per LSH band (``near``) and one for its content hash (``exact``):
+    the key as ``bucket``, the node key, the signature (band rows only) and ``exact``."""
+    nodes = np.asarray(batch["node"], dtype=object)
+    cols: dict[str, list] = {"bucket": [], "node": [], "sig": [], "exact": []}
+    if near:
+        sig = hasher.signatures(list(batch["text"]))
+        cols["bucket"].append(hasher.band_keys(sig).ravel().view(np.int64))
+        cols["node"].append(np.repeat(nodes, hasher.bands))
+        cols["sig"].append(np.repeat(np.array([s.tobytes() for s in sig], dtype=object), hasher.bands))
+        cols["exact"].append(np.zeros(len(nodes) * hasher.bands, dtype=bool))
+    if exact:
+        keys = np.array([int(h[:16], 16) for h in batch["hash"]], dtype=np.uint64) ^ _EXACT_KEY
+        cols["bucket"].append(keys.view(np.int64))
+        cols["node"].append(nodes)
+        cols["sig"].append(np.array([b""] * len(nodes), dtype=object))
+        cols["exact"].append(np.ones(len(nodes), dtype=bool))
+    return {k: np.concatenate(v) for k, v in cols.items()}
+
+
+def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
+    """One partition of key rows: the forest edges (a, b) of its duplicate pairs, and ``exact``
+    rows (smallest node, copy) for every exact copy."""
+    import pyarrow as pa
+
+    buckets = t["bucket"].to_numpy()
+    order = np.argsort(buckets, kind="stable")
+    b = buckets[order]
+    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if len(b) else np.zeros(0, dtype=np.int64)
+    sizes = np.diff(np.r_[starts, len(b)])
+    pairs: tuple[list[str], list[str]] = ([], [])
+    copies: tuple[list[str], list[str]] = ([], [])
+    for s, n in zip(starts[sizes > 1], sizes[sizes > 1]):  # the few keys with more than one row
+        rows = pa.array(order[s:s + n])
+        by_node = dict(zip(t["node"].take(rows).to_pylist(), t["sig"].take(rows).to_pylist()))
+        nodes = sorted(by_node)
+        if len(nodes) < 2:
+            continue
+        if t["exact"][int(order[s])].as_py():  # a content hash: all copies of the smallest node
+            copies[0].extend([nodes[0]] * (len(nodes) - 1))
+            copies[1].extend(nodes[1:])
+            continue
+        sig = np.frombuffer(b"".join(by_node[x] for x in nodes), dtype=np.uint32).reshape(len(nodes), -1)
+        i, j = similar_pairs(sig, threshold)
+        pairs[0].extend(nodes[x] for x in i)
+        pairs[1].extend(nodes[x] for x in j)
+    forest = forest_edges(*pairs)
+    exact = pa.table({"a": pa.array(copies[0], pa.string()), "b": pa.array(copies[1], pa.string())})
+    return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest))),
+                             exact.append_column("exact", pa.array([True] * len(exact)))])
+
+
+def dedup(docs: Dataset, count: int, d: DedupConfig,
+          log: Callable[[str], None] = print) -> tuple[Dataset, DedupStats]:
+    """``docs`` (``count`` rows) with one survivor per exact-copy group and near-duplicate
+    cluster (the smallest node key), and the stats."""
+    if not (d.exact or d.near) or not count:
+        return docs, DedupStats(count, 0, 0, 0, 0, 0)
+    hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
+    per_doc = d.bands * d.near + d.exact
+    edges = docs.map_batches(key_rows, batch_format="numpy",
+                             fn_kwargs={"hasher": hasher, "exact": d.exact, "near": d.near}).repartition(
+        partitions(count * per_doc), keys=["bucket"]).map_batches(
+        bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold}).materialize()
+    n_edges = edges.count()
+    log(f"curate: dedup: {n_edges} forest edge(s) of exact copies and pairs above dedup.threshold={d.threshold}")
+    if not n_edges:
+        return docs, DedupStats(count, 0, 0, 0, 0, 1)
+    n_exact = count_by(edges, "exact").get("true", 0)  # one content-hash row per document: no repeats
+    roots, rounds, shuffles = components(edges.select_columns(["a", "b"]), n_edges, d.max_rounds, log)
+    roots = roots.materialize()
+    losers = roots.filter(expr="node != root").select_columns(["node"]).materialize()
+    removed = losers.count()
+    clusters = roots.count() - removed
+    docs = drop_nodes(docs, losers, removed)
+    stats = DedupStats(count - removed, n_exact, removed - n_exact, clusters, rounds,
+                       1 + shuffles + int(removed > BROADCAST_MAX_IDS))
+    log(f"curate: dedup removed {stats.exact_removed} exact and {stats.near_removed} near copies in {clusters} "
+        f"cluster(s) ({rounds} hash-to-min rounds)")
+    return docs, stats

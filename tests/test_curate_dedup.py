@@ -1,0 +1,107 @@
+"""Dedup at scale, its cheap parts: the synthetic corpus and its ground truth, the per-partition
+kernel of the dedup shuffle (exact copies, verified band pairs, forest), and connected
+components by one union-find task or by hash-to-min rounds."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from raysc.config.schema import DedupConfig
+from raysc.curate.audit import pair_detected
+from raysc.curate.dedup import bucket_forest, key_rows
+from raysc.curate.graph import union_find
+from raysc.curate.inputs import normalise
+from raysc.curate.minhash import MinHasher, jaccard
+from raysc.curate.synth import Synth, SynthSpec, line_pools, read_truth, write_corpus
+
+
+def test_synth_corpus_is_deterministic_streamed_and_its_truth_is_measured(tmp_path):
+    """Same spec, same bytes (jsonl or parquet, any shard size); copies sort after their original;
+    truth similarities are the measured ones; exact copies are equal once normalised; documents
+    the truth does not pair share (almost) no shingles."""
+    pools = line_pools(1.0)
+    spec = SynthSpec(docs=300, seed=7, near_frac=0.2, exact_frac=0.1, corpus_mb=1.0)
+    meta = write_corpus(spec, tmp_path / "a", shard_docs=128, log=lambda *_: None)
+    write_corpus(spec, tmp_path / "b", fmt="parquet", shard_docs=1000, log=lambda *_: None)
+    assert meta["shards"] == 3 and sum(meta["roles"].values()) == 300 and meta["roles"]["exact"] > 10
+    a = [json.loads(line) for f in sorted((tmp_path / "a" / "docs").iterdir()) for line in f.open()]
+    b = pq.read_table(tmp_path / "b" / "docs" / "part-00000.parquet").to_pylist()
+    assert a == b and (tmp_path / "a" / "truth.jsonl").read_bytes() == (tmp_path / "b" / "truth.jsonl").read_bytes()
+    by_id = {d["id"]: d["text"] for d in a}
+    truth = read_truth(tmp_path / "a")
+    assert len(truth) == meta["roles"]["near"] + meta["roles"]["exact"]
+    for p in truth:
+        assert p["original"] < p["copy"]
+        if p["kind"] == "exact":
+            assert by_id[p["copy"]] != by_id[p["original"]]
+            assert normalise(by_id[p["copy"]]) == normalise(by_id[p["original"]])
+        else:
+            assert abs(jaccard(by_id[p["original"]], by_id[p["copy"]]) - p["jaccard"]) < 1e-3
+    assert {p["target"] for p in truth if p["kind"] == "near"} >= {0.3, 0.9}
+    # one document regenerates alone (a copy re-derives its original: nothing is remembered)
+    assert Synth(spec, pools).document(299)[0] == a[299]
+    related = {frozenset((p["original"], p["copy"])) for p in truth}
+    sig = MinHasher().signatures([normalise(d["text"]) for d in a])
+    est = (sig[:, None, :] == sig[None, :, :]).mean(axis=2)
+    i, j = np.nonzero(np.triu(est >= 0.3, k=1))
+    stray = [(a[x]["id"], a[y]["id"]) for x, y in zip(i, j) if frozenset((a[x]["id"], a[y]["id"])) not in related]
+    originals = {p["copy"]: p["original"] for p in truth}  # two copies of one original are related too
+    assert all(originals.get(x, x) == originals.get(y, y) for x, y in stray), stray
+
+
+def test_dedup_kernel_removes_exact_and_near_copies_only():
+    """One partition holding every key (what the shuffle guarantees per key): exact copies become
+    star edges to the smallest node, band pairs above the threshold a forest; the survivors of
+    the union-find keep every original and no copy at similarity >= 0.85 and none at <= 0.5 lost."""
+    spec = SynthSpec(docs=400, seed=3, near_frac=0.2, exact_frac=0.1, corpus_mb=1.0)
+    docs, truth = [], []
+    for doc, pair in Synth(spec, line_pools(1.0)):
+        docs.append(doc)
+        truth += [pair] if pair else []
+    import hashlib
+
+    texts = [normalise(d["text"]) for d in docs]
+    batch = {"text": np.array(texts, dtype=object), "node": np.array([d["id"] for d in docs], dtype=object),
+             "hash": np.array([hashlib.sha1(t.encode()).hexdigest() for t in texts], dtype=object)}
+    d = DedupConfig()
+    rows = key_rows(batch, MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed), True, True)
+    table = pa.table({k: pa.array(list(v)) if v.dtype == object else v for k, v in rows.items()})
+    order = list(range(len(table)))
+    random.Random(0).shuffle(order)  # a partition's rows come in any order
+    edges = bucket_forest(table.take(order), d.threshold)
+    exact = edges.filter(edges["exact"]).to_pydict()
+    first: dict[str, str] = {}
+    for doc, t in zip(docs, texts):  # ids ascend: the first of a text is its survivor
+        first.setdefault(t, doc["id"])
+    copies = {doc["id"] for doc, t in zip(docs, texts) if first[t] != doc["id"]}
+    assert sorted(exact["b"]) == sorted(copies) and {p["copy"] for p in truth if p["kind"] == "exact"} <= copies
+    roots = union_find(edges["a"].to_pylist(), edges["b"].to_pylist())
+    kept = {x["id"] for x in docs} - {n for n, r in roots.items() if n != r}
+    high = [p for p in truth if p["jaccard"] >= 0.85]
+    assert sum(pair_detected(p, kept) for p in high) / len(high) >= 0.95
+    assert not any(pair_detected(p, kept) for p in truth if p["jaccard"] <= 0.5)
+    assert {p["original"] for p in truth} <= kept
+
+
+def test_components_by_one_task_or_hash_to_min_agree(ray_session, monkeypatch):
+    """Clusters of a random forest-like graph: the single union-find task (few edges) and the
+    hash-to-min rounds (past GATHER_MAX_EDGES) give every node the smallest node of its component."""
+    import raysc.curate.graph as graph
+
+    rng = random.Random(5)
+    a = [f"n{rng.randrange(24):02d}" for _ in range(16)]
+    b = [f"n{rng.randrange(24):02d}" for _ in range(16)]
+    want = union_find(a, b)
+    edges = ray_session.data.from_items([{"a": x, "b": y} for x, y in zip(a, b)])
+    gathered, rounds, shuffles = graph.components(edges, 16, 40, log=lambda *_: None)
+    assert (rounds, shuffles) == (0, 0)
+    monkeypatch.setattr(graph, "GATHER_MAX_EDGES", 8)
+    spread, rounds, shuffles = graph.components(edges, 16, 40, log=lambda *_: None)
+    assert rounds >= 1 and shuffles == rounds + 1
+    for roots in (gathered, spread):
+        assert {r["node"]: r["root"] for r in roots.take_all()} == want
