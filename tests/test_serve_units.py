@@ -55,6 +55,68 @@ def test_an_object_store_export_is_uploaded_once_and_ray_serve_llm_mirrors_it(s3
         assert (mirrored / f.name).read_bytes() == f.read_bytes()
 
 
+def test_replicas_get_the_object_store_settings_the_driver_used():
+    """A replica on another node reads an s3:// export with what the driver had: the run's endpoint and
+    region, and credentials only when the driver holds them (never '***', never half a pair)."""
+    from raysc.serve.store_env import replica_env
+
+    run = {"endpoint_url": "http://minio:9000", "key": "***", "secret": "***", "region_name": "eu-1"}
+    keys = {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "AWS_ENDPOINT_URL": "http://other"}
+    assert replica_env("s3://b/run/serve/step_1", run, keys) == {
+        "AWS_ENDPOINT_URL_S3": "http://minio:9000", "AWS_DEFAULT_REGION": "eu-1",
+        "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+    assert replica_env("s3://b/x", {"client_kwargs": {"endpoint_url": "http://m:1"}}, {}) == {
+        "AWS_ENDPOINT_URL_S3": "http://m:1"}
+    assert replica_env("s3://b/x", None, keys)["AWS_ENDPOINT_URL_S3"] == "http://other"
+    assert replica_env("s3://b/x", None, {"AWS_ACCESS_KEY_ID": "id"}) == {}  # an instance role applies
+    assert replica_env("/local/export", run, keys) == {} and replica_env("gs://b/x", run, keys) == {}
+    # handed to each node's download task by our callback, never through the (logged) runtime_env
+    from ray.serve.llm import LLMConfig
+
+    from raysc.serve.replica_setup import StoreSettings
+
+    d = llm_config_dict(ServedModel("s3://b/x"), ServeConfig(), "m", env={"AWS_SECRET_ACCESS_KEY": "s3cr3t"})
+    assert "s3cr3t" not in json.dumps(d["runtime_env"])
+    callback = LLMConfig(**d).get_or_create_callback()
+    assert isinstance(callback, StoreSettings)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.delenv("AWS_SECRET_ACCESS_KEY", raising=False)
+        callback.run_callback_sync("on_before_download_model_files_distributed")
+        assert os.environ["AWS_SECRET_ACCESS_KEY"] == "s3cr3t"
+
+
+def test_serve_command_line_reaches_the_deployment(tmp_path, monkeypatch):
+    """``raysc serve RUN --follow --draft D --port P --set ...``: the flags become the config and the
+    draft both the first deployment and every --follow roll use (what tests/test_serve.py runs live)."""
+    import signal
+
+    import ray
+
+    from raysc.cli import build_parser
+    from raysc.serve import command
+
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.toml").write_text('[run]\nname = "r"\n')
+    calls = []
+    monkeypatch.setattr(ray, "init", lambda **_: None)
+    monkeypatch.setattr(signal, "signal", lambda *_: None)
+    monkeypatch.setattr(command, "newest_verified_step", lambda _: 5)
+    monkeypatch.setattr(command, "deploy", lambda source, cfg, step, draft: calls.append(
+        ("deploy", source, step, draft, cfg.serve.port, cfg.serve.replicas, cfg.serve.max_num_seqs)) or
+        command.Deployment("app", "url", "r", ServedModel("/m"), cfg.serve))
+    monkeypatch.setattr(command, "follow", lambda dep, source, cfg, stop, poll_s, draft, log: calls.append(
+        ("follow", source, poll_s, draft)) or dep)
+    monkeypatch.setattr(command, "undeploy", lambda dep: calls.append(("undeploy", dep.app_name)))
+    args = build_parser().parse_args(["serve", str(run), "--follow", "--draft", "/d", "--port", "8123", "--replicas",
+                                      "2", "--poll-s", "0.5", "--set", "serve.max_num_seqs=7"])
+    assert args.func(args) == 0
+    assert calls == [("deploy", str(run), None, "/d", 8123, 2, 7), ("follow", str(run), 0.5, "/d"),
+                     ("undeploy", "app")]
+    with pytest.raises(SystemExit, match="--follow watches a run"):
+        command.cli_settings(build_parser().parse_args(["serve", "s3://b/x", "--follow"]))
+
+
 def test_served_sources_resolve(tmp_path):
     folder = tmp_path / "export"
     folder.mkdir()

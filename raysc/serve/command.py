@@ -23,6 +23,7 @@ from raysc.fleet.records import SERVING_RECORD
 from raysc.serve.app import API_KEY_ENV, build_app, key_digest
 from raysc.serve.engine import llm_config_dict, speculative_config
 from raysc.serve.source import ServedModel, export_run, is_run_dir, newest_verified_step, resolve
+from raysc.serve.store_env import replica_env
 
 SPEC_TUNED = "serve_speculative.json"  # written into the target run by `raysc spec tune`
 
@@ -58,12 +59,12 @@ def _api_key(cfg: ServeConfig) -> str:
 
 
 def _hf_config(model: ServedModel) -> dict:
-    if model.remote:
+    if model.remote and not model.local:
         import fsspec
 
         with fsspec.open(f"{model.path}/config.json") as f:
             return json.load(f)
-    return json.loads((Path(model.path) / "config.json").read_text())
+    return json.loads((Path(model.local or model.path) / "config.json").read_text())
 
 
 def _resolved(cfg: ServeConfig, hf: dict) -> ServeConfig:
@@ -81,7 +82,9 @@ def _speculative(cfg: Config, source: str, draft: str | None) -> dict | None:
     tuned = None
     if is_run_dir(source) and (Path(source) / SPEC_TUNED).is_file():
         tuned = json.loads((Path(source) / SPEC_TUNED).read_text())
-    draft_path = resolve(draft).path if draft else None
+    # vLLM loads a draft from a path on the replica's node (Ray Serve LLM mirrors only the target)
+    drafted = resolve(draft) if draft else None
+    draft_path = (drafted.local or drafted.path) if drafted else None
     if draft is None and not cfg.serve.num_speculative_tokens:
         # a tuned draft-model choice needs the draft: without --draft only a tuned n-gram choice applies
         tuned = tuned if (tuned or {}).get("method") == "ngram" else None
@@ -99,7 +102,9 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
     spec = _speculative(cfg, source, draft)
     hf = _hf_config(model)
     serve_cfg = _resolved(cfg.serve, hf)
-    llm_cfg = llm_config_dict(model, serve_cfg, model_id, spec)
+    # a run's store settings (its config.toml: secrets redacted, so credentials come from the environment)
+    options = cfg.checkpoint.storage_options if model.run_dir is not None else None
+    llm_cfg = llm_config_dict(model, serve_cfg, model_id, spec, replica_env(model.path, options))
     key = _api_key(cfg.serve)
     max_len = serve_cfg.max_model_len or int(hf.get("max_position_embeddings", 0))
     app = build_app(llm_cfg, key_digest(key) if key else "", max_len)
@@ -150,9 +155,9 @@ def follow(dep: Deployment, source: str, cfg: Config, stop: threading.Event, pol
     return dep
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    import ray
-
+def cli_settings(args: argparse.Namespace) -> Config:
+    """The config ``raysc serve``'s arguments select (``--replicas``, ``--host``, ``--set`` ... onto the
+    run's own config or the defaults), with the command-line mistakes refused."""
     overrides = list(args.overrides)
     if args.replicas is not None:
         overrides.append(f"serve.replicas={args.replicas}")
@@ -165,9 +170,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
         overrides.append(f"serve.host={json.dumps(args.host)}")
     if args.port:
         overrides.append(f"serve.port={args.port}")
-    cfg = settings(args.source, overrides)
     if args.follow and not is_run_dir(args.source):
         raise SystemExit("--follow watches a run's checkpoints: pass a run directory (config.toml), not an export")
+    return settings(args.source, overrides)
+
+
+def keep_serving(args: argparse.Namespace, cfg: Config, dep: Deployment, stop: threading.Event,
+                 log=print) -> Deployment:
+    """After the first deployment: with ``--follow`` roll onto each new checkpoint (with ``--draft``'s
+    model), else wait; until ``stop`` is set. Returns the deployment serving at that point."""
+    if args.follow:
+        return follow(dep, args.source, cfg, stop, args.poll_s, args.draft, log=log)
+    stop.wait()
+    return dep
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import ray
+
+    cfg = cli_settings(args)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not _api_key(cfg.serve):
         print(f"warning: serving on {cfg.serve.host} without an API key; anyone who can reach the port can use "
               f"the model (set serve.api_key or {API_KEY_ENV})", flush=True)
@@ -187,10 +208,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        if args.follow:
-            dep = follow(dep, args.source, cfg, stop, args.poll_s, args.draft)
-        else:
-            stop.wait()
+        dep = keep_serving(args, cfg, dep, stop)
     finally:
         undeploy(dep)
         print(json.dumps({"stopped": dep.app_name}), flush=True)

@@ -87,9 +87,11 @@ def speculative_config(cfg: ServeConfig, draft_path: str | None, tuned: dict | N
 
 
 def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
-                    speculative: dict | None = None) -> dict[str, Any]:
+                    speculative: dict | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
     """The ``LLMConfig`` of one served model, as the dictionary ``ray.serve.llm.LLMConfig`` validates
-    (also what ``jobs/serve_config.yaml`` holds for ``serve deploy``)."""
+    (also what ``jobs/serve_config.yaml`` holds for ``serve deploy``); ``env``: environment variables
+    for the replicas' model download (``raysc.serve.store_env.replica_env``: how a node reaches an
+    object-store export), handed to ``raysc.serve.replica_setup``."""
     check(cfg, speculative)
     source: Any = model.path
     if model.remote:  # each replica's node mirrors the folder from the object store
@@ -113,4 +115,7 @@ def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
     if on_cpu(cfg):
         # vLLM's CPU backend sizes its KV cache from this variable, in whole GiB
         out["runtime_env"] = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gb)))}}
+    if env:  # set in each node's download task (not the runtime_env: Ray logs that, credentials included)
+        out["callback_config"] = {"callback_class": "raysc.serve.replica_setup:StoreSettings",
+                                  "callback_kwargs": {"env": dict(env)}}
     return out

@@ -34,6 +34,7 @@ class ServedModel:
     checkpoint: str | None = None  # the checkpoint's URI, for a run source
     run_dir: Path | None = None
     reused: bool = False  # an existing export of the same checkpoint was reused
+    local: str | None = None  # a local copy of a remote folder (a run's export), if this machine has one
 
     @property
     def remote(self) -> bool:
@@ -108,7 +109,7 @@ def export_run(run_dir: Path, step: int | None = None) -> ServedModel:
         tmp.rename(out)  # a crash mid-export leaves only a .partial folder, never a half export
     if remote is not None:
         _upload_once(out, store.storage.fs, f"{store.storage.root}/serve/{step_name(step)}")
-    return ServedModel(remote or str(out.resolve()), step, record["checkpoint"], run_dir, reused)
+    return ServedModel(remote or str(out.resolve()), step, record["checkpoint"], run_dir, reused, str(out.resolve()))
 
 
 def _same_export(out: Path, record: dict) -> bool:
