@@ -90,7 +90,8 @@ def build_report(cfg: Config, out_uri: str, files: int, read: ReadStats, near: D
     return {
         "input": cfg.curate.input, "output": out_uri, "files": files,
         "documents": {"read": read.documents + read.bad, "bad_input": read.bad,
-                      "after_exact_dedup": read.documents - near.exact_removed, "after_near_dedup": near.documents, "kept": written.kept},
+                      "after_exact_dedup": read.documents - near.exact_removed, "after_near_dedup": near.documents,
+                      "kept": written.kept},
         "removed": {"bad_input": read.bad, "exact_duplicates": near.exact_removed,
                     "near_duplicates": near.near_removed, "quality": near.documents - written.kept},
         "bad_input": {"by_reason": read.bad_by_reason,

@@ -1,4 +1,5 @@
-"""The curation stages other than dedup (``raysc.curate.dedup``): read, quality, write. Each takes a Ray Dataset (and its row count) and returns the next Dataset with its
+"""The curation stages other than dedup (``raysc.curate.dedup``): read, quality, write. Each
+takes a Ray Dataset (and its row count) and returns the next Dataset with its
 stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
 
 from __future__ import annotations
