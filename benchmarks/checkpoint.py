@@ -11,12 +11,22 @@ All against an S3-compatible server (moto) on 127.0.0.1, side by side in one run
    ``checkpoint.async = true`` and once synchronous; the mean time training is held per save
    (async) relative to the mean duration of a synchronous save. Target: <= 0.1.
 
+Both sides run at every concurrency ``c`` in ``BENCH_CKPT_CONCURRENCY`` (default 1,2,4, plus
+raysc's default): raysc with ``checkpoint.transfer_concurrency = c`` (``c`` files at once, large
+files in ``c`` ranged GETs), the baseline with fsspec's bulk ``pipe`` / ``cat`` moving ``c`` files
+at once and s3fs splitting large files into up to ``c`` parallel parts (multipart upload, ranged
+GETs). The headline ratios take each side at its fastest ``c`` (the physical limit of this machine
+and store); the ratios at raysc's default ``c`` are given too. ``BENCH_CKPT_REPEATS`` (default 3)
+interleaved repeats, medians.
+
 Prints JSON on its last line.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -55,43 +65,65 @@ def model_and_optimizer():
     return model, opt
 
 
-def throughput(bucket: str, options: dict, repeats: int = 5) -> dict:
+def plain_write(fs, bucket: str, prefix: str, blobs: dict[str, bytes], c: int) -> float:
+    """Seconds for fsspec to write ``blobs`` under ``prefix``, ``c`` files at once, ``c`` parts each."""
+    t0 = time.perf_counter()
+    fs.pipe({f"{bucket}/{prefix}/{n}": b for n, b in blobs.items()}, batch_size=c, max_concurrency=c)
+    return time.perf_counter() - t0
+
+
+def plain_read(fs, bucket: str, prefix: str, names: list[str], c: int) -> float:
+    """Seconds for fsspec to read ``names`` back, ``c`` files at once, ``c`` ranged GETs each."""
+    t0 = time.perf_counter()
+    fs.cat([f"{bucket}/{prefix}/{n}" for n in names], batch_size=c, max_concurrency=c)
+    return time.perf_counter() - t0
+
+
+def throughput(bucket: str, options: dict, repeats: int, levels: list[int]) -> dict:
     model, opt = model_and_optimizer()
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-ckpt-"))
-    store = CheckpointStore(f"s3://{bucket}/ours", options)  # default transfer_concurrency
-    fs = store.storage.fs
-    save_ours, save_plain, load_ours, load_plain = [], [], [], []
-    nbytes = 0
-    for i in range(repeats):
+    default_c = CheckpointStore(f"s3://{bucket}/probe", options).storage.concurrency
+    levels = sorted({*levels, default_c})
+    times = {c: {"save": [], "write": [], "load": [], "read": []} for c in levels}
+    nbytes, nfiles = 0, 0
+    for i in range(repeats):  # interleaved: every concurrency, both sides, in each repeat
         step = i + 1
-        local = tmp / f"stage{step}"
-        t0 = time.perf_counter()
-        names, digests = stage_shards(local, model, opt, {"step": step}, rank=0)
-        files = store.upload(step, local, names, digests)
-        store.commit(step, files, {"tokens": 0})
-        save_ours.append(time.perf_counter() - t0)
-        nbytes = sum(f["size"] for f in files)
-        blobs = {n: (local / n).read_bytes() for n in names}
-        t0 = time.perf_counter()
-        for n, b in blobs.items():
-            fs.pipe_file(f"{bucket}/plain{step}/{n}", b)
-        save_plain.append(time.perf_counter() - t0)
+        for c in levels:
+            store = CheckpointStore(f"s3://{bucket}/ours-c{c}", options, concurrency=c)
+            local = tmp / f"stage-c{c}"
+            t0 = time.perf_counter()
+            names, digests = stage_shards(local, model, opt, {"step": step}, rank=0)
+            files = store.upload(step, local, names, digests)
+            store.commit(step, files, {"tokens": 0})
+            times[c]["save"].append(time.perf_counter() - t0)
+            nbytes, nfiles = sum(f["size"] for f in files), len(files)
+            blobs = {n: (local / n).read_bytes() for n in names}
+            shutil.rmtree(local)
+            times[c]["write"].append(plain_write(store.storage.fs, bucket, f"plain-c{c}-{step}", blobs, c))
+            del blobs
 
-        t0 = time.perf_counter()
-        fresh = tmp / f"fetch{step}"
-        store.fetch(step, fresh)
-        load_local(fresh, model, opt, rank=0)
-        load_ours.append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        for n in blobs:
-            fs.cat_file(f"{bucket}/plain{step}/{n}")
-        load_plain.append(time.perf_counter() - t0)
-    med = statistics.median
-    return {"checkpoint_bytes": nbytes,
-            "save_s": round(med(save_ours), 3), "plain_write_s": round(med(save_plain), 3),
-            "save_throughput_ratio": round(med(save_plain) / med(save_ours), 3),
-            "load_s": round(med(load_ours), 3), "plain_read_s": round(med(load_plain), 3),
-            "load_throughput_ratio": round(med(load_plain) / med(load_ours), 3)}
+            fresh = tmp / f"fetch-c{c}"
+            t0 = time.perf_counter()
+            store.fetch(step, fresh)
+            load_local(fresh, model, opt, rank=0)
+            times[c]["load"].append(time.perf_counter() - t0)
+            shutil.rmtree(fresh)
+            times[c]["read"].append(plain_read(store.storage.fs, bucket, f"plain-c{c}-{step}", names, c))
+    med = {c: {k: statistics.median(v) for k, v in t.items()} for c, t in times.items()}
+
+    def best(kind: str) -> int:
+        return min(levels, key=lambda c: med[c][kind])
+
+    by_c = {c: {k: round(v, 3) for k, v in m.items()} for c, m in med.items()}
+    return {"checkpoint_bytes": nbytes, "checkpoint_files": nfiles, "repeats": repeats, "default_concurrency": default_c,
+            "seconds_by_concurrency": by_c,
+            "best_concurrency": {k: best(k) for k in ("save", "write", "load", "read")},
+            # each side at its fastest concurrency (the physical limit of this machine and store)
+            "save_throughput_ratio": round(med[best("write")]["write"] / med[best("save")]["save"], 3),
+            "load_throughput_ratio": round(med[best("read")]["read"] / med[best("load")]["load"], 3),
+            # raysc at its default concurrency against the baseline at the same concurrency
+            "save_ratio_at_default": round(med[default_c]["write"] / med[default_c]["save"], 3),
+            "load_ratio_at_default": round(med[default_c]["read"] / med[default_c]["load"], 3)}
 
 
 def stall(bucket: str, options: dict) -> dict:
@@ -124,8 +156,11 @@ def stall(bucket: str, options: dict) -> dict:
 def main() -> None:
     server, bucket, options = start_s3()
     try:
-        tp = throughput(bucket, options)
-        print(f"save {tp['save_throughput_ratio']}x, load {tp['load_throughput_ratio']}x of plain fsspec", flush=True)
+        levels = [int(c) for c in os.environ.get("BENCH_CKPT_CONCURRENCY", "1,2,4").split(",")]
+        tp = throughput(bucket, options, int(os.environ.get("BENCH_CKPT_REPEATS", "3")), levels)
+        print(f"save {tp['save_throughput_ratio']}x, load {tp['load_throughput_ratio']}x of plain fsspec (each at its "
+              f"best concurrency, {tp['best_concurrency']}); seconds by concurrency {tp['seconds_by_concurrency']}",
+              flush=True)
         st = stall(bucket, options)
     finally:
         server.stop()
