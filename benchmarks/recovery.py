@@ -2,17 +2,25 @@
 
 One Ray instance, one S3-compatible store (moto on 127.0.0.1), the same tiny Llama, two data-parallel
 workers with one CPU each, a checkpoint every ``EVERY`` steps, and worker rank 1 SIGKILLed just
-before step ``KILL``:
+before step ``KILL``. Each side restores from a named tier, reported next to its MTTR:
 
-1. raysc with the hot copy (warm spare workers, newest checkpoint in Ray's object store);
-2. raysc with ``checkpoint.hot_copy = false`` (the restore reads the bucket);
-3. Ray Train's ``TorchTrainer`` with ``FailureConfig(max_failures=1)``: it restarts its worker group
-   and the loop resumes from ``ray.train.get_checkpoint()`` (same model, optimizer, data, interval).
+1. ``warm_hot``: raysc with warm spare workers, restoring from the hot copy (the newest checkpoint
+   in Ray's object store): the node lost its local copies one step before the kill (``disk_loss``);
+2. ``warm_local``: raysc at its defaults (warm spares, hot copy on), restoring from the verified
+   node-local copy the save left on disk (the node kept it);
+3. ``cold_bucket``: raysc without spares and with ``checkpoint.hot_copy = false``: new workers, every
+   file read from the bucket;
+4. ``ray_train_bucket``: Ray Train's ``TorchTrainer`` with ``FailureConfig(max_failures=1)`` and its
+   ``storage_path`` in the same bucket (pyarrow's S3 filesystem): it restarts its worker group and
+   the loop resumes from ``ray.train.get_checkpoint()`` (same model, optimizer, data, interval).
 
-MTTR = wall time from the SIGKILL to the next completed optimizer step. Steps of work lost = steps
-re-run because they came after the newest checkpoint. Goodput of raysc with a kill every
-``GOODPUT_EVERY`` steps is measured too. Targets (issue 5): hot-copy MTTR <= 3 s and >= 3x faster
-than Ray Train.
+The cold ratio (Ray Train / raysc cold) compares the same storage and no spares on either side; the
+warm ratio (Ray Train / raysc warm_hot) is what spares and the hot tier buy over Ray Train's restart
+from the bucket. MTTR = wall time from the SIGKILL to the next completed optimizer step; each figure
+is the median of ``BENCH_RECOVERY_REPEATS`` (default 3) runs, the scenarios interleaved. Steps of
+work lost = steps re-run because they came after the newest checkpoint. Goodput of raysc with a kill
+every ``GOODPUT_EVERY`` steps is measured once (``BENCH_RECOVERY_GOODPUT=0`` skips it). Targets
+(issue 5): warm MTTR <= 3 s and >= 3x faster than Ray Train.
 
 Prints JSON on its last line.
 """
@@ -22,6 +30,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import statistics
 import sys
 import tempfile
 import time
@@ -43,7 +52,7 @@ MODEL = ["model.vocab_size=2048", "model.dim=128", "model.n_layers=4", "model.n_
 def start_s3():
     server, endpoint, bucket = common.start_s3()
     opts = ", ".join(f'{k} = "{v}"' for k, v in common.s3_options(endpoint).items())
-    return server, bucket, f"checkpoint.storage_options={{{opts}}}"
+    return server, endpoint, bucket, f"checkpoint.storage_options={{{opts}}}"
 
 
 def raysc_cfg(tmp: Path, bucket: str, opts: str, name: str, *extra: str):
@@ -55,21 +64,28 @@ def raysc_cfg(tmp: Path, bucket: str, opts: str, name: str, *extra: str):
         f'run.dir="{tmp / name}"', f'data.cache_dir="{ROOT / ".cache/raysc"}"', "train.log_every=1000", *extra])
 
 
-def raysc_mttr(tmp: Path, bucket: str, opts: str, hot: bool) -> dict:
+# scenario -> (warm spares and hot copy on, node-local copies lost one step before the kill)
+RAYSC_SCENARIOS = {"warm_hot": (True, True), "warm_local": (True, False), "cold_bucket": (False, False)}
+
+
+def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> dict:
     from raysc.driver import train
     from raysc.fleet.records import read_jsonl
 
-    name = "hot" if hot else "store"
-    cfg = raysc_cfg(tmp, bucket, opts, name, f'supervisor.inject="kill@{KILL}:1"',
-                    f"checkpoint.hot_copy={'true' if hot else 'false'}", f"supervisor.warm_spares={str(hot).lower()}")
+    warm, disk_loss = RAYSC_SCENARIOS[scenario]
+    name = f"{scenario}-{rep}"
+    inject = (f"disk_loss@{KILL - 1}:0," if disk_loss else "") + f"kill@{KILL}:1"
+    cfg = raysc_cfg(tmp, bucket, opts, name, f'supervisor.inject="{inject}"',
+                    f"checkpoint.hot_copy={str(warm).lower()}", f"supervisor.warm_spares={str(warm).lower()}")
     train(cfg, progress=False)
     events = read_jsonl(tmp / name / "events.jsonl")
     metrics = read_jsonl(tmp / name / "metrics.jsonl")
-    killed = next(e for e in events if e["kind"] == "fault_injected")["time"]
+    killed = next(e for e in events if e["kind"] == "fault_injected" and e["fault"].startswith("kill"))["time"]
     rec = next(e for e in events if e["kind"] == "recovered")
     resumed = next(e for e in events if e["kind"] == "resumed" and e["time"] >= killed)
     first = [m for m in metrics if m["step"] == rec["resumed_step"] + 1][-1]["time"]
-    return {"mttr_s": round(first - killed, 3), "steps_lost": rec["steps_lost"], "restore_source": resumed["source"]}
+    return {"mttr_s": round(first - killed, 3), "steps_lost": rec["steps_lost"], "tier": resumed["source"],
+            "fetch_s": resumed["fetch_s"]}
 
 
 def raysc_goodput(tmp: Path, bucket: str, opts: str) -> dict:
@@ -134,7 +150,8 @@ def ray_train_loop(config: dict) -> None:
                 train.report({"step": step, "loss": loss.item()}, checkpoint=checkpoint)
 
 
-def ray_train_mttr(tmp: Path) -> dict:
+def ray_train_mttr(tmp: Path, endpoint: str, bucket: str, rep: int) -> dict:
+    from pyarrow.fs import S3FileSystem
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
@@ -142,46 +159,58 @@ def ray_train_mttr(tmp: Path) -> dict:
     from raysc.data.prepare import prepare_data
 
     packed, _, _ = prepare_data(load_config(None, [*MODEL, f'data.cache_dir="{ROOT / ".cache/raysc"}"']))
-    times = tmp / "ray-train-times"
+    times = tmp / f"ray-train-times-{rep}"
     times.mkdir()
+    host = endpoint.split("://", 1)[1]
+    s3 = S3FileSystem(access_key=common.S3_KEY, secret_key=common.S3_SECRET, region=common.S3_REGION,
+                      endpoint_override=host, scheme="http")
     trainer = TorchTrainer(
         ray_train_loop, train_loop_config={"rows": packed.train, "times": str(times)},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name="ray-train-mttr", storage_path=str(tmp / "ray-train"),
+        run_config=RunConfig(name=f"ray-train-mttr-{rep}", storage_path=f"{bucket}/ray-train", storage_filesystem=s3,
                              failure_config=FailureConfig(max_failures=1)))
     trainer.fit()
     killed = float((times / "killed").read_text())
     first = float((times / "first_step_after_restart").read_text())
-    return {"mttr_s": round(first - killed, 3), "steps_lost": KILL - 1 - (KILL - 1) // EVERY * EVERY}
+    return {"mttr_s": round(first - killed, 3), "steps_lost": KILL - 1 - (KILL - 1) // EVERY * EVERY,
+            "tier": ["store"]}
+
+
+def summary(runs: list[dict]) -> dict:
+    """Median MTTR of ``runs``, every run's MTTR and the tiers they restored from."""
+    return {"mttr_s": round(statistics.median(r["mttr_s"] for r in runs), 3), "runs_s": [r["mttr_s"] for r in runs],
+            "tiers": sorted({t for r in runs for t in r["tier"]}), "steps_lost": sorted({r["steps_lost"] for r in runs})}
 
 
 def main() -> None:
     import ray
 
     warnings.filterwarnings("ignore")
-    os.environ.setdefault("RAY_TRAIN_V2_ENABLED", "1")
+    repeats = int(os.environ.get("BENCH_RECOVERY_REPEATS", "3"))
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
-    server, bucket, opts = start_s3()
+    server, endpoint, bucket, opts = start_s3()
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-recovery-"))
+    runs: dict[str, list[dict]] = {k: [] for k in (*RAYSC_SCENARIOS, "ray_train_bucket")}
+    gp = {}
     try:
-        hot = raysc_mttr(tmp, bucket, opts, hot=True)
-        print(f"raysc hot copy: {hot}", flush=True)
-        store = raysc_mttr(tmp, bucket, opts, hot=False)
-        print(f"raysc object store only: {store}", flush=True)
-        rt = ray_train_mttr(tmp)
-        print(f"Ray Train TorchTrainer: {rt}", flush=True)
-        gp = raysc_goodput(tmp, bucket, opts)
+        for rep in range(repeats):
+            for scenario in RAYSC_SCENARIOS:
+                runs[scenario].append(raysc_mttr(tmp, bucket, opts, scenario, rep))
+                print(f"raysc {scenario} #{rep}: {runs[scenario][-1]}", flush=True)
+            runs["ray_train_bucket"].append(ray_train_mttr(tmp, endpoint, bucket, rep))
+            print(f"Ray Train (bucket) #{rep}: {runs['ray_train_bucket'][-1]}", flush=True)
+        if os.environ.get("BENCH_RECOVERY_GOODPUT", "1") != "0":
+            gp = raysc_goodput(tmp, bucket, opts)
     finally:
         server.stop()
         ray.shutdown()
+    med = {k: summary(v) for k, v in runs.items()}
+    rt = med["ray_train_bucket"]["mttr_s"]
     print(json.dumps({
-        "benchmark": "recovery", "workers": 2, "kill_step": KILL, "checkpoint_every": EVERY,
-        "raysc_hot_mttr_s": hot["mttr_s"], "raysc_store_mttr_s": store["mttr_s"],
-        "ray_train_mttr_s": rt["mttr_s"], "ray_train_over_raysc_hot": round(rt["mttr_s"] / hot["mttr_s"], 2),
-        "steps_lost": {"raysc_hot": hot["steps_lost"], "raysc_store": store["steps_lost"],
-                       "ray_train": rt["steps_lost"]},
-        "restore_source": {"hot": hot["restore_source"], "store": store["restore_source"]},
-        **gp, "targets": {"raysc_hot_mttr_s": "<= 3", "ray_train_over_raysc_hot": ">= 3"}}))
+        "benchmark": "recovery", "workers": 2, "kill_step": KILL, "checkpoint_every": EVERY, "repeats": repeats,
+        "mttr": med, "ray_train_over_raysc_warm": round(rt / med["warm_hot"]["mttr_s"], 2),
+        "ray_train_over_raysc_cold": round(rt / med["cold_bucket"]["mttr_s"], 2),
+        **gp, "targets": {"warm_hot_mttr_s": "<= 3", "ray_train_over_raysc_warm": ">= 3"}}))
 
 
 if __name__ == "__main__":
