@@ -15,10 +15,10 @@ import torch
 from raysc.data.packing import PackedData
 from raysc.data.prepare import prepare_data
 from raysc.export.hf import hf_name
-from raysc.quantize.awq import search_scales
+from raysc.quantize.awq import search_clip, search_scales
 from raysc.quantize.calibration import calibration, heldout_rows, tokens_sha256
 from raysc.quantize.quality import int8_activations, perplexity
-from raysc.quantize.rtn import QuantSpec, rtn
+from raysc.quantize.rtn import QuantSpec, gram, output_error, rtn
 from raysc.quantize.run import linear_names, plain_model
 from raysc.quantize.sequential import quantize_model
 from raysc.quantize.writer import pack_int32, read_weights, unpack_int32, write_checkpoint
@@ -86,6 +86,10 @@ def test_gptq_and_awq_are_no_worse_than_rtn_on_every_layer(trained, quantized, m
                    for ql in q.linears.values())
     else:
         assert any(r.extra["alpha"] > 0 for r in q.reports.values())
+        clip = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]: r.extra["clip"] for n, r in q.reports.items()}
+        assert clip["attn.wq"] is None and clip["attn.wk"] is None  # AutoAWQ's choice: q/k unclipped
+        assert any(c and c["kept"] and c["mean_ratio"] < 1 for c in clip.values())
+        assert all(r.error <= r.extra["clip"]["error_unclipped"] for r in q.reports.values() if r.extra["clip"])
     # the quantized model (AWQ: scales folded into norms and rows) still computes the same function
     _, model, packed, _ = trained
     assert logit_error(m, plain_model(model), heldout_rows(packed, 8)) < 0.05
@@ -130,6 +134,23 @@ def test_awq_never_trades_one_layer_for_another():
     small[:, ::8] *= 20
     found = search_scales(x, [big, small], QuantSpec(4, 32))
     assert all(e <= r for e, r in zip(found.errors, found.rtn_errors)), found
+
+
+def test_awq_clip_shrinks_the_range_of_a_group_with_an_outlier():
+    """A weight 6x the others in a group, on an input channel that carries little: with the range set
+    by it the other 31 weights share ~3 codes; the clip search shrinks that group's range all the way
+    (the outlier's loss weighs little on its input) and the layer's output error falls; other groups
+    keep most of their range."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(512, 64, generator=g)
+    x[:, 3] *= 0.02
+    w = torch.randn(8, 64, generator=g)
+    w[0, 3] = 6 * w[0].abs().max()
+    spec = QuantSpec(4, 32, symmetric=False)
+    gr = gram(x)
+    clipped, ratios = search_clip(w, gr, spec)
+    assert ratios.shape == (8, 2) and ratios[0, 0] == pytest.approx(0.55) and ratios.flatten()[1:].min() >= 0.85
+    assert output_error(gr, w, rtn(clipped, spec).dequantize()) < 0.7 * output_error(gr, w, rtn(w, spec).dequantize())
 
 
 def test_packing_matches_compressed_tensors_layout():
@@ -236,6 +257,45 @@ def test_quantize_command_round_trip(trained, tmp_path, monkeypatch, capsys):
     assert perplexity(m, rows) == pytest.approx(q["perplexity_after"], rel=1e-6)
     assert cli.main(["quantize", str(tmp_path / "run"), "--method", "rtn4", "--bits", "8"]) == 2
     assert "--method rtn4 is 4-bit" in capsys.readouterr().err
+
+
+def test_quantize_out_s3_uploads_the_folder(trained, s3_server, tmp_path, monkeypatch, capsys):
+    """`--out s3://bucket/prefix`: the folder lands in the store (read back, it scores the manifest's
+    perplexity); the same prefix again is refused (nothing is overwritten), and a missing bucket
+    fails before any quantization work."""
+    import fsspec
+
+    from conftest import s3_options
+    from raysc import cli
+    from raysc.config import load_config
+    from raysc.export.restore import RunModel
+    from raysc.quantize import run as qrun
+
+    cfg, model, packed, tok_path = trained
+    s3 = load_config(None, [s3_options(s3_server["endpoint"])]).checkpoint
+    cfg = dataclasses.replace(cfg, checkpoint=s3)
+    monkeypatch.setattr(qrun, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", 8))
+    s3_server["client"].create_bucket(Bucket="quantized")
+    argv = ["quantize", str(tmp_path / "run"), "--method", "int8", "--calib-tokens", "64", "--eval-tokens", "512",
+            "--out", "s3://quantized/demo/int8"]
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"] == "s3://quantized/demo/int8"
+    fs = fsspec.filesystem("s3", key="testing", secret="testing-secret",
+                           client_kwargs={"endpoint_url": s3_server["endpoint"], "region_name": "us-east-1"})
+    fs.get("quantized/demo/int8/", str(tmp_path / "back"), recursive=True)
+    man = json.loads((tmp_path / "back" / "quantize_manifest.json").read_text())
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "back").iterdir()}
+    back = read_weights(tmp_path / "back")
+    m = plain_model(model)
+    m.load_state_dict({n: back[hf_name(n)] for n, _ in m.named_parameters()}, strict=False)
+    with int8_activations(m, linear_names(m)):
+        assert perplexity(m, heldout_rows(packed, 512 // cfg.train.seq_len)) == \
+            pytest.approx(man["quality"]["perplexity_after"], rel=1e-6)
+    monkeypatch.setattr(qrun, "quantize_model", lambda *a, **k: pytest.fail("quantized before checking --out"))
+    assert cli.main(argv) == 2
+    assert "already holds a quantized checkpoint" in capsys.readouterr().err
+    assert cli.main([*argv[:-1], "s3://no-such-bucket-raysc/int8"]) == 2
+    assert "--out 's3://no-such-bucket-raysc/int8'" in capsys.readouterr().err
 
 
 def test_preflight_item_7_measures_the_quantized_probe(trained, tmp_path, monkeypatch):

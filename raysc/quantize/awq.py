@@ -12,6 +12,12 @@ that share the input. α = 0 is plain round-to-nearest; among the exponents, onl
 which no linear of the group does worse than round-to-nearest are eligible (α = 0 always is),
 so AWQ never loses to its baseline on any layer.
 
+Then the paper's weight clipping (AutoAWQ's ``auto_clip``), on the scaled weights: for each (output
+channel, group) the range ``[-r·max|w|, r·max|w|]`` with ``r`` from ``1, 0.95, ..., 0.55`` (20-point
+grid, at most a 50% shrink) that minimises that group's share of the output error
+``||X_g (Ŵ_g - W_g)ᵀ||²`` on the calibration inputs (``search_clip``). As in AutoAWQ, q and k are not
+clipped: their error matters through the attention scores, not their outputs.
+
 The division is folded into the op before (``raysc.quantize.sequential`` does it): the RMSNorm
 weight for q/k/v and gate/up, the rows of v for o, the rows of up for down. Under grouped-query
 attention one v row feeds every query head of its group, so o's scales are tied across the heads
@@ -30,6 +36,8 @@ import torch
 from raysc.quantize.rtn import QuantSpec, gram, output_error, rtn
 
 GRID = 20
+CLIP_GRID = 20  # candidate shrink steps of 1/CLIP_GRID
+MAX_SHRINK = 0.5  # the largest fraction of max|w| a clip removes
 
 
 @dataclass
@@ -81,3 +89,29 @@ def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
             best = AwqScales(s, alpha, errors, rtn_errors)
     assert best is not None  # α = 0 is always eligible
     return best
+
+
+def search_clip(w: torch.Tensor, g: torch.Tensor, spec: QuantSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w`` (out, in) clipped, per (row, group), to the range ``±r·max|w|`` whose quantization
+    minimises the group's output error on inputs with Gram matrix ``g`` (in, in); returns the clipped
+    weight and the ratios ``r`` (out, groups). ``r = 1`` (no clip) is a candidate, so no group's own
+    error grows."""
+    w = w.float()
+    rows, cols = w.shape
+    n, width = spec.groups(cols), spec.width(cols)
+    wg = w.view(rows, n, width)
+    blocks = torch.stack([g[i * width:(i + 1) * width, i * width:(i + 1) * width] for i in range(n)])
+    peak = wg.abs().amax(dim=2, keepdim=True)
+    best_err = torch.full((rows, n), float("inf"), dtype=torch.float64)
+    best = torch.ones(rows, n)
+    for k in range(int(MAX_SHRINK * CLIP_GRID)):
+        ratio = 1 - k / CLIP_GRID
+        limit = peak * ratio
+        clipped = torch.maximum(torch.minimum(wg, limit), -limit)
+        d = (rtn(clipped.reshape(rows, cols), spec).dequantize().view(rows, n, width) - wg).double()
+        err = torch.einsum("rgi,gij,rgj->rg", d, blocks, d)
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best = torch.where(better, torch.full_like(best, ratio), best)
+    limit = peak * best[:, :, None]
+    return torch.maximum(torch.minimum(wg, limit), -limit).reshape(rows, cols), best

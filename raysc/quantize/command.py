@@ -37,5 +37,6 @@ QUANTIZE = Command(
         arg("--eval-tokens", type=int, default=16384, help="held-out (validation) tokens for the perplexities"),
         arg("--seed", type=int, help="seed of the calibration draw (default: the run's train.seed)"),
         arg("--no-act-order", action="store_true", help="gptq: quantize columns in order, not by activation size"),
-        arg("--out", help="output folder (default <run_dir>/quantized/<method>-w<bits>[g<group>])"),
+        arg("--out", help="output folder, or an object-store prefix (s3://bucket/prefix, uploaded with the run's "
+                          "checkpoint.storage_options; default <run_dir>/quantized/<method>-w<bits>[g<group>])"),
         STEP.but(help="checkpoint step (default: the newest committed one)")))

@@ -5,28 +5,33 @@ Restores the model without Ray (``raysc.export.restore``), folds μP's scales in
 the Hugging Face export does, draws calibration rows from the run's training split
 (``calibration``), quantizes block by block (``sequential``), measures perplexity before and after
 on the validation split (``quality``; 8-bit also quantizes activations per token, as the W8A8
-engine does), and writes the folder (``writer``) and ``quantize_manifest.json`` (``manifest``).
+engine does), and writes the folder (``writer``) and ``quantize_manifest.json`` (``manifest``);
+an object-store ``out`` (``s3://...``) gets the folder uploaded from a temporary one (``publish``).
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 
+from raysc.config.secrets import REDACTED
 from raysc.data.prepare import prepare_data
 from raysc.export.hf import hf_name
-from raysc.export.restore import load_run
+from raysc.export.restore import RunModel, load_run
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 from raysc.quantize.calibration import calibration, heldout_rows
 from raysc.quantize.manifest import write_manifest
+from raysc.quantize.publish import is_remote, open_destination, upload_folder
 from raysc.quantize.quality import int8_activations, perplexity
 from raysc.quantize.rtn import QuantSpec
-from raysc.quantize.sequential import GROUPS, METHODS, quantize_model
+from raysc.quantize.awq import CLIP_GRID, MAX_SHRINK
+from raysc.quantize.sequential import GROUPS, METHODS, NO_CLIP, quantize_model
 from raysc.quantize.writer import file_bytes, scheme, write_checkpoint
 
 
@@ -65,13 +70,28 @@ def linear_names(model: Llama) -> list[str]:
 def quantize_run(run_dir: str | Path, method: str, *, bits: int | None = None, group_size: int = 128,
                  calib_tokens: int = 16384, eval_tokens: int = 16384, out: str | Path | None = None,
                  seed: int | None = None, step: int | None = None, act_order: bool = True) -> dict:
-    """Quantize the run in ``run_dir``; returns the manifest (also written to ``out``)."""
-    t0 = time.perf_counter()
+    """Quantize the run in ``run_dir``; returns the manifest (also written to ``out``, a local folder
+    or an object-store URI)."""
     spec = method_spec(method, bits, group_size)
     run = load_run(run_dir, step)
     for n, p in run.model.named_parameters():  # the group size must fit every layer before any work
         if n.startswith("layers.") and p.dim() == 2:
             spec.groups(p.shape[1])
+    if out is None or not is_remote(out):
+        return _quantize(run, run_dir, method, spec, calib_tokens, eval_tokens, out, seed, act_order)
+    options = {k: v for k, v in run.cfg.checkpoint.storage_options.items() if v != REDACTED}
+    storage = open_destination(str(out), options)  # before the work: a bad --out fails in seconds
+    with tempfile.TemporaryDirectory(prefix="raysc-quantize-") as tmp:
+        manifest = _quantize(run, run_dir, method, spec, calib_tokens, eval_tokens, Path(tmp) / "out", seed,
+                             act_order)
+        upload_folder(manifest["out"], storage)
+    manifest["out"] = str(out)
+    return manifest
+
+
+def _quantize(run: RunModel, run_dir: str | Path, method: str, spec: QuantSpec, calib_tokens: int,
+              eval_tokens: int, out: str | Path | None, seed: int | None, act_order: bool) -> dict:
+    t0 = time.perf_counter()
     cfg = run.cfg
     seed = cfg.train.seed if seed is None else seed
     packed, _, _ = prepare_data(cfg)
@@ -112,6 +132,11 @@ def quantize_run(run_dir: str | Path, method: str, *, bits: int | None = None, g
                     "max_quality_loss": cfg.serve.max_quality_loss,
                     "within_max_quality_loss": ppl_after / ppl_before - 1.0 <= cfg.serve.max_quality_loss},
         "layers": layers,
+        **({"awq_clip": {"grid": CLIP_GRID, "max_shrink": MAX_SHRINK,
+                         "not_clipped": [hf_name(f"layers.0.{n}.weight").split(".")[-2] for n in NO_CLIP],
+                         "meaning": "per (output channel, group) range ±r·max|w|, r searched on the calibration "
+                                    "inputs after AWQ's scaling; layers[...].clip says what it did"}}
+           if method == "awq" else {}),
         "bytes": file_bytes(out),
         "full_precision_bytes": 4 * sum(p.numel() for p in reference.parameters()),  # the fp32 export's weights
         "seconds": round(time.perf_counter() - t0, 2),

@@ -4,7 +4,9 @@ from blocks ``< i`` already quantized, so each block corrects for the error of t
 Within a block, RTN and GPTQ go "true-sequentially": q/k/v, then o (on inputs computed with the
 quantized q/k/v), then gate/up, then down. AWQ searches all four groups' scales on the block's
 full-precision activations (as its paper and AutoAWQ do), folds them into the previous ops (RMSNorm
-weights, v's rows for o, up's rows for down), then rounds the scaled weights to nearest.
+weights, v's rows for o, up's rows for down), clips the scaled weights of v, o, gate, up and down
+(``awq.search_clip``; kept for a layer only if it lowers that layer's error), then rounds them to
+nearest.
 
 Every quantized linear's relative output error ``||X Ŵᵀ - X Wᵀ||² / ||X Wᵀ||²`` is measured on
 its calibration inputs ``X`` in the model's original coordinates, next to round-to-nearest's
@@ -20,13 +22,14 @@ import torch
 from torch import nn
 
 from raysc.model.llama import Block, Llama, Rope
-from raysc.quantize.awq import search_scales
+from raysc.quantize.awq import search_clip, search_scales
 from raysc.quantize.gptq import Hessian, gptq
 from raysc.quantize.rtn import QLinear, QuantSpec, gram, output_error, rtn
 
 METHODS = ("int8", "rtn4", "gptq", "awq")
 # linears that share an input, in the order a block computes them
 GROUPS = (("attn.wq", "attn.wk", "attn.wv"), ("attn.wo",), ("mlp.w_gate", "mlp.w_up"), ("mlp.w_down",))
+NO_CLIP = ("attn.wq", "attn.wk")  # AWQ's clipping skips them (raysc.quantize.awq)
 
 
 @dataclass
@@ -134,11 +137,30 @@ def _awq_block(model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: Qu
             w = weights[n]
             r = row_scale.get(n, torch.ones(w.shape[0]))
             s = col_scale[n]
-            q = rtn(w / r[:, None] * s[None, :], spec)
-            deq = q.dequantize()
-            _module(block, n).weight.copy_(deq.to(_module(block, n).weight.dtype))
-            effective = deq * r[:, None] / s[None, :]  # the same layer in the original coordinates
+            scaled = w / r[:, None] * s[None, :]
+            q, error, extra = _awq_round(scaled, w, g, r, s, spec, clip=n not in NO_CLIP)
+            _module(block, n).weight.copy_(q.dequantize().to(_module(block, n).weight.dtype))
             out.linears[prefix + n] = q
-            out.reports[prefix + n] = LayerReport(output_error(g, w, effective),
-                                                  output_error(g, w, rtn(w, spec).dequantize()),
-                                                  {"alpha": alphas[n]})
+            out.reports[prefix + n] = LayerReport(error, output_error(g, w, rtn(w, spec).dequantize()),
+                                                  {"alpha": alphas[n], **extra})
+
+
+def _awq_round(scaled: torch.Tensor, w: torch.Tensor, g: torch.Tensor, r: torch.Tensor, s: torch.Tensor,
+               spec: QuantSpec, clip: bool) -> tuple[QLinear, float, dict]:
+    """Round AWQ's ``scaled`` weight (``w`` with rows / ``r``, columns · ``s``), clipped by
+    ``search_clip`` when ``clip`` and when that lowers the layer's whole error (the search weighs
+    each group alone); returns the codes, the error in ``w``'s coordinates and what clipping did."""
+    def error(q: QLinear) -> float:
+        return output_error(g, w, q.dequantize() * r[:, None] / s[None, :])
+
+    q = rtn(scaled, spec)
+    err = error(q)
+    if not clip:
+        return q, err, {"clip": None}
+    clipped, ratios = search_clip(scaled, g / torch.outer(s, s).double(), spec)  # the scaled layer's inputs: x / s
+    qc = rtn(clipped, spec)
+    err_c = error(qc)
+    kept = err_c < err
+    extra = {"clip": {"kept": kept, "mean_ratio": float(ratios.mean()),
+                      "clipped_groups": float((ratios < 1).float().mean()), "error_unclipped": err}}
+    return (qc, err_c, extra) if kept else (q, err, extra)
