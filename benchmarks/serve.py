@@ -25,6 +25,12 @@ and the replica's memory next to ``raysc plan --serve``.
 3. Memory: the RSS of the vLLM engine process of the continuous-batching replica and the KV-cache
    size vLLM logs, next to ``raysc.plan.serve_memory``'s prediction for the same settings.
 
+``--random-model CONFIG [--model-set model.dim=512 ...]`` serves a random-weights model of that
+config's shape instead of an export (raysc's own initialisation and a BPE of its vocabulary trained on
+the bundled corpus; throughput does not depend on the weights), to see where batching pays on bigger
+models. ``static_padding`` in the output: the token slots static batching computes per useful token
+for this request mix (the most continuous batching can gain at equal concurrency when compute-bound).
+
 Repetitions: ``--reps`` of each throughput measurement, the median reported. Prints JSON on its
 last line. Run it under ``flock /tmp/raysc-ray.lock`` on a shared machine.
 """
@@ -68,6 +74,44 @@ def bench_folder(src: Path, dst: Path, max_len: int) -> Path:
     cfg["max_position_embeddings"] = max_len
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     return dst
+
+
+def random_model_folder(config: str, overrides: list[str], dst: Path, max_len: int) -> Path:
+    """An HF folder of a raysc model with ``config``'s shape (plus ``overrides``) and random weights
+    (raysc's own initialisation, no training: throughput does not depend on what the tokens say), and a
+    BPE tokenizer of its vocabulary trained on 2 MB of the bundled corpus."""
+    import torch
+
+    from raysc.config import load_config
+    from raysc.data.corpus import build_bundled_corpus
+    from raysc.data.tokenizer import train_tokenizer
+    from raysc.export.hf import export_hf
+    from raysc.model.llama import build_model
+
+    cfg = load_config(Path(config), overrides)
+    texts = [json.loads(line)["text"] for line in build_bundled_corpus(dst.parent / "cache", 2.0).open()]
+    tok = train_tokenizer(texts, cfg.model.vocab_size)
+    tok.save(str(dst.parent / "tokenizer.json"))
+    model = build_model(cfg.model, max_len, cfg.train.seed)
+    export_hf(model, dst.parent / "tokenizer.json", dst, torch.float32)
+    conf = json.loads((dst / "config.json").read_text())
+    conf["max_position_embeddings"] = max_len
+    (dst / "config.json").write_text(json.dumps(conf, indent=2))
+    return dst
+
+
+def static_padding(reqs: list, batch: int) -> dict:
+    """Token slots static batching computes per useful token: prompts padded to the longest of their
+    batch, every row decoded to the batch's longest output. In the compute-bound limit, continuous
+    batching (no padding, a finished slot refilled at once) beats static by at most about this factor."""
+    pre = dec = 0
+    for i in range(0, len(reqs), batch):
+        chunk = reqs[i:i + batch]
+        pre += len(chunk) * max(len(p) for p, _ in chunk)
+        dec += len(chunk) * max(o for _, o in chunk)
+    useful_pre, useful_dec = sum(len(p) for p, _ in reqs), sum(o for _, o in reqs)
+    return {"prefill_slots_per_token": pre / useful_pre, "decode_slots_per_token": dec / useful_dec,
+            "all_slots_per_token": (pre + dec) / (useful_pre + useful_dec)}
 
 
 def static_batching(folder: Path, reqs: list, batch: int, threads: int) -> dict:
@@ -267,6 +311,10 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8475)
     ap.add_argument("--export", default=str(ROOT / "runs/demo/hf"), help="the exported model folder to serve")
+    ap.add_argument("--random-model", metavar="CONFIG", help="instead of --export: a random-weights model of this "
+                                                             "config's shape (e.g. jobs/configs/small.toml)")
+    ap.add_argument("--model-set", action="append", default=[], help="override of --random-model's config, "
+                                                                      "e.g. model.dim=512 (repeatable)")
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--skip-spec", action="store_true")
     ap.add_argument("--spec-batches", default="1,8")
@@ -274,12 +322,24 @@ def main() -> None:
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     work = Path(tempfile.mkdtemp(prefix="raysc-serve-bench-"))
-    folder = bench_folder(Path(args.export), work / "bench-model", args.max_len)
-    vocab = json.loads((folder / "config.json").read_text())["vocab_size"]
+    if args.random_model:
+        folder = random_model_folder(args.random_model, args.model_set, work / "bench-model", args.max_len)
+    else:
+        folder = bench_folder(Path(args.export), work / "bench-model", args.max_len)
+    conf = json.loads((folder / "config.json").read_text())
+    from tokenizers import Tokenizer
+
+    vocab = min(conf["vocab_size"], Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size())
     reqs = make_requests(args.requests, args.seed, vocab)
+    params = os.path.getsize(folder / "model.safetensors") // 4  # fp32
     result: dict = {"requests": args.requests, "batch": args.batch, "threads": args.threads, "max_len": args.max_len,
                     "prompt_tokens": sum(len(p) for p, _ in reqs), "output_tokens": sum(o for _, o in reqs),
-                    "model": args.export, "machine": f"{os.cpu_count()} CPUs"}
+                    "model": (f"random {args.random_model} {' '.join(args.model_set)}" if args.random_model
+                              else args.export), "params": params,
+                    "shape": {k: conf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
+                                                   "num_key_value_heads", "intermediate_size", "vocab_size")},
+                    "static_padding": static_padding(reqs, args.batch), "machine": f"{os.cpu_count()} CPUs"}
+    print(json.dumps({"setup": result}), flush=True)
 
     if not args.skip_static:
         reps = [static_batching(folder, reqs, args.batch, args.threads) for _ in range(args.reps)]
