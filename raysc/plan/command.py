@@ -95,6 +95,7 @@ def run(args: argparse.Namespace) -> int:
             print(json.dumps(out, default=str))
         return 1
     best = result["ranked"][0]["layout"]
+    print(format_startup(result["ranked"][0]["memory"]["startup"], cluster.device), flush=True)
     path = Path(args.out or f"{cfg.run_dir}/plan.toml")
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(f"# raysc plan: best of {result['considered']} layouts for {cluster.gpus} devices\n"
@@ -125,7 +126,16 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def format_startup(startup: dict, device: str) -> str:
+    """One line: what the best layout's rank holds while it materialises its shard."""
+    host = f"; the init block, {format_size(startup['host_block'])}, in host memory" if startup["host_block"] else ""
+    return (f"start-up peak of the best layout: {format_size(startup['total'])}/{'rank' if device == 'cpu' else 'GPU'}"
+            f" while materialising (shards {format_size(startup['shards'])}, rotary tables "
+            f"{format_size(startup['buffers'])}, init block {format_size(startup['init_block'])}{host})")
+
+
 def _row(r: dict) -> dict:
     return {"layout": r["layout"].describe(), "memory_gb": r["memory"]["total"] / 1e9,
+            "startup_gb": r["memory"]["startup"]["total"] / 1e9,
             "tokens_per_s": r["estimate"]["tokens_per_s"], "mfu": r["estimate"]["mfu"],
             "bubble": r["estimate"]["bubble"], "why_not_higher": r["why"]}

@@ -29,6 +29,13 @@ micro-batch's activations), all ``m`` under GPipe, ``pp − stage`` under 1F1B (
 holds ``pp``), times ``1 + (pp − 1)/(pp·v)`` for interleaved schedules (Narayanan et al. 2021).
 The last stage adds the loss head: logits, their fp32 copy, the log-softmax cross-entropy saves
 and the logits' gradient (÷ tp, vocabulary-parallel).
+
+Start-up (``startup_memory``, the ``startup`` entry of the estimate): while a rank materialises its
+shard (``raysc.parallel.materialise``) it holds its fp32 parameter shards, the rotary tables of each
+of its pipeline chunks, and one block of the streamed initialisation (``INIT_BLOCK_VALUES`` fp32
+values, drawn on the host: in the device's memory on CPU workers, in host memory beside a GPU). The
+first step then adds gradients, AdamW state and activations, which the step estimate counts; the
+fit check uses the larger of the two. Before meta-device construction this was the full model.
 """
 
 from __future__ import annotations
@@ -37,6 +44,28 @@ from raysc.config.dims import MULTI_STAGE
 from raysc.config.schema import ModelConfig
 from raysc.model.flops import param_count
 from raysc.plan.layout import Layout
+
+
+INIT_BLOCK_VALUES = 1 << 22  # raysc.parallel.materialise.CHUNK_ELEMS (a test keeps them equal)
+
+
+def startup_memory(m: ModelConfig, seq_len: int, lay: Layout, device: str = "cuda") -> dict:
+    """Bytes one rank holds while materialising its shard (the worst pipeline stage): ``shards``,
+    ``buffers`` (rotary tables), ``init_block`` (on ``device`` when it is the CPU, else 0 there) and
+    ``host_block`` (the block in host memory beside a GPU), and the device ``total``."""
+    pc = param_count(m)
+    p, fs = lay.pp, lay.dp_shard * lay.cp
+    head = pc["total"] - pc["embedding"] - m.n_layers * pc["per_layer"]  # final norm + output
+    per_stage = m.n_layers / p * pc["per_layer"]
+    worst = max(per_stage + (pc["embedding"] if s == 0 else 0) + (head if s == p - 1 else 0)
+                for s in sorted({0, p - 1}))
+    shards = 4 * worst / lay.tp / fs
+    chunks = lay.pp_virtual_stages if p > 1 else 1
+    buffers = chunks * 2 * (m.max_seq_len or seq_len) * m.head_dim * 4
+    block = 4 * INIT_BLOCK_VALUES
+    on_device = block if device == "cpu" else 0
+    return {"shards": shards, "buffers": buffers, "init_block": on_device, "host_block": block - on_device,
+            "total": shards + buffers + on_device}
 
 
 def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_bytes: int) -> float:
@@ -65,8 +94,10 @@ def inflight(lay: Layout, microbatches: int, stage: int) -> float:
     return held
 
 
-def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, dtype: str = "bf16") -> dict:
-    """Peak bytes per GPU (the worst pipeline stage) and their breakdown."""
+def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, dtype: str = "bf16",
+                    device: str = "cuda") -> dict:
+    """Peak bytes per GPU of a training step (the worst pipeline stage) and their breakdown, with the
+    start-up peak (``startup_memory``) under ``startup`` and the larger of the two as ``peak``."""
     pc = param_count(m)
     t, p = lay.tp, lay.pp
     act = 2 if dtype == "bf16" else 4
@@ -107,4 +138,5 @@ def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout
                "total": total, "stage": stage, "inflight": n_held}
         if best is None or total > best["total"]:
             best = row
-    return best
+    startup = startup_memory(m, seq_len, lay, device)
+    return {**best, "startup": startup, "peak": max(best["total"], startup["total"])}

@@ -55,8 +55,8 @@ def check(cfg: Config, lay: Layout, cluster: Cluster, dtype: str) -> tuple[str |
         check_layout(layout_config(cfg, lay), "layout")
     except ConfigError as e:  # counted by kind: the numbers differ from candidate to candidate
         return re.sub(r"=[^\s,]+", "", str(e).split(": ", 1)[1].split(";")[0]).strip(" ."), None
-    mem = estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype)
-    if mem["total"] > cluster.usable_bytes:
+    mem = estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype, cluster.device)
+    if mem["peak"] > cluster.usable_bytes:  # the step's peak, or start-up's when that is larger
         return "does not fit in memory", mem
     return None, mem
 
@@ -119,8 +119,8 @@ def heuristic_layout(cfg: Config, cluster: Cluster, dtype: str = "bf16") -> Layo
     options = [p for p in divisors(cfg.model.n_layers) if n % (tp * p) == 0] or [1]
     for pp in options:
         lay = Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1)
-        if gb % lay.dp == 0 and estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype)["total"] \
-                <= cluster.usable_bytes:
+        if gb % lay.dp == 0 and estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype,
+                                                cluster.device)["peak"] <= cluster.usable_bytes:
             return lay
     pp = options[-1]
     return Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1)

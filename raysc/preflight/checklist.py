@@ -41,6 +41,7 @@ class Evidence:
     step_s: float  # median step time
     store: dict  # checkpoint store write/read MB/s or the error
     estimate_bytes: float  # the planner's memory estimate for this layout
+    startup_bytes: float = 0.0  # the planner's start-up peak (materialising the shard) for this layout
 
 
 def _events(ev: Evidence, kind: EventKind) -> list[dict]:
@@ -60,7 +61,8 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
     peaks = ev.summary.get("peak_memory_gb") or []
     est_gb = ev.estimate_bytes / 1e9
     evidence = {"bus_bandwidth_gbps": groups, "peak_memory_gb_per_rank": peaks,
-                "planner_estimate_gb": round(est_gb, 4), "step_time_s": round(ev.step_s, 4)}
+                "planner_estimate_gb": round(est_gb, 4), "step_time_s": round(ev.step_s, 4),
+                "planner_startup_gb": round(ev.startup_bytes / 1e9, 4)}
     if set(groups) != expected or not peaks:
         return Item(1, "profile", FAIL, f"measured groups {sorted(groups)} of {sorted(expected)}, "
                     f"memory on {len(peaks)} ranks", evidence)
@@ -69,7 +71,8 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
     status = PASS if 0.75 <= ratio <= 1.25 else WARN
     return Item(1, "profile", status, f"{len(groups)} group(s) measured; peak {max(peaks) * 1e3:.1f} MB/rank vs "
                 f"estimate {est_gb * 1e3:.1f} MB (×{ratio:.2f})" + ("" if status == PASS else
-                                                                  ": re-plan with `raysc plan --profile`"), evidence)
+                                                                  " (re-plan with `raysc plan --profile`)")
+                + f"; start-up {ev.startup_bytes / 1e6:.1f} MB/rank estimated", evidence)
 
 
 def check_topology(cfg: Config, ev: Evidence) -> Item:

@@ -82,8 +82,9 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
     t = cfg.train
     lay = Layout.from_config(cfg)
     dtype = cfg.compute_dtype
+    est = estimate_memory(cfg.model, t.seq_len, t.global_batch_sequences, lay, dtype, cfg.parallel.device)
     ev = Evidence(summary=summary, events=events, step_s=statistics.median(times) if times else 0.0, store=store,
-                  estimate_bytes=estimate_memory(cfg.model, t.seq_len, t.global_batch_sequences, lay, dtype)["total"])
+                  estimate_bytes=est["total"], startup_bytes=est["startup"]["total"])
     try:  # item 7: quantize the probe checkpoint before it is deleted
         measured = measure_quantization(cfg, probe_cfg.run_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as e:

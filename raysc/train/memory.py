@@ -12,6 +12,11 @@ persist across steps (this rank's parameter shards and optimizer state, counted 
 occupy there: ``step peak = peak − (quiescent − persistent)``. What remains is measured:
 gradients, activations, FSDP buffers and temporaries.
 
+Start-up (``StartupPeak``): the same reading from before the model is built to the end of the first
+step — materialising the shard, the first step's gathered FSDP units, gradients and the optimizer
+state it creates — minus what was in use when the window opened. Nothing is subtracted for the heap:
+the figure is an upper bound on what start-up adds to the rank.
+
 Why our own: ``torch.profiler``'s CPU memory events do not give a usable timeline of live
 bytes (tested: deltas only per op, not allocations), and ``ru_maxrss`` never goes down.
 """
@@ -66,6 +71,59 @@ def persistent_bytes(parts: list[nn.Module], optimizer: torch.optim.Optimizer) -
     return total
 
 
+class _Sampler:
+    """The maximum of ``in_use()`` seen by a 2 ms sampling thread and by explicit ``sample`` calls."""
+
+    def __init__(self, in_use) -> None:
+        self.in_use, self.peak = in_use, in_use()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def sample(self) -> None:
+        self.peak = max(self.peak, self.in_use())
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.002):
+            self.sample()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.sample()
+
+
+class StartupPeak:
+    """Peak bytes a rank adds from ``__init__`` (before its model is built) to ``stop()`` (after its first
+    step): the CUDA allocator's peak, or glibc's in-use bytes sampled every 2 ms, minus those at start."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._sampler = None
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            self._start = torch.cuda.memory_allocated(device)
+            return
+        in_use = _libc_in_use()
+        if in_use is None:
+            raise RuntimeError("no glibc mallinfo2 in this process: start-up memory cannot be measured on CPU")
+        self._sampler = _Sampler(in_use)
+        self._start = self._sampler.peak
+
+    def peak(self) -> int:
+        """The peak bytes above those in use when the window opened, so far (the window stays open)."""
+        if self._sampler is None:
+            return torch.cuda.max_memory_allocated(self.device) - self._start
+        self._sampler.sample()
+        return self._sampler.peak - self._start
+
+    def stop(self) -> int:
+        """Close the window; its peak bytes above those in use when it opened."""
+        if self._sampler is not None:
+            self._sampler.stop()
+        return self.peak()
+
+
 class PeakMemory:
     """Tracks the peak of each training step: ``before_step`` opens a window, ``after_step`` closes it."""
 
@@ -73,34 +131,24 @@ class PeakMemory:
         self.parts, self.optimizer, self.device = parts, optimizer, device
         self.steps = 0
         self.step_peaks: list[int] = []  # per step from the second (AdamW state exists)
-        self._in_use = None if device.type == "cuda" else _libc_in_use()
-        self.available = device.type == "cuda" or self._in_use is not None
-        self._peak = 0
-        self._stop = threading.Event()
+        in_use = None if device.type == "cuda" else _libc_in_use()
+        self.available = device.type == "cuda" or in_use is not None
+        self._sampler = _Sampler(in_use) if in_use is not None else None
         self._hooks = []
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
-        elif self._in_use is not None:
+        elif self._sampler is not None:
             for m in parts:
                 for mod in m.modules():
-                    self._hooks.append(mod.register_forward_hook(lambda *_: self._sample()))
-            self._thread = threading.Thread(target=self._sampler, daemon=True)
-            self._thread.start()
-
-    def _sample(self) -> None:
-        self._peak = max(self._peak, self._in_use())
-
-    def _sampler(self) -> None:
-        while not self._stop.wait(0.002):
-            self._sample()
+                    self._hooks.append(mod.register_forward_hook(lambda *_: self._sampler.sample()))
 
     def before_step(self) -> None:
         """Open a step's window: what ran between steps (timeout calibration, the collective stress
         loop, checkpoint staging) does not count toward the training peak."""
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
-        elif self._in_use is not None:
-            self._peak = self._in_use()
+        elif self._sampler is not None:
+            self._sampler.peak = self._sampler.in_use()
 
     def after_step(self) -> None:
         """Close one step: from the second step on (AdamW state exists), update the model peak."""
@@ -111,13 +159,13 @@ class PeakMemory:
             if self.steps > 1:
                 self.step_peaks.append(peak)
             return
-        if self._in_use is None:
+        if self._sampler is None:
             return
-        quiescent = self._in_use()
+        quiescent = self._sampler.in_use()
         fixed = quiescent - persistent_bytes(self.parts, self.optimizer)
         if self.steps > 1:
-            self.step_peaks.append(self._peak - fixed)
-        self._peak = quiescent
+            self.step_peaks.append(self._sampler.peak - fixed)
+        self._sampler.peak = quiescent
 
     def report(self) -> dict:
         """``peak_bytes``: the median of the steps' peaks (a step is the unit that repeats; one window
@@ -127,7 +175,8 @@ class PeakMemory:
                 "method": "cuda allocator" if self.device.type == "cuda" else "glibc mallinfo2 minus heap"}
 
     def close(self) -> None:
-        self._stop.set()
+        if self._sampler is not None:
+            self._sampler.stop()
         for h in self._hooks:
             h.remove()
         self._hooks = []
