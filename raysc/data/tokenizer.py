@@ -4,6 +4,12 @@ One special token, ``<|endoftext|>`` (id 0), separates documents and serves as
 BOS/EOS. Training reads a seeded sample of the corpus (``data.tokenizer_sample_mb``)
 so the result is a pure function of (corpus, vocab size, seed); the trained
 ``tokenizer.json`` is what ``PreTrainedTokenizerFast`` loads on export.
+
+``load_tokenizer`` refuses any other tokenizer.json — a public Llama checkpoint's, read with
+``--init-from``, ends documents with ``</s>`` (Llama 2) or ``<|end_of_text|>`` (Llama 3) — because
+packing, the Hugging Face and GGUF exports and generation all write and stop at id 0: such a
+tokenizer would train on documents joined by whatever token id 0 is. The error names the
+tokenizer's own end token when it has a known one, and what to use instead.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
 EOS_ID = 0
+# end-of-text tokens of public tokenizers, named in the refusal: Llama 3, Llama 2 / Mistral, Gemma, ChatML
+OTHER_ENDS = ("<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
 def sample_texts(texts: list[str], sample_mb: float, seed: int) -> list[str]:
@@ -68,6 +76,18 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file {str(p)!r} does not exist")
     tok = Tokenizer.from_file(str(p))
-    if tok.token_to_id(EOS) is None:
-        raise ValueError(f"tokenizer {str(p)!r} has no {EOS} token; raysc needs it to separate documents")
+    eos = tok.token_to_id(EOS)
+    if eos != EOS_ID:
+        raise ValueError(f"tokenizer {str(p)!r} {_eos_problem(tok, eos)}: raysc ends every document with {EOS} "
+                         f"at id {EOS_ID} (packing, export and generation use that id) and cannot map another "
+                         f"end-of-text token. Fix: use a tokenizer raysc trained (data.tokenizer empty) or one a "
+                         f"raysc export wrote; with --init-from, continue from a raysc export (`raysc export`), "
+                         f"whose tokenizer.json has it: public Llama checkpoints' tokenizers are not supported yet")
     return tok
+
+
+def _eos_problem(tok: Tokenizer, eos: int | None) -> str:
+    if eos is not None:
+        return f"has {EOS} at id {eos}, not {EOS_ID}"
+    own = [f"{t!r} (id {tok.token_to_id(t)})" for t in OTHER_ENDS if tok.token_to_id(t) is not None]
+    return f"has no {EOS} token" + (f"; its end-of-text token is {own[0]}" if own else "")
