@@ -110,8 +110,8 @@ def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
         pairs[1].extend(nodes[x] for x in j)
     forest = forest_edges(*pairs)
     exact = pa.table({"a": pa.array(copies[0], pa.string()), "b": pa.array(copies[1], pa.string())})
-    return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest))),
-                             exact.append_column("exact", pa.array([True] * len(exact)))])
+    return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest), pa.bool_())),
+                             exact.append_column("exact", pa.array([True] * len(exact), pa.bool_()))])
 
 
 def dedup(docs: Dataset, count: int, d: DedupConfig,
