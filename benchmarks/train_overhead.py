@@ -5,7 +5,10 @@ torch thread count: (a) ``Trainer`` in this process, (b) ``raysc.driver.train``
 (supervisor actor, placement group, one TrainWorker, per-step metric reports,
 checkpoint at the end). Throughput is steady-state tokens/s from the wall-clock
 stamps of the steps after warm-up (the first 10%); start-up (Ray, actors, data)
-is reported separately. Runs alternate a, b, a, b and the median of each counts.
+is reported separately. Runs alternate a, b, a, b, a, b (``BENCH_REPS``, default 3) and the
+median of each counts. Both paths must run the same number of torch threads (the worker's
+``workers_ready`` event says how many it used; a different count also changes the floats, so
+the final losses would differ): the benchmark checks it before comparing losses.
 Prints JSON on its last line: tokens/s of both and the ratio b/a (target >= 0.95).
 """
 
@@ -29,6 +32,7 @@ from raysc.fleet.records import read_jsonl  # noqa: E402
 from raysc.train.trainer import Trainer  # noqa: E402
 
 STEPS = int(os.environ.get("BENCH_STEPS", "150"))
+REPS = int(os.environ.get("BENCH_REPS", "3"))
 THREADS = 2
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +49,8 @@ def plain_loop(cfg) -> dict:
     packed, _, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train, packed.val)
     metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
-    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": metrics[-1]["loss"]}
+    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": metrics[-1]["loss"],
+            "threads": torch.get_num_threads()}
 
 
 def actor_path(cfg) -> dict:
@@ -54,7 +59,9 @@ def actor_path(cfg) -> dict:
     t0 = time.time()
     summary = train(cfg, progress=False)
     metrics = read_jsonl(Path(summary["run_dir"]) / "metrics.jsonl")
-    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": summary["final_loss"]}
+    ready = [e for e in read_jsonl(Path(summary["run_dir"]) / "events.jsonl") if e["kind"] == "workers_ready"]
+    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": summary["final_loss"],
+            "threads": ready[-1]["threads"]}
 
 
 def main() -> None:
@@ -65,19 +72,24 @@ def main() -> None:
     base = [f"train.steps={STEPS}", f"parallel.cpus_per_worker={THREADS}", "checkpoint.every_steps=0",
             f'data.cache_dir="{ROOT / ".cache/raysc"}"']
     plain, actor = [], []
-    for rep in range(2):
+    for rep in range(REPS):
         plain.append(plain_loop(load_config(ROOT / "jobs/configs/tiny.toml", base + [f'run.dir="{tmp}/a{rep}"'])))
         actor.append(actor_path(load_config(ROOT / "jobs/configs/tiny.toml", base + [f'run.dir="{tmp}/b{rep}"'])))
-        print(f"rep {rep}: plain {plain[-1]['tps']:.0f} tok/s, actor {actor[-1]['tps']:.0f} tok/s", flush=True)
+        print(f"rep {rep}: plain {plain[-1]['tps']:.0f} tok/s, actor {actor[-1]['tps']:.0f} tok/s; final loss "
+              f"{plain[-1]['final_loss']!r} / {actor[-1]['final_loss']!r}", flush=True)
+    threads = {r["threads"] for r in plain + actor}
+    assert threads == {THREADS}, f"torch threads differ between the paths: plain {[r['threads'] for r in plain]}, " \
+                                 f"actor {[r['threads'] for r in actor]} (expected {THREADS})"
     assert all(p["final_loss"] == a["final_loss"] for p, a in zip(plain, actor)), "paths diverged"
     a_tps = statistics.median(p["tps"] for p in plain)
     b_tps = statistics.median(p["tps"] for p in actor)
     print(json.dumps({
-        "benchmark": "train_overhead", "steps": STEPS, "threads": THREADS,
+        "benchmark": "train_overhead", "steps": STEPS, "reps": REPS, "threads": THREADS,
         "plain_tokens_per_s": round(a_tps, 1), "actor_tokens_per_s": round(b_tps, 1),
         "ratio_actor_over_plain": round(b_tps / a_tps, 4), "target_ratio": 0.95,
         "plain_wall_s": round(statistics.median(p["wall_s"] for p in plain), 2),
         "actor_wall_s_incl_startup": round(statistics.median(p["wall_s"] for p in actor), 2),
+        "plain_runs": [round(p["tps"], 1) for p in plain], "actor_runs": [round(p["tps"], 1) for p in actor],
         "same_final_loss": True,
     }))
 
