@@ -1,6 +1,6 @@
 """Meta-device construction: every rank's freshly materialised shards are exactly the matching slices
 of the one-process model, for FSDP, TP, PP, CP and combined layouts, and every layout's validation
-loss is the one-process loss (4 gloo processes, no Ray)."""
+loss is the one-process loss, and so are the first step's loss and global grad norm (4 gloo processes, no Ray)."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ ROWS = np.random.default_rng(0).integers(0, 270, size=(16, 33))  # 7 validation 
 VAL = ROWS[:7]  # the microbatch count, so the pipeline's padded last call is exercised
 
 
-def _check_layout(rank: int, layout: str, ref_val: float, ref_loss: float) -> list[str]:
+def _check_layout(rank: int, layout: str, ref_val: float, ref_step: dict) -> list[str]:
     cfg = load_config(None, [*MODEL, *layout_overrides(layout)])
     ref = dict(build_model(cfg.model, cfg.rope_len, cfg.train.seed).named_parameters())
     dims = cfg.parallel.dims
@@ -71,10 +71,10 @@ def _check_layout(rank: int, layout: str, ref_val: float, ref_loss: float) -> li
     val = trainer.val_loss()
     if val is None or abs(val - ref_val) > 1e-5 * ref_val:
         errors.append(f"val_loss {val} != one process's {ref_val}")
-    if dims.pp > 1:  # a pipeline trains again after its forward-only eval (other layouts: parity tests)
-        loss = trainer.train_step()["loss"]
-        if abs(loss - ref_loss) > 1e-5 * ref_loss:
-            errors.append(f"first loss {loss} != one process's {ref_loss}")
+    step = trainer.train_step()  # a pipeline trains again after its forward-only eval
+    for key in ("loss", "grad_norm"):  # the grad norm: clip.py's grouped reductions over every kind of shard
+        if abs(step[key] - ref_step[key]) > 1e-5 * ref_step[key]:
+            errors.append(f"first {key} {step[key]} != one process's {ref_step[key]}")
     return [f"rank {rank} {layout}: {e}" for e in errors]
 
 
@@ -84,10 +84,10 @@ def _rank(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
                             timeout=datetime.timedelta(seconds=60))
     one = Trainer(load_config(None, MODEL), ROWS, VAL, measure_peak=False)
-    ref_val, ref_loss = one.val_loss(), one.train_step()["loss"]
+    ref_val, ref_step = one.val_loss(), one.train_step()
     errors = []
     for layout in LAYOUTS:
-        errors += _check_layout(rank, layout, ref_val, ref_loss)
+        errors += _check_layout(rank, layout, ref_val, ref_step)
     dist.destroy_process_group()
     assert not errors, "\n".join(errors[:20])
 
