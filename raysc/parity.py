@@ -104,7 +104,11 @@ def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> Pari
 
 
 def _common(overrides: list[str], steps: int) -> list[str]:
-    return [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\""]
+    """A parity run is a measurement: no periodic checkpoints, no injected faults, and no warm spares
+    (an idle process per rank that a run without faults never uses; on a small machine their start-up
+    competes with the ranks being compared)."""
+    return [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\"",
+            "supervisor.warm_spares=false"]
 
 
 def ensure_reference(config: str | Path | None, overrides: list[str], steps: int, ref_dir: Path,

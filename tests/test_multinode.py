@@ -86,6 +86,10 @@ def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path
     resumed = _events(run_dir, "resumed")
     assert [e["step"] for e in resumed] == [4] and "store" in resumed[0]["source"]
     assert _events(run_dir, "recovered")[0]["resumed_step"] == 4
+    # the new fleet's first step warms up (it took 4.1 s against a calibrated hang timeout of 4 s on this
+    # machine): neither a hang nor a straggler
+    healed_at = _events(run_dir, "recovered")[0]["time"]
+    assert not [e for e in _events(run_dir, "slow_step") if e["time"] > healed_at and e["step"] == 5]
 
 
 def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypatch):

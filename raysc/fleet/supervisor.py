@@ -64,6 +64,8 @@ class Supervisor:
         self.timeouts = Timeouts(cfg.supervisor, self._event, self.watch.wait)
         self.ckpt: CheckpointCoordinator | None = None
         self._last: dict | None = None  # rank 0's newest chunk result (its last step's metrics)
+        self._trained_on: list | None = None  # the workers of the last chunk (a new fleet warms up first)
+        self._warmup_step: int | None = None  # the step a new fleet is warming up on
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
@@ -78,7 +80,7 @@ class Supervisor:
                 self._event(EventKind.DATA_EPOCH, step=m["step"], epochs=m["domain_epochs"],
                             note="a domain ran out of sequences and started a new seeded permutation")
             normal = self.timeouts.is_slow(m["step_time"])
-            if normal:
+            if normal and m["step"] != self._warmup_step:  # a new fleet's first step is no straggler
                 self._event(EventKind.SLOW_STEP, step=m["step"], step_time_s=round(m["step_time"], 3),
                             normal_s=round(normal, 4), action="none (within the hang timeout)",
                             note="a straggler: every rank waits for the slowest in each collective")
@@ -217,16 +219,25 @@ class Supervisor:
 
     def _train_chunk(self, step: int) -> int:
         """Train up to the next checkpoint boundary (shorter while timeouts are uncalibrated, or
-        when a stop or checkpoint request ends it early); returns the step every rank reached."""
+        when a stop or checkpoint request ends it early); returns the step every rank reached.
+
+        A new fleet's first step warms up (allocator, the process group's first connections), as
+        the run's first step does, which calibration leaves out: after a restart that step runs as a
+        chunk of its own under ``supervisor.hang_timeout_s``, not the calibrated timeout, which a
+        restart on a loaded machine would otherwise trip (a false hang, and another restart)."""
         every = self.cfg.checkpoint.every_steps or self.cfg.train.steps
         target = min(self.cfg.train.steps, (step // every + 1) * every)
-        calibrating = self.timeouts.pending
+        workers = self.fleet.workers
+        calibrating, fresh = self.timeouts.pending, workers is not self._trained_on
         if calibrating:
             target = min(target, step + 1 + self.cfg.supervisor.calibrate_steps)
+        elif fresh:
+            target = min(target, step + 1)
+        self._warmup_step = step + 1 if fresh else None
         self.stats.touch()
-        workers = self.fleet.workers
         results = self.watch.wait([w.train.remote(target) for w in workers], f"steps {step + 1}..{target}",
-                                  hang_s=self.timeouts.hang_s)
+                                  hang_s=None if fresh else self.timeouts.hang_s)
+        self._trained_on = workers
         self._last = results[0] or self._last
         if results[0] and "memory" in results[0]:
             self.stats.memory = [r["memory"] for r in results]
