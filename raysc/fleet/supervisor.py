@@ -233,7 +233,8 @@ class Supervisor:
             target = min(target, step + 1 + self.cfg.supervisor.calibrate_steps)
         elif fresh:
             target = min(target, step + 1)
-        self._warmup_step = step + 1 if fresh else None
+        if fresh:  # kept after the chunk: rank 0's report of the step may arrive after it returns
+            self._warmup_step = step + 1
         self.stats.touch()
         results = self.watch.wait([w.train.remote(target) for w in workers], f"steps {step + 1}..{target}",
                                   hang_s=None if fresh else self.timeouts.hang_s)
