@@ -183,6 +183,16 @@ def per_parameter_norm(params: list[torch.Tensor], pp_group) -> torch.Tensor:
     return total.sqrt()
 
 
+def _seconds_per_call(fn, n: int) -> float:
+    """Wall time of ``n`` calls of ``fn`` on every rank (barriers on both sides), per call."""
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    dist.barrier()
+    return (time.perf_counter() - t0) / n
+
+
 def _gradnorm_worker(rank: int, port: int, results) -> None:
     import statistics
 
@@ -207,21 +217,12 @@ def _gradnorm_worker(rank: int, port: int, results) -> None:
     for _ in range(reps):
         for way, fn in ways.items():
             clip.global_grad_norm = fn  # what clip_grad_norm calls inside the step
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                trainer.train_step()
-            dist.barrier()
-            times[f"{way}_step_s"].append((time.perf_counter() - t0) / steps)
+            times[f"{way}_step_s"].append(_seconds_per_call(trainer.train_step, steps))
         with trainer._loss_ctx():  # one set of gradients, normed both ways
             trainer._forward_backward(*trainer._inputs(trainer.loader.next_batch()))
         for way, fn in ways.items():
-            dist.barrier()
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                norms[way] = float(fn(trainer.params, trainer.pp_group))
-            dist.barrier()
-            times[f"{way}_norm_s"].append((time.perf_counter() - t0) / steps)
+            times[f"{way}_norm_s"].append(_seconds_per_call(lambda: fn(trainer.params, trainer.pp_group), steps))
+            norms[way] = float(fn(trainer.params, trainer.pp_group))
         trainer.optimizer.zero_grad(set_to_none=True)
     clip.global_grad_norm = grouped
     if rank == 0:
