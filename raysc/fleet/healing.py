@@ -95,8 +95,7 @@ class Healer:
         self.fleet.replace(node_lost=bool(lost))
         self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
         self.fleet.start(data, self.wait, self.touch, warm=True)
-        self.ckpt.workers = self.fleet.workers
-        self.timeouts.apply(self.fleet.workers)
+        self.ckpt.workers = self.fleet.workers  # (the calibrated timeouts reach it after its warm-up step)
         step = self.ckpt.restore(True) if self.ckpt.own_steps() else 0
         self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
                    steps_lost=failed_at - 1 - step, seconds=round(time.monotonic() - t0, 3))

@@ -223,8 +223,9 @@ class Supervisor:
 
         A new fleet's first step warms up (allocator, the process group's first connections), as
         the run's first step does, which calibration leaves out: after a restart that step runs as a
-        chunk of its own under ``supervisor.hang_timeout_s``, not the calibrated timeout, which a
-        restart on a loaded machine would otherwise trip (a false hang, and another restart)."""
+        chunk of its own under ``supervisor.hang_timeout_s`` and the process groups' start-up timeout,
+        not the calibrated ones (set after it), which a restart on a loaded machine would otherwise
+        trip (a false hang or collective timeout, and another restart)."""
         every = self.cfg.checkpoint.every_steps or self.cfg.train.steps
         target = min(self.cfg.train.steps, (step // every + 1) * every)
         workers = self.fleet.workers
@@ -238,6 +239,8 @@ class Supervisor:
         self.stats.touch()
         results = self.watch.wait([w.train.remote(target) for w in workers], f"steps {step + 1}..{target}",
                                   hang_s=None if fresh else self.timeouts.hang_s)
+        if fresh and not calibrating:
+            self.timeouts.apply(workers)
         self._trained_on = workers
         self._last = results[0] or self._last
         if results[0] and "memory" in results[0]:
