@@ -47,3 +47,14 @@ def test_the_graph_sees_function_level_imports(tmp_path: Path):
     found = graph.imports(root)
     assert graph.cycles(graph.edges(found)) == [["high", "low"]]
     assert [i.in_function for i in graph.cycle_edges(found, ["high", "low"])] == [False, True]
+
+
+def test_the_supervisor_and_the_worker_actor_class_import_no_torch():
+    """Every run starts a supervisor process, which holds the TrainWorker class to create workers:
+    neither may pull in torch (~4 s of every run's start on a 2-core machine; the ranks import it)."""
+    import subprocess
+
+    code = ("import sys, raysc.fleet.supervisor, raysc.fleet.worker; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sympy')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", f"the supervisor imports {out.strip()}"

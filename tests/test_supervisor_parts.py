@@ -82,3 +82,23 @@ def test_bitflip_fault_flips_one_bit_of_the_first_parameter():
     FaultInjector("bitflip@7", rank=0, announce=lambda f: None).before_step(7, params)
     assert params[0][0].item() != 1.0 and torch.equal(params[0][1:], torch.ones(3))
     assert torch.equal(params[1], torch.ones(2))
+
+
+def test_a_ranks_torch_exception_crosses_as_a_rank_error_that_still_names_a_peer_failure():
+    """The supervisor imports no torch: a worker's torch exception reaches it as a RankError (class
+    names and message), which root-cause analysis still recognises; raysc's own and Python's
+    exceptions cross unchanged, so the classification table sees their types."""
+    import pickle
+
+    from raysc.fleet.errors import RankError, portable
+    from raysc.fleet.watch import is_peer_failure
+
+    timed_out = torch.distributed.DistBackendError("[gloo] Timed out waiting 1000ms for recv operation")
+    crossed = pickle.loads(pickle.dumps(portable(timed_out)))
+    assert isinstance(crossed, RankError) and str(crossed) == str(timed_out)
+    assert crossed.is_a("torch.distributed.DistError") and is_peer_failure(crossed)
+    assert not is_peer_failure(RankError(("torch.OutOfMemoryError",), "CUDA out of memory"))
+    for own in (SilentCorruption(4, {}), SpikeRollback(12, 10, {}), ValueError("bad")):
+        assert portable(own) is own
+    assert classify(Failure(FailureKind.RAISED, 0, pickle.loads(pickle.dumps(portable(SilentCorruption(4, {})))))) \
+        is Action.REPAIR

@@ -38,3 +38,9 @@ def parse_faults(text: str) -> list[Fault]:
             raise ValueError(f"step in {item!r} must be >= 1")
         faults.append(Fault(m["kind"], int(m["step"]), int(m["rank"] or 0), item))
     return faults
+
+
+def consume_faults(text: str, fired: set[str]) -> str:
+    """The injection spec without the faults that have fired, so a replacement worker does not
+    fail the same way again."""
+    return ",".join(f.spec for f in parse_faults(text) if f.spec not in fired)

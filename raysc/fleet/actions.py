@@ -13,7 +13,7 @@ from __future__ import annotations
 from enum import Enum
 
 from raysc.fleet.errors import Failure, FailureKind
-from raysc.train.sdc import SilentCorruption
+from raysc.train.signals import SilentCorruption
 from raysc.train.stability import SpikeRollback
 
 

@@ -32,6 +32,31 @@ class RunFailed(RuntimeError):
         self.failure = failure
 
 
+class RankError(RuntimeError):
+    """An exception a rank raised whose class is not raysc's or Python's (torch's, gloo's, NCCL's):
+    its message, and its class and base classes by name (``kinds``, most derived first). Unpickling
+    the original in the supervisor would import torch there, seconds added to the detection of the
+    run's first failure (``portable``)."""
+
+    def __init__(self, kinds: tuple[str, ...], message: str) -> None:
+        super().__init__(message)
+        self.kinds = tuple(kinds)
+
+    def is_a(self, qualified_name: str) -> bool:
+        """Whether the original exception was an instance of the class named ``qualified_name``."""
+        return qualified_name in self.kinds
+
+    def __reduce__(self):  # crosses process boundaries (Ray) intact
+        return (RankError, (self.kinds, str(self)))
+
+
+def portable(e: Exception) -> Exception:
+    """``e`` itself when the supervisor can unpickle it without torch, else a ``RankError``."""
+    if type(e).__module__.split(".")[0] in ("raysc", "builtins"):
+        return e
+    return RankError(tuple(f"{c.__module__}.{c.__qualname__}" for c in type(e).__mro__), str(e))
+
+
 class RunStopped(Exception):
     """The run was stopped on request (SIGINT / SIGTERM to the driver) before its last step.
 

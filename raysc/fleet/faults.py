@@ -83,12 +83,6 @@ def raylet_pid(pid: int | None = None) -> int:
     raise RuntimeError("node_loss: this process does not run under a Ray raylet")
 
 
-def consume_faults(text: str, fired: set[str]) -> str:
-    """The injection spec without the faults that have fired, so a replacement worker does not
-    fail the same way again."""
-    return ",".join(f.spec for f in parse_faults(text) if f.spec not in fired)
-
-
 class FaultInjector:
     """The faults of ``spec`` for ``rank``, fired at the worker's hooks. ``announce(fault)`` is
     called (and returns) before a fault fires, so the supervisor records it first."""

@@ -15,16 +15,16 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from raysc.config.faults import consume_faults
 from raysc.config.schema import Config
 from raysc.fleet.actions import Action, classify
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
-from raysc.fleet.faults import consume_faults
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
-from raysc.train.sdc import SilentCorruption
+from raysc.train.signals import SilentCorruption
 from raysc.train.stability import SpikeRollback
 
 NODE_DEATH_WAIT_S = 3.0

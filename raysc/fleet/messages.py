@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+REPORT_EVERY_S = 1.0  # rank 0 sends its step metrics to the supervisor at most this often
+
 
 @dataclass(frozen=True)
 class WorkerInfo:

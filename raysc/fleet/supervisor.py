@@ -37,8 +37,6 @@ from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.fleet.watch import Watch
 from raysc.model.flops import param_count
-from raysc.model.hf_checkpoint import check_init_from, content_sha256
-from raysc.model.hf_fetch import init_dir
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -199,6 +197,9 @@ class Supervisor:
     def _init_from(self) -> None:
         """Check ``model.init_from`` against the config before any worker starts, take its tokenizer when
         ``data.tokenizer`` is empty, and record the checkpoint's content hash (workers read it themselves)."""
+        from raysc.model.hf_checkpoint import check_init_from, content_sha256  # (torch: only when used)
+        from raysc.model.hf_fetch import init_dir
+
         m = self.cfg.model
         local = init_dir(m.init_from, m.init_from_options, self.cfg.data.cache_dir)
         info = check_init_from(local, m)

@@ -15,7 +15,7 @@ from typing import Callable
 from raysc.config.schema import SupervisorConfig
 from raysc.fleet.events import EventKind
 from raysc.fleet.stats import RunStats
-from raysc.fleet.worker import REPORT_EVERY_S
+from raysc.fleet.messages import REPORT_EVERY_S
 
 SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as slow
 # ... and at least this much slower: a shared host's scheduling jitters by tenths of a second (a

@@ -1,7 +1,7 @@
 """``Watch``: wait on every worker's call with hang detection, and name the rank that failed first.
 
 ``ray.get`` alone would wait forever on a hung rank and report whichever failure it happens to
-see first. ``Watch.wait`` polls once a second: a dead actor or a raised exception becomes
+see first. ``Watch.wait`` wakes when any call finishes, and at least once a second: a dead actor or a raised exception becomes
 ``RunFailed`` with a typed ``Failure`` (died / raised, with the cause), no report and no result
 for the hang timeout becomes ``hung``, and a bounded operation past its deadline ``timed_out``.
 When a rank fails inside a collective because a peer vanished, the peer's death is reported as
@@ -15,16 +15,14 @@ from typing import Callable
 
 import ray
 
-from raysc.fleet.errors import Failure, FailureKind, RunFailed
+from raysc.fleet.errors import Failure, FailureKind, RankError, RunFailed
 from raysc.fleet.events import EventKind
 
 
 def is_peer_failure(exc: BaseException | None) -> bool:
     """Whether a rank's exception is a collective failing because of a peer (closed connection,
-    timeout): the symptom, not the cause."""
-    import torch.distributed as dist
-
-    if isinstance(exc, dist.DistError):
+    timeout): the symptom, not the cause. (By class name: the supervisor does not import torch.)"""
+    if isinstance(exc, RankError) and exc.is_a("torch.distributed.DistError"):
         return True
     return isinstance(exc, RuntimeError) and any(
         k in str(exc) for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
@@ -73,7 +71,7 @@ class Watch:
         pending = list(refs)
         t0 = time.monotonic()
         while pending:
-            done, pending = ray.wait(pending, num_returns=len(pending), timeout=1.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=1.0)  # a failure is seen when it lands
             if pending:
                 self.poll()
             for ref in root_cause_first(done, pending):

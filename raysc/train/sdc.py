@@ -25,18 +25,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from raysc.train.signals import SilentCorruption
+
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-class SilentCorruption(RuntimeError):
-    """Replicas of the same parameters disagree at ``step`` (raised on every rank alike)."""
-
-    def __init__(self, step: int, evidence: dict) -> None:
-        super().__init__(f"parameter fingerprints of data-parallel replicas disagree at step {step}: {evidence}")
-        self.step, self.evidence = step, evidence
-
-    def __reduce__(self):  # crosses process boundaries (Ray) intact
-        return (SilentCorruption, (self.step, self.evidence))
 
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
