@@ -1,8 +1,9 @@
 """``Watch``: wait on every worker's call with hang detection, and name the rank that failed first.
 
 ``ray.get`` alone would wait forever on a hung rank and report whichever failure it happens to
-see first. ``Watch.wait`` wakes when any call finishes, and at least once a second: a dead actor or a raised exception becomes
-``RunFailed`` with a typed ``Failure`` (died / raised, with the cause), no report and no result
+see first. ``Watch.wait`` wakes when any call finishes, and at least once a second: a dead actor
+or a raised exception becomes ``RunFailed`` with a typed ``Failure`` (died / raised, with the
+cause), no report and no result
 for the hang timeout becomes ``hung``, and a bounded operation past its deadline ``timed_out``.
 When a rank fails inside a collective because a peer vanished, the peer's death is reported as
 the root cause.

@@ -15,7 +15,7 @@ An exception whose class only the worker's imports know (torch's) reaches the su
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import ray
 
@@ -25,6 +25,14 @@ if TYPE_CHECKING:
     from raysc.fleet.messages import WorkerInfo
 
 
+def _portably(method: Callable[..., Any], *args: Any) -> Any:
+    """``method(*args)``, re-raising what it raises as the supervisor can unpickle it."""
+    try:
+        return method(*args)
+    except Exception as e:
+        raise portable(e) from None
+
+
 @ray.remote(max_concurrency=2)
 class TrainWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
@@ -32,73 +40,67 @@ class TrainWorker:
 
         self._rank = RankWorker(cfg_dict, rank, world_size, supervisor)
 
-    def _call(self, method: str, *args: Any) -> Any:
-        try:
-            return getattr(self._rank, method)(*args)
-        except Exception as e:
-            raise portable(e) from None
-
     def address(self) -> tuple[str, int, str]:
-        return self._call("address")
+        return _portably(self._rank.address)
 
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
               gpu_ids: list | None = None) -> WorkerInfo:
-        return self._call("setup", master, data, cfg_dict, gpu_ids)
+        return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids)
 
     # ---- checkpoints ----
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
-        return self._call("fetch", uri, step, hot)
+        return _portably(self._rank.fetch, uri, step, hot)
 
     def load(self, uri: str, step: int) -> int:
-        return self._call("load", uri, step)
+        return _portably(self._rank.load, uri, step)
 
     def save_start(self, step: int) -> dict:
-        return self._call("save_start", step)
+        return _portably(self._rank.save_start, step)
 
     def read_file(self, step: int, name: str) -> bytes:
-        return self._call("read_file", step, name)
+        return _portably(self._rank.read_file, step, name)
 
     def save_wait(self) -> dict:
-        return self._call("save_wait")
+        return _portably(self._rank.save_wait)
 
     def save_pending(self) -> bool:
-        return self._call("save_pending")
+        return _portably(self._rank.save_pending)
 
     # ---- training ----
     def request(self, kind: str) -> None:
-        self._call("request", kind)
+        _portably(self._rank.request, kind)
 
     def train(self, until_step: int) -> dict | None:
-        return self._call("train", until_step)
+        return _portably(self._rank.train, until_step)
 
     def skip_batches(self, n: int) -> int:
-        return self._call("skip_batches", n)
+        return _portably(self._rank.skip_batches, n)
 
     def val_loss(self) -> float | None:
-        return self._call("val_loss")
+        return _portably(self._rank.val_loss)
 
     # ---- silent data corruption ----
     def sdc_verdict(self) -> dict:
-        return self._call("sdc_verdict")
+        return _portably(self._rank.sdc_verdict)
 
     def sdc_repair(self) -> bool:
-        return self._call("sdc_repair")
+        return _portably(self._rank.sdc_repair)
 
     def sdc_check(self) -> dict:
-        return self._call("sdc_check")
+        return _portably(self._rank.sdc_check)
 
     # ---- timeouts, pre-flight ----
     def measure_collectives(self, iters: int = 5) -> dict:
-        return self._call("measure_collectives", iters)
+        return _portably(self._rank.measure_collectives, iters)
 
     def probe(self, nbytes: int) -> dict:
-        return self._call("probe", nbytes)
+        return _portably(self._rank.probe, nbytes)
 
     def set_timeout(self, seconds: float) -> None:
-        self._call("set_timeout", seconds)
+        _portably(self._rank.set_timeout, seconds)
 
     def stress(self, seconds: float) -> dict:
-        return self._call("stress", seconds)
+        return _portably(self._rank.stress, seconds)
 
     def shutdown(self) -> None:
-        self._call("shutdown")
+        _portably(self._rank.shutdown)
