@@ -40,12 +40,18 @@ def check_dedup(cfg: Config, origin: str) -> None:
 
 
 def check_quality(cfg: Config, origin: str) -> None:
-    """[quality]: the n-gram limits parse."""
+    """[quality]: the n-gram limits parse; a perplexity filter has a reference model to score with."""
+    q = cfg.quality
     for key in ("top_ngram_max", "dup_ngram_max"):
         try:
-            parse_ngram_limits(getattr(cfg.quality, key))
+            parse_ngram_limits(getattr(q, key))
         except ValueError as e:
             raise ConfigError(f"{origin}: quality.{key}: {e}") from None
+    if not q.reference_run and (q.keep_top_percent < 100 or q.max_perplexity):
+        raise ConfigError(f"{origin}: quality.keep_top_percent = {q.keep_top_percent} / quality.max_perplexity = "
+                          f"{q.max_perplexity} filter by a reference model's perplexity, but quality.reference_run "
+                          f"is empty; set it to the run directory of a model trained on text you trust, or leave "
+                          f"keep_top_percent = 100 and max_perplexity = 0")
 
 
 def check_model(cfg: Config, origin: str) -> None:

@@ -297,6 +297,18 @@ class QualityConfig:
     fw_max_dup_line_char_ratio: float = opt(0.01, "FineWeb: largest share of characters in duplicate lines",
                                             min=0.0)
     fw_max_newline_ratio: float = opt(0.3, "FineWeb: most newlines per word", min=0.0)
+    reference_run: str = opt("", "a raysc run directory (a model trained on text you trust) whose newest verified "
+                                 "checkpoint scores every document's perplexity (CCNet's recipe: q_ppl and a "
+                                 "head/middle/tail bucket per domain); empty = no model score")
+    score_tokens: int = opt(256, "tokens of each document the reference model scores, from its start (at most the "
+                                 "model's context)", min=2)
+    keep_top_percent: float = opt(100.0, "keep this percent of each domain's documents, the ones with the lowest "
+                                         "reference perplexity; 100 = score only (needs quality.reference_run)",
+                                  gt=0.0, max=100.0)
+    max_perplexity: float = opt(0.0, "drop documents whose reference perplexity is above this; 0 = no limit "
+                                     "(needs quality.reference_run)", min=0.0)
+    score_actors: int = opt(1, "perplexity scorer actors, one reference model each (a Ray Data actor pool)", min=1)
+    score_gpus: float = opt(0.0, "GPUs per scorer actor; 0 = score on CPU", min=0.0)
 
 
 @dataclass

@@ -15,7 +15,10 @@ returns the next one with its stats):
    hash-to-min rounds), one survivor per cluster (smallest id), the rest removed by a broadcast
    filter;
 3. quality (``stages.quality_filter``): Gopher, C4 and FineWeb measurements on every document and
-   a keep/drop verdict with the failing rule (``raysc.curate.quality``);
+   a keep/drop verdict with the failing rule (``raysc.curate.quality``); with
+   ``quality.reference_run``, first each document's perplexity under a reference model by a pool of
+   scorer actors, its head/middle/tail bucket per domain and an optional percentile filter
+   (``raysc.curate.perplexity``, CCNet's recipe);
 4. write (``stages.write_documents``, ``output``): Parquet of the kept documents
    (``documents/``), of the dropped ones with their reason (``dropped/``), and ``report.json`` +
    PNG charts.
@@ -35,6 +38,7 @@ from raysc.config.schema import Config
 from raysc.curate.inputs import list_inputs
 from raysc.curate.dedup import DedupStats, dedup
 from raysc.curate.output import write_report
+from raysc.curate.perplexity import check_reference
 from raysc.curate.stages import (QualityStats, ReadStats, WriteStats, quality_filter, read_documents,
                                  write_documents)
 
@@ -65,6 +69,8 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     Returns the report. Needs a running Ray (``ray.init()`` or a cluster)."""
     c = cfg.curate
     out_uri = cfg.curated_uri
+    if cfg.quality.reference_run:
+        check_reference(cfg.quality.reference_run)  # before any work, not after read and dedup
     clock = Stopwatch(log)
     _, options, files = list_inputs(cfg)
     log(f"curate: {len(files)} input file(s) from {c.input}")
@@ -72,7 +78,7 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     clock.lap("read_normalise", read.documents)
     docs, near = dedup(docs, read.documents, cfg.dedup, log)
     clock.lap("dedup", near.documents)
-    kept, dropped, quality = quality_filter(docs, near.documents, cfg.quality)
+    kept, dropped, quality = quality_filter(docs, near.documents, cfg.quality, log)
     clock.lap("quality", near.documents - sum(quality.dropped_by_rule.values()))
     written = write_documents(kept, dropped, out_uri, options)
     clock.lap("write", written.kept)
@@ -101,7 +107,7 @@ def build_report(cfg: Config, out_uri: str, files: int, read: ReadStats, near: D
                        "shuffles": near.shuffles, "num_perm": d.num_perm,
                        "bands": d.bands, "rows": d.rows, "shingle": d.shingle},
         "quality": {"enabled": quality.enabled, "dropped_by_rule": quality.dropped_by_rule,
-                    "histograms": quality.histograms},
+                    "histograms": quality.histograms, "perplexity": quality.perplexity},
         "domains": written.domains, "kept_bytes": written.kept_bytes, "seconds": clock.laps,
         "seconds_total": clock.total(), "stages": clock.table,
     }

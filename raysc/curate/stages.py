@@ -1,4 +1,5 @@
-"""The curation stages other than dedup (``raysc.curate.dedup``): read, quality, write. Each
+"""The curation stages other than dedup (``raysc.curate.dedup``): read, quality (the rules, and the
+reference model's perplexity from ``raysc.curate.perplexity``), write. Each
 takes a Ray Dataset (and its row count) and returns the next Dataset with its
 stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
 
@@ -12,6 +13,7 @@ import numpy as np
 from raysc.config.schema import CurateConfig, QualityConfig
 from raysc.curate.inputs import normalise_batch, parse_file
 from raysc.curate.output import arrow_fs, clear_outputs
+from raysc.curate.perplexity import judge_perplexity, score_documents, thresholds
 from raysc.curate.quality import QualityRules
 
 if TYPE_CHECKING:
@@ -79,11 +81,13 @@ class QualityStats:
     enabled: bool
     dropped_by_rule: dict[str, int]
     histograms: dict[str, dict]
+    perplexity: dict | None = None  # the reference model and the per-domain percentiles, when scored
 
 
-def judge_batch(batch: dict, rules: QualityRules, enabled: bool) -> dict:
+def judge_batch(batch: dict, rules: QualityRules, enabled: bool, ppl_limits: dict | None = None) -> dict:
     """The batch with every measurement as a ``q_`` column, ``q_keep`` and ``q_reason``; with the
-    filter off every document is kept (the scores are still reported)."""
+    filter off every document is kept (the scores are still reported). With ``ppl_limits`` (a scored
+    batch, ``perplexity.thresholds``) also the perplexity bucket and verdict."""
     verdicts = [rules.judge(text, dom) for text, dom in zip(batch["text"], batch["domain"])]
     out = dict(batch)
     for key in verdicts[0]:
@@ -91,28 +95,41 @@ def judge_batch(batch: dict, rules: QualityRules, enabled: bool) -> dict:
     if not enabled:
         out["q_keep"] = np.ones(len(verdicts), dtype=bool)
         out["q_reason"] = np.array([""] * len(verdicts), dtype=object)
+    if ppl_limits is not None:
+        judge_perplexity(out, ppl_limits)
     return out
 
 
-def quality_filter(docs: Dataset, count: int, q: QualityConfig) -> tuple[Dataset, Dataset | None, QualityStats]:
-    """(kept, dropped or None, stats): the Gopher, C4 and FineWeb verdict on every document."""
+def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[str], None] = print
+                   ) -> tuple[Dataset, Dataset | None, QualityStats]:
+    """(kept, dropped or None, stats): the Gopher, C4 and FineWeb verdict on every document, and
+    with ``quality.reference_run`` the reference model's perplexity (``raysc.curate.perplexity``)."""
     rules = QualityRules.from_config(q)
     if not count:
         return docs, None, QualityStats(q.enabled, {}, {})
+    limits, scored_by = None, None
+    if q.reference_run:
+        docs, ref = score_documents(docs, q, log)
+        limits = thresholds(docs, count, q)
+        scored_by = {"reference_run": ref.run_dir, "reference_step": ref.step, "score_tokens": q.score_tokens,
+                     "keep_top_percent": q.keep_top_percent, "max_perplexity": q.max_perplexity,
+                     "per_domain": limits}
     judged = docs.map_batches(judge_batch, batch_format="numpy",
-                              fn_kwargs={"rules": rules, "enabled": q.enabled}).materialize()
+                              fn_kwargs={"rules": rules, "enabled": q.enabled, "ppl_limits": limits}).materialize()
     kept = judged.filter(lambda r: bool(r["q_keep"]))
     dropped = judged.filter(lambda r: not r["q_keep"])
     reasons = count_by(dropped, "q_reason") if dropped.count() else {}
-    return kept, dropped, QualityStats(q.enabled, reasons, histograms(judged, count))
+    fields = HIST_FIELDS + (("q_ppl",) if limits is not None else ())
+    return kept, dropped, QualityStats(q.enabled, reasons, histograms(judged, count, fields), scored_by)
 
 
-def histograms(judged: Dataset, count: int) -> dict[str, dict]:
-    """20-bin histograms of the ``HIST_FIELDS`` scores over the first ``HIST_SAMPLE`` documents."""
-    sample = judged.select_columns(list(HIST_FIELDS)).take_batch(min(count, HIST_SAMPLE), batch_format="numpy")
+def histograms(judged: Dataset, count: int, fields: tuple[str, ...] = HIST_FIELDS) -> dict[str, dict]:
+    """20-bin histograms of the ``fields`` scores over the first ``HIST_SAMPLE`` documents (finite values)."""
+    sample = judged.select_columns(list(fields)).take_batch(min(count, HIST_SAMPLE), batch_format="numpy")
     hists = {}
-    for f in HIST_FIELDS:
-        counts, edges = np.histogram(np.asarray(sample[f], dtype=np.float64), bins=20)
+    for f in fields:
+        values = np.asarray(sample[f], dtype=np.float64)
+        counts, edges = np.histogram(values[np.isfinite(values)], bins=20)
         hists[f[2:]] = {"counts": counts.tolist(), "edges": [round(float(x), 4) for x in edges]}
     return hists
 
