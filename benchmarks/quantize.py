@@ -4,12 +4,13 @@ decode tokens/s of one trained ``small`` run at every precision raysc writes.
 1. The run: ``jobs/configs/small.toml`` (6.5M parameters, vocab 8192, 6 layers of 256) trained
    ``STEPS`` steps of 4,096 tokens on the bundled corpus with its learning-rate schedule shortened to
    match (warm-up 30, cosine to 10%), in one ``raysc train`` (Ray, one 2-core worker; measured:
-   742 s of training, 760 s in all, while a pip build shared the 2 cores). Cached in ``.cache/quantize-bench/small``: a rerun that finds its final checkpoint
-   skips training. Why that is enough to be worth quantizing: the table prints the held-out loss
-   of the checkpoints at 1/3, 2/3 and all of the steps (``train_curve``): the last third changes it
-   by little, and the perplexity is far below the unigram perplexity of the same held-out tokens
-   (``unigram_perplexity``), so the weights encode learned structure that rounding can destroy,
-   not initial noise.
+   742 s of training, 760 s in all, while a pip build shared the 2 cores; 2026-12-02: 1,811 s with a
+   restart, beside the test suite). Cached in ``.cache/quantize-bench/small``: a rerun that finds its final checkpoint
+   skips training. Why that is enough to be worth quantizing: the perplexity is far below the
+   unigram perplexity of the same held-out tokens (``unigram_perplexity``; measured 84.7 vs 874),
+   so the weights encode learned structure that rounding can destroy, not initial noise. The table
+   also prints the held-out loss at 1/3, 2/3 and all of the steps (``train_curve``): the run is
+   still learning (perplexity 214, 109, 84.7), far from converged, which a 2-core CPU cannot afford.
 2. Hugging Face folders: fp32 and bf16 (``raysc export``'s writer) and ``raysc quantize`` int8,
    rtn4, gptq and awq (4-bit in groups of ``GROUP``: the 704 MLP width takes 64, not 128),
    16,384 calibration tokens of the training split, perplexity on the same ``EVAL_TOKENS``
