@@ -24,3 +24,14 @@ def start_s3():
 
 def s3_options(endpoint: str) -> dict:
     return {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET, "region_name": S3_REGION}
+
+
+def exported_dtype(folder: str) -> str:
+    """The dtype a Hugging Face folder was exported in, as ``raysc serve`` hands it to vLLM (whose own
+    ``dtype="auto"`` would serve an fp32 checkpoint in bf16)."""
+    import json
+    from pathlib import Path
+
+    hf = json.loads((Path(folder) / "config.json").read_text())
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "auto"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"

@@ -78,7 +78,9 @@ def vllm_decode(folder: str, reps: int) -> dict:
     """(in a child process) vLLM's decode tokens/s on ``folder``: median of ``reps`` single-sequence runs."""
     from vllm import LLM, SamplingParams
 
-    llm = LLM(model=folder, enforce_eager=True, dtype="auto", max_model_len=256, seed=0)
+    from common import exported_dtype
+
+    llm = LLM(model=folder, enforce_eager=True, dtype=exported_dtype(folder), max_model_len=256, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
     llm.generate([PROMPT], params)  # warm-up
     rates = []
