@@ -8,14 +8,14 @@ a better model than keeping the same share at random, for the same training toke
    no run trains on), ``clean`` and ``junk``. The corpus to curate is ``clean`` plus ``junk``
    degraded the way crawled text goes bad, alternately: *letter noise* (a third of the words
    replaced by random letters: OCR and encoding debris) and *word salad* (the document's words
-   shuffled: spun SEO text; every Gopher/C4/FineWeb statistic of it equals the original's, so no
-   rule can catch it).
+   shuffled into one line: spun SEO text; its word-level statistics, e.g. Gopher's word count, mean
+   word length and stop words, equal the original's, while the line-level rules see one long line).
 2. The reference model: ``jobs/configs/tiny.toml`` trained on ``reference`` (its BPE tokenizer,
    trained on that text, is every later run's tokenizer).
 3. ``raysc curate`` of the corpus with ``quality.reference_run`` (rules off, score only) gives every
-   document's ``q_ppl``; the filtered arm keeps each domain's lowest-perplexity ``--keep`` percent
-   (what ``quality.keep_top_percent`` keeps: the same run with it set is checked to keep the same
-   ids), the random arm the same number of documents drawn at random per seed.
+   document's ``q_ppl``; the filtered arm is what the same curation keeps with
+   ``quality.keep_top_percent = --keep`` (each domain's lowest-perplexity share), the random arm the
+   same number of the scored documents drawn at random per seed.
 4. Each arm trains ``tiny.toml`` for the same steps and tokens (``--steps``), one run per seed
    (``--seeds``; the random arm draws a new subset per seed), and is scored on ``heldout``: the mean
    over its documents of the next-token loss of their first ``model context`` tokens
@@ -157,7 +157,7 @@ def main() -> None:
                                        f"train.steps={args.steps}", f"train.seed={seed}"])
             summary = train(cfg, progress=False, overwrite=True)
             loss = heldout_loss(str(run_dir), parts["heldout"])
-            row = {"seed": seed, "heldout_loss": loss, "steps": summary.get("step"),
+            row = {"seed": seed, "heldout_loss": loss, "final_train_loss": summary.get("final_loss"),
                    "junk_in_training_set": sum(i.startswith("junk") for i in ids)}
             results[arm].append(row)
             print(json.dumps({arm: row}), flush=True)

@@ -44,6 +44,9 @@ class Fleet:
         self.spares: list = []  # warm replacement workers
         self.infos: list[WorkerInfo] = []
         self.quarantine: dict[str, dict] = {}  # node id -> why
+        # the peak FLOP/s MFU is measured against: the first fleet's (a measured CPU matmul) for every
+        # later fleet too, so a restart on a busy machine does not re-measure a lower peak (MFU > 100%)
+        self.peak_flops = cfg.train.peak_flops
 
     @property
     def world(self) -> int:
@@ -207,6 +210,7 @@ class Fleet:
         """Create the workers in the reserved bundles (or activate the warm spares) and form their
         process group; ``wait`` watches the setup calls, whose hang clock ``touch`` restarts."""
         cfg_dict = config_to_dict(self.cfg)
+        cfg_dict["train"]["peak_flops"] = self.peak_flops
         spares = self._take_spares() if warm else None
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         self.workers = spares or [self._new_worker(rank) for rank in range(self.world)]
@@ -215,6 +219,7 @@ class Fleet:
         infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
                      "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
         self.infos = infos
+        self.peak_flops = self.peak_flops or infos[0].peak_flops
         self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), master=f"{ip}:{port}",
                    pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
