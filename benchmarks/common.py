@@ -26,12 +26,29 @@ def s3_options(endpoint: str) -> dict:
     return {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET, "region_name": S3_REGION}
 
 
+
 def exported_dtype(folder: str) -> str:
-    """The dtype a Hugging Face folder was exported in, as ``raysc serve`` hands it to vLLM (whose own
-    ``dtype="auto"`` would serve an fp32 checkpoint in bf16)."""
+    """The dtype ``raysc serve`` hands vLLM for a Hugging Face folder (``raysc.serve.command.exported_dtype``;
+    vLLM's own ``dtype="auto"`` would serve an fp32 checkpoint in bf16)."""
     import json
     from pathlib import Path
 
-    hf = json.loads((Path(folder) / "config.json").read_text())
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or "auto"
-    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+    from raysc.serve.command import exported_dtype as from_config
+
+    return from_config(json.loads((Path(folder) / "config.json").read_text()))
+
+
+def run_vllm_child(script: str, args: list[str], timeout: float) -> dict:
+    """Run ``script ARGS`` (a benchmark's vLLM child: vLLM spawns its engine, so it starts under its own
+    ``__main__``) with the CPU build's settings; its last JSON line, or {"error": the last stderr lines}."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
+    p = subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode or not lines:
+        return {"error": "\n".join(p.stderr.strip().splitlines()[-5:])[-800:] or "no output"}
+    return json.loads(lines[-1])

@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import statistics
 import subprocess
@@ -96,13 +95,10 @@ def vllm_decode(folder: str, reps: int) -> dict:
 
 
 def vllm_row(folder: Path, reps: int) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-    p = subprocess.run([sys.executable, __file__, "--vllm-child", str(folder), "--reps", str(reps)], env=env,
-                       capture_output=True, text=True, timeout=600)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode or not lines:
-        return {"decode_error": (p.stderr.strip().splitlines() or ["no output"])[-1][:300]}
-    return json.loads(lines[-1])
+    from common import run_vllm_child
+
+    got = run_vllm_child(__file__, ["--vllm-child", str(folder), "--reps", str(reps)], timeout=600)
+    return {"decode_error": got["error"].splitlines()[-1][:300]} if "error" in got else got
 
 
 def llama_cpp_row(path: Path, rows, reps: int) -> dict:

@@ -35,8 +35,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -65,13 +63,9 @@ def vllm_child(job: dict) -> dict:
 
 
 def run_vllm(job: dict) -> dict:
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "auto"}
-    p = subprocess.run([sys.executable, __file__, "--vllm-child", json.dumps(job)], env=env, capture_output=True,
-                       text=True, timeout=900)
-    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
-    if p.returncode or not lines:
-        return {"error": "\n".join(p.stderr.strip().splitlines()[-5:])[-800:]}
-    return json.loads(lines[-1])
+    from common import run_vllm_child
+
+    return run_vllm_child(__file__, ["--vllm-child", json.dumps(job)], timeout=900)
 
 
 def counts(passes: list[tuple[int, int]], k: int) -> dict:

@@ -162,6 +162,12 @@ def thresholds(scored: Dataset, count: int, q: QualityConfig) -> dict[str, dict]
     return out
 
 
+def report_fragment(ref: Reference, q: QualityConfig, limits: dict[str, dict]) -> dict:
+    """``report.json``'s ``quality.perplexity``: what scored, with which settings, and the percentiles."""
+    return {"reference_run": ref.run_dir, "reference_step": ref.step, "score_tokens": q.score_tokens,
+            "keep_top_percent": q.keep_top_percent, "max_perplexity": q.max_perplexity, "per_domain": limits}
+
+
 def _finite(x: float) -> float | None:
     """JSON-safe: None for no limit (or a percentile among documents of no tokens)."""
     return float(x) if math.isfinite(x) else None

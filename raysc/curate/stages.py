@@ -13,7 +13,7 @@ import numpy as np
 from raysc.config.schema import CurateConfig, QualityConfig
 from raysc.curate.inputs import normalise_batch, parse_file
 from raysc.curate.output import arrow_fs, clear_outputs
-from raysc.curate.perplexity import judge_perplexity, score_documents, thresholds
+from raysc.curate.perplexity import judge_perplexity, report_fragment, score_documents, thresholds
 from raysc.curate.quality import QualityRules
 
 if TYPE_CHECKING:
@@ -111,9 +111,7 @@ def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[s
     if q.reference_run:
         docs, ref = score_documents(docs, q, log)
         limits = thresholds(docs, count, q)
-        scored_by = {"reference_run": ref.run_dir, "reference_step": ref.step, "score_tokens": q.score_tokens,
-                     "keep_top_percent": q.keep_top_percent, "max_perplexity": q.max_perplexity,
-                     "per_domain": limits}
+        scored_by = report_fragment(ref, q, limits)
     judged = docs.map_batches(judge_batch, batch_format="numpy",
                               fn_kwargs={"rules": rules, "enabled": q.enabled, "ppl_limits": limits}).materialize()
     kept = judged.filter(lambda r: bool(r["q_keep"]))

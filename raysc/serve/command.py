@@ -67,15 +67,18 @@ def _hf_config(model: ServedModel) -> dict:
     return json.loads((Path(model.local or model.path) / "config.json").read_text())
 
 
+def exported_dtype(hf: dict) -> str:
+    """The dtype a Hugging Face ``config.json`` (as a dict) was exported in, as vLLM names it, or "auto"."""
+    dtype = hf.get("torch_dtype") or hf.get("dtype") or "auto"
+    return dtype if dtype in ("float32", "bfloat16", "float16") else "auto"
+
+
 def _resolved(cfg: ServeConfig, hf: dict) -> ServeConfig:
     """``cfg`` with ``dtype = "auto"`` made the exported dtype: vLLM's own "auto" serves an fp32
     checkpoint in 16 bits, which would not be the model that was trained and evaluated."""
     from dataclasses import replace
 
-    if cfg.dtype != "auto":
-        return cfg
-    dtype = hf.get("torch_dtype") or hf.get("dtype") or "auto"
-    return replace(cfg, dtype=dtype if dtype in ("float32", "bfloat16", "float16") else "auto")
+    return cfg if cfg.dtype != "auto" else replace(cfg, dtype=exported_dtype(hf))
 
 
 def _speculative(cfg: Config, source: str, draft: str | None) -> dict | None:
