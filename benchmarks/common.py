@@ -1,7 +1,9 @@
-"""Shared pieces of the benchmarks: an S3-compatible server (moto) on 127.0.0.1 with a fresh bucket."""
+"""Shared pieces of the benchmarks: an S3-compatible server (moto) on 127.0.0.1 with a fresh bucket, the
+exported dtype and a vLLM child runner, and text degraded the way crawled text goes bad."""
 
 from __future__ import annotations
 
+import random
 import uuid
 
 S3_KEY, S3_SECRET, S3_REGION = "k", "s", "us-east-1"
@@ -52,3 +54,16 @@ def run_vllm_child(script: str, args: list[str], timeout: float) -> dict:
     if p.returncode or not lines:
         return {"error": "\n".join(p.stderr.strip().splitlines()[-5:])[-800:] or "no output"}
     return json.loads(lines[-1])
+
+
+LETTERS = "bcdfghjklmnpqrstvwxz"
+
+
+def degrade(text: str, kind: str, rng: random.Random) -> str:
+    """``noise``: a third of the words replaced by random letters (OCR and encoding debris);
+    ``salad``: the words shuffled into one line (spun SEO text, word statistics unchanged)."""
+    words = text.split()
+    if kind == "noise":
+        return " ".join("".join(rng.choice(LETTERS) for _ in w) if rng.random() < 1 / 3 else w for w in words)
+    rng.shuffle(words)
+    return " ".join(words)

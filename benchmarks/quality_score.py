@@ -39,18 +39,13 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from common import degrade  # noqa: E402
 
 CACHE = ROOT / ".cache" / "quality-bench"
 CONFIG = str(ROOT / "jobs/configs/tiny.toml")
-LETTERS = "bcdfghjklmnpqrstvwxz"
 
-
-def degrade(text: str, kind: str, rng: random.Random) -> str:
-    words = text.split()
-    if kind == "noise":
-        return " ".join("".join(rng.choice(LETTERS) for _ in w) if rng.random() < 1 / 3 else w for w in words)
-    rng.shuffle(words)
-    return " ".join(words)
 
 
 def write_jsonl(path: Path, docs: list[dict]) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 from raysc.ckpt_cli import CKPT
 from raysc.cluster_cli import CLUSTER
+from raysc.mix.command import MIX
 from raysc.quantize.command import QUANTIZE
 from raysc.cli_table import JSON, RUN_DIR, SET, STEP, Command, OneOf, arg
 from raysc.config.faults import KINDS as FAULT_KINDS
@@ -306,6 +307,7 @@ COMMANDS = (
         SET.but(help="e.g. --set curate.input='\"s3://bucket/raw/*.jsonl\"'"),
         arg("--audit", action="store_true",
             help="inject rewritten copies at known similarity and report near-dedup recall and precision"))),
+    MIX,
     Command("pack", "tokenize curated documents into per-domain token shards (train.seq_len)", cmd_pack, (
         arg("config", help="the config used for `raysc curate` (its curate.output is read)"),
         arg("--tokenizer", help="an existing tokenizer.json (default data.tokenizer, else a BPE of "

@@ -156,3 +156,20 @@ def live_actors(address: str) -> list:
     return [a for a in list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=1000,
                                    raise_on_missing_output=False)
             if a.class_name != "JobSupervisor"]
+
+
+@pytest.fixture(scope="session")
+def packed_corpus(ray_session, cache_dir, tmp_path_factory):
+    """The bundled corpus (1 MB) curated without quality filtering, then packed at seq_len 64 with a
+    512-token tokenizer that `raysc pack` trains itself; shared by the pack, training and mixture-tuning tests."""
+    from raysc.config import load_config
+    from raysc.curate.pack import pack_curated
+    from raysc.curate.pipeline import curate
+
+    root = tmp_path_factory.mktemp("packed-corpus")
+    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'curate.output="{root / "cur"}"',
+                             "quality.enabled=false"])
+    curate(cfg, log=lambda *_: None)
+    index = pack_curated(str(root / "cur"), None, 512, 64, str(root / "packed"), log=lambda *_: None,
+                         sample_mb=0.5)
+    return {"root": root, "index": index, "packed": str(root / "packed")}

@@ -144,24 +144,6 @@ def test_dedup_audit_on_the_bundled_corpus(ray_session, make_cfg, tmp_path):
     assert (tmp_path / "out" / "audit" / "audit.json").is_file()
 
 
-@pytest.fixture(scope="module")
-def packed_corpus(ray_session, cache_dir, tmp_path_factory):
-    """The bundled corpus (1 MB) curated without quality filtering, then packed at seq_len 64 with a
-    512-token tokenizer that `raysc pack` trains itself; shared by the pack and training tests."""
-    from raysc.config import load_config
-    from raysc.curate.pack import pack_curated
-    from raysc.curate.pipeline import curate
-    from conftest import TINY
-
-    root = tmp_path_factory.mktemp("packed-corpus")
-    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'curate.output="{root / "cur"}"',
-                             "quality.enabled=false"])
-    curate(cfg, log=lambda *_: None)
-    index = pack_curated(str(root / "cur"), None, 512, 64, str(root / "packed"), log=lambda *_: None,
-                         sample_mb=0.5)
-    return {"root": root, "index": index, "packed": str(root / "packed")}
-
-
 def test_curated_documents_pack_into_per_domain_token_shards(packed_corpus):
     """curate -> pack: per-domain shards of seq_len + 1 tokens with an index that adds up, document
     starts recorded, and rows that decode back to the curated text; the mixture loader reads them."""
