@@ -237,11 +237,12 @@ def timed_run(name: str, corpus: Path, work: Path) -> dict:
     if proc.returncode:
         raise RuntimeError(f"{name} exited with {proc.returncode}")
     result = json.loads(out.strip().splitlines()[-1])
-    workers = sorted((rss for pid, (n, rss) in peaks.items() if n != "driver"), reverse=True)
+    workers = sorted(((rss, n) for pid, (n, rss) in peaks.items() if n != "driver"), reverse=True)
     mb = 1 << 20
     return {"seconds": round(seconds, 2), **result,
             "peak_mb": {"driver": round(peaks.get(proc.pid, ("", 0))[1] / mb), "processes": 1 + len(workers),
-                        "largest_other": [round(r / mb) for r in workers[:6]]}}
+                        "largest_other": [round(r / mb) for r, _ in workers[:6]],
+                        "largest_other_names": [n for _, n in workers[:6]]}}
 
 
 def accuracy(truth: list[dict], n: int, seed: int, kept: set[str]) -> dict:

@@ -243,6 +243,9 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     assert [e["steps_lost"] for e in recovered] == [1, 1, 1]
     ready = [e for e in events if e["kind"] == "workers_ready"]
     assert [e["warm"] for e in ready] == [False, True, True, True]
+    # each set of spares a restart took had answered: its spares_ready event says when
+    spares = [e for e in events if e["kind"] == "spares_ready"]
+    assert len(spares) >= 3 and all(e["spares"] == 4 and e["seconds"] > 0 for e in spares), spares
     # MFU is measured against one peak: the first fleet's measured CPU matmul, not each spare's own
     assert ready[0]["peak_flops"] > 0 and {e["peak_flops"] for e in ready} == {ready[0]["peak_flops"]}
     resumed = [e for e in events if e["kind"] == "resumed"]

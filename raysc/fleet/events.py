@@ -27,6 +27,8 @@ class EventKind(str, Enum):
                               "config: source, content SHA-256, tensors, bytes, tokenizer taken from it")
     DATA_READY = "data_ready", "the training data is packed: tokens, documents, sequences, corpus hash, domains"
     WORKERS_READY = "workers_ready", "every worker joined the process group and built its shard (warm: spares used)"
+    SPARES_READY = "spares_ready", ("the warm spares started after a chunk of training answer (seconds since their "
+                                    "start); until then their start-up shares the node's CPUs with training")
     LAYOUT = "layout", ("the parallel layout, the node (IP, node id) of each rank and what rank 0 built "
                          "(stages, schedule class, weight placements, attention kernel, recompute), "
                          "at every fleet start")
