@@ -105,3 +105,31 @@ def _overrides_of(cfg, extra: list[str]) -> list[str]:
     from conftest import TINY
 
     return [*TINY, f'data.cache_dir="{cfg.data.cache_dir}"', f'run.dir="{cfg.run_dir}"', *extra]
+
+
+def test_heldout_rows_are_the_validation_split_training_holds_out(tmp_path):
+    """Each domain's first held-out rows are the rows training's split holds out, read from only
+    the shards that contain them (a domain's later shards are never opened)."""
+    from raysc.config import load_config
+    from raysc.data.packing import split_rows
+    from raysc.mix.proxies import heldout_rows
+
+    index = {"domains": {}}
+    full = {}
+    for d, base in (("code", 0), ("prose", 10_000)):
+        shards = [np.arange(base + 100 * i, base + 100 * (i + 1))[:, None].repeat(3, axis=1) for i in range(4)]
+        names = []
+        for i, rows in enumerate(shards):
+            np.save(tmp_path / f"{d}-{i}.npy", rows)
+            names.append(f"{d}-{i}.npy")
+        index["domains"][d] = {"shards": names, "tokens": 1, "sequences": 400}
+        full[d] = np.concatenate(shards)
+    index["domains"]["prose"]["shards"][3] = "missing.npy"  # never read: rows 0..159 lie in shards 0-1
+    (tmp_path / "index.json").write_text(json.dumps(index))
+    cfg = load_config(None, [f'data.source="{tmp_path}"', "data.val_fraction=0.25"])
+    rows = heldout_rows(cfg, max_rows=40)
+    for d in ("code", "prose"):
+        want = split_rows(full[d], 0.25)[1][:40]
+        assert rows[d].shape == (40, 3) and np.array_equal(rows[d].numpy(), want)
+    with pytest.raises(ValueError, match="val_fraction"):
+        heldout_rows(load_config(None, [f'data.source="{tmp_path}"', "data.val_fraction=0"]), max_rows=4)

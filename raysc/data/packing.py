@@ -56,10 +56,16 @@ def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int) -> np.ndarr
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
+def val_every(val_fraction: float) -> int:
+    """Every how many rows one is held out for validation (``split_rows``)."""
+    return max(2, round(1 / val_fraction))
+
+
 def split_rows(rows: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+    """(train, validation): every ``val_every``-th row, counted from the start, is held out."""
     if val_fraction <= 0 or len(rows) < 2:
         return rows, rows[:0]
-    every = max(2, round(1 / val_fraction))
+    every = val_every(val_fraction)
     mask = (np.arange(len(rows)) % every) == every - 1
     return rows[~mask], rows[mask]
 

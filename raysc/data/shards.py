@@ -23,8 +23,10 @@ def read_index(out_uri: str, options: dict | None = None) -> dict | None:
         return None
 
 
-def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndarray]:
-    """{domain: rows} from the shards listed in ``<out_uri>/index.json``, in index order."""
+def load_domains(out_uri: str, options: dict | None = None, max_rows: int | None = None) -> dict[str, np.ndarray]:
+    """{domain: rows} from the shards listed in ``<out_uri>/index.json``, in index order; with
+    ``max_rows``, only the shards that hold each domain's first ``max_rows`` rows are read (the
+    result may hold more)."""
     import fsspec
 
     fs, root = fsspec.core.url_to_fs(out_uri, **(options or {}))
@@ -33,7 +35,12 @@ def load_domains(out_uri: str, options: dict | None = None) -> dict[str, np.ndar
         raise FileNotFoundError(f"{out_uri}/index.json does not exist: not the output of `raysc pack`")
     out = {}
     for domain, d in index["domains"].items():
-        parts = [np.load(io.BytesIO(fs.cat_file(f"{root}/{f}"))) for f in d["shards"]]
+        parts, n = [], 0
+        for f in d["shards"]:
+            if max_rows is not None and n >= max_rows:
+                break
+            parts.append(np.load(io.BytesIO(fs.cat_file(f"{root}/{f}"))))
+            n += len(parts[-1])
         if parts:
             out[domain] = np.concatenate(parts)
     return out

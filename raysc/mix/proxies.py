@@ -30,7 +30,7 @@ import torch
 
 from raysc.config.load import load_config
 from raysc.config.schema import Config
-from raysc.data.packing import split_rows
+from raysc.data.packing import split_rows, val_every
 from raysc.data.shards import load_domains
 
 
@@ -48,7 +48,10 @@ def heldout_rows(cfg: Config, max_rows: int) -> dict[str, torch.Tensor]:
         raise ValueError("mix tune scores proxies on held-out rows, but data.val_fraction = 0; set "
                          "data.val_fraction > 0 (e.g. --set data.val_fraction=0.05)")
     out = {}
-    for name, rows in load_domains(cfg.data.source, dict(cfg.data.storage_options)).items():
+    # training holds out every k-th row of a domain, so its first max_rows held-out rows lie in the
+    # first k * max_rows rows: only the shards holding those are read
+    every = val_every(cfg.data.val_fraction)
+    for name, rows in load_domains(cfg.data.source, dict(cfg.data.storage_options), every * max_rows).items():
         val = split_rows(rows, cfg.data.val_fraction)[1][:max_rows]
         if len(val) == 0:
             raise ValueError(f"domain {name!r} has no held-out rows ({len(rows)} rows, data.val_fraction="
