@@ -133,3 +133,27 @@ def test_heldout_rows_are_the_validation_split_training_holds_out(tmp_path):
         assert rows[d].shape == (40, 3) and np.array_equal(rows[d].numpy(), want)
     with pytest.raises(ValueError, match="val_fraction"):
         heldout_rows(load_config(None, [f'data.source="{tmp_path}"', "data.val_fraction=0"]), max_rows=4)
+
+
+def test_mix_tune_refuses_bad_input_before_any_run(tmp_path, capsys):
+    """Through the CLI: a plain corpus, an unknown target, too few proxies and no held-out split
+    each stop with exit code 2 and a message naming the fix, before Ray or a proxy starts."""
+    from raysc.cli import main
+
+    packed = tmp_path / "packed"
+    packed.mkdir()
+    for d in ("code", "prose"):
+        np.save(packed / f"{d}.npy", np.zeros((40, 65), dtype=np.int32))
+    (packed / "index.json").write_text(json.dumps({"domains": {d: {"shards": [f"{d}.npy"], "tokens": 2600}
+                                                               for d in ("code", "prose")}}))
+    config = tmp_path / "c.toml"
+    config.write_text(f'[data]\nsource = "{packed}"\nval_fraction = 0.1\n[run]\ndir = "{tmp_path / "run"}"\n')
+    cases = [(["--set", 'data.source="bundled"'], "raysc pack"),
+             (["--target", "poetry"], "['poetry'] are not in"),
+             (["--proxies", "4"], "at least 5"),
+             (["--set", "data.val_fraction=0"], "data.val_fraction > 0")]
+    for extra, message in cases:
+        args = ["mix", "tune", str(config), *(["--target", "prose"] if "--target" not in extra else []), *extra]
+        assert main(args) == 2, extra
+        assert message in capsys.readouterr().err, extra
+    assert not (tmp_path / "run").exists()  # nothing written

@@ -28,6 +28,7 @@ import numpy as np
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.data.shards import read_index
+from raysc.fleet.errors import RunFailed
 from raysc.mix import proposals, regression
 from raysc.mix.plot import predicted_vs_measured
 from raysc.mix.proxies import Proxy, heldout_rows, run_all
@@ -92,9 +93,9 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
                          f"{regression.min_proxies(len(names))}")
     if not 0 <= opts.late_fraction < 1:
         raise ValueError(f"--late-fraction must be in [0, 1), not {opts.late_fraction}")
+    rows = heldout_rows(cfg, opts.eval_rows)
     out = Path(opts.out or f"{cfg.run_dir}/mix_tune")
     out.mkdir(parents=True, exist_ok=True)
-    rows = heldout_rows(cfg, opts.eval_rows)
     ensure_ray()
     concurrency = opts.concurrency or auto_concurrency(cfg)
     nat = np.array([natural[k] for k in names])
@@ -108,7 +109,8 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
     ok = [i for i, r in enumerate(results) if "error" not in r]
     if len(ok) < regression.min_proxies(len(names)):
         errors = "; ".join(f"{r['name']}: {r['error']}" for r in results if "error" in r)
-        raise RuntimeError(f"only {len(ok)} of {len(results)} proxies finished ({errors})")
+        raise RunFailed(f"only {len(ok)} of {len(results)} proxies finished, too few to fit {len(names)} domains "
+                        f"({errors}); their run directories are under {out / 'proxies'}")
     w = mixtures[ok]
     y = np.array([results[i]["losses"][opts.target] for i in ok])
     best_fit, fits = regression.choose(w, y)
@@ -168,7 +170,8 @@ def validate(config_path: str | None, overrides: list[str], opts: TuneOptions, n
                                              opts.target, log)}
     failed = [r for r in results.values() if "error" in r]
     if failed:
-        raise RuntimeError("validation run(s) failed: " + "; ".join(f"{r['name']}: {r['error']}" for r in failed))
+        raise RunFailed("validation run(s) failed: " + "; ".join(f"{r['name']}: {r['error']}" for r in failed)
+                        + f"; their run directories are under {out / 'validation'}")
     arms = {}
     for arm in ARMS:
         per_seed = [results[f"{arm}-seed{s}"]["losses"] for s in opts.validate_seeds]
