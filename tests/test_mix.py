@@ -157,3 +157,27 @@ def test_mix_tune_refuses_bad_input_before_any_run(tmp_path, capsys):
         assert main(args) == 2, extra
         assert message in capsys.readouterr().err, extra
     assert not (tmp_path / "run").exists()  # nothing written
+
+
+def test_an_interrupt_cancels_the_queued_runs(monkeypatch, tmp_path):
+    """Ctrl-C while proxies run: the queued ones never start, the interrupt reaches the caller."""
+    import time
+
+    from raysc.mix import proxies as px
+
+    started: list[str] = []
+
+    def fake_run(config_path, overrides, p, out_dir, rows):
+        started.append(p.name)
+        time.sleep(0.05)
+        return {"name": p.name, "schedule": p.schedule, "losses": {"prose": 1.0}, "reused": False}
+
+    def interrupt(_line: str) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(px, "run_one", fake_run)
+    runs = [px.Proxy(f"p{i}", "0:prose=1", 0, 1) for i in range(8)]
+    with pytest.raises(KeyboardInterrupt):
+        px.run_all(None, [], runs, tmp_path, {}, concurrency=1, target="prose", log=interrupt)
+    time.sleep(0.2)
+    assert 1 <= len(started) <= 2, started  # the first, and at most the one its thread had picked up

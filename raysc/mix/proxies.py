@@ -120,7 +120,8 @@ def run_all(config_path: str | None, overrides: list[str], proxies: list[Proxy],
         except Exception as e:  # noqa: BLE001 - one failed proxy is reported, the others go on
             return {"name": p.name, "schedule": p.schedule, "error": f"{type(e).__name__}: {e}"}
 
-    with ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="mix-proxy") as pool:
+    pool = ThreadPoolExecutor(max_workers=max(1, concurrency), thread_name_prefix="mix-proxy")
+    try:
         futures = {pool.submit(one, p): p for p in proxies}
         for fut in as_completed(futures):
             r = fut.result()
@@ -132,4 +133,8 @@ def run_all(config_path: str | None, overrides: list[str], proxies: list[Proxy],
                     f"{target} loss {r['losses'][target]:.4f}" + (" (reused)" if r["reused"] else ""))
             log(f"mix: {done}/{len(proxies)} {r['name']} [{r['schedule']}] {what}; {elapsed:.0f} s, "
                 f"~{left:.0f} s left")
+    except BaseException:  # Ctrl-C: queued runs never start; the ones in flight finish (their results stay)
+        pool.shutdown(wait=True, cancel_futures=True)
+        raise
+    pool.shutdown()
     return [results[p.name] for p in proxies]
