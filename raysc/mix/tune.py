@@ -115,14 +115,17 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
     y = np.array([results[i]["losses"][opts.target] for i in ok])
     best_fit, fits = regression.choose(w, y)
     candidates = proposals.dirichlet_mixtures(natural, opts.candidates, opts.concentration, opts.seed + 1)
-    tuned, predicted = best_mixture_checked(best_fit, regression.within(candidates, w), opts.top_k, nat)
+    nat_predicted = float(best_fit.predict(nat)[0])
+    tuned, predicted = regression.best_mixture(best_fit, regression.within(candidates, w), opts.top_k)
+    if predicted >= nat_predicted:  # the fit predicts no gain: keep the natural mixture
+        tuned, predicted = nat, nat_predicted
     tokens_per_step = cfg.train.global_batch * cfg.train.seq_len
     fragment = {"schedule": proposals.schedule(names, tuned),
                 "two_phase_schedule": proposals.two_phase_schedule(
                     names, nat, tuned, round((1 - opts.late_fraction) * cfg.train.steps * tokens_per_step))}
     log(f"mix: {best_fit.kind} fit (leave-one-out RMSE {best_fit.loo_rmse:.4f}, Spearman "
         f"{best_fit.loo_spearman:.2f}); tuned {proposals.weights_text(names, tuned)}, predicted {opts.target} "
-        f"loss {predicted:.4f} vs natural {float(best_fit.predict(nat)[0]):.4f}")
+        f"loss {predicted:.4f} vs natural {nat_predicted:.4f}")
     report = {"config": config_path, "overrides": overrides, "target": opts.target, "domains": names,
               "natural": dict(zip(names, nat.round(6).tolist())), "steps": steps,
               "tokens_per_proxy": steps * tokens_per_step, "concentration": opts.concentration,
@@ -132,12 +135,12 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
                           for i in range(len(results))],
               "fit": best_fit.summary(), "fits": {k: f.summary() for k, f in fits.items()},
               "tuned": {"weights": dict(zip(names, tuned.round(6).tolist())), "predicted_loss": predicted,
-                        "natural_predicted_loss": float(best_fit.predict(nat)[0])},
+                        "natural_predicted_loss": nat_predicted},
               **fragment}
     write_fragment(out / "schedule.toml", report, opts)
     if opts.validate_seeds:
         report["validation"] = validate(config_path, overrides, opts, names, nat, tuned, steps, rows, out,
-                                        concurrency, cfg.train.global_batch * cfg.train.seq_len, log)
+                                        concurrency, tokens_per_step, log)
     validation_points = [(f"{arm}, {report['validation']['steps']} steps", float(best_fit.predict(arm_w)[0]),
                           report["validation"]["arms"][arm]["target_loss"])
                          for arm, arm_w in (("natural", nat), ("tuned", tuned))] if opts.validate_seeds else []
@@ -146,14 +149,6 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "mix_tune.json").write_text(json.dumps(report, indent=1))
     return report
-
-
-def best_mixture_checked(f: regression.Fit, candidates: np.ndarray, top_k: int,
-                         natural: np.ndarray) -> tuple[np.ndarray, float]:
-    """The regression's best mixture; the natural one when the fit predicts no gain over it."""
-    tuned, predicted = regression.best_mixture(f, candidates, top_k)
-    nat_pred = float(f.predict(natural)[0])
-    return (tuned, predicted) if predicted < nat_pred else (natural, nat_pred)
 
 
 def validate(config_path: str | None, overrides: list[str], opts: TuneOptions, names: list[str], nat: np.ndarray,
@@ -182,10 +177,8 @@ def validate(config_path: str | None, overrides: list[str], opts: TuneOptions, n
     pairs = [(results[f"tuned-seed{s}"]["losses"][t], results[f"natural-seed{s}"]["losses"][t])
              for s in opts.validate_seeds]
     summary = {"steps": v_steps, "seeds": opts.validate_seeds, "arms": arms,
-               "tuned_minus_natural": {d: arms["tuned"]["mean"][d] - arms["natural"]["mean"][d]
-                                       for d in arms["tuned"]["mean"]},
-               "two_phase_minus_natural": {d: arms["two_phase"]["mean"][d] - arms["natural"]["mean"][d]
-                                           for d in arms["two_phase"]["mean"]},
+               **{f"{arm}_minus_natural": {d: arms[arm]["mean"][d] - arms["natural"]["mean"][d]
+                                           for d in arms[arm]["mean"]} for arm in ("tuned", "two_phase")},
                "tuned_lower_on_target": arms["tuned"]["target_loss"] < arms["natural"]["target_loss"],
                "tuned_lower_every_seed": all(a < b for a, b in pairs)}
     log("mix: validation, mean held-out loss per domain: " + "; ".join(
