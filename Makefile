@@ -30,9 +30,11 @@ dev: $(VENV)/.dev-installed
 run: install
 	$(BIN)/raysc demo
 
-# tests marked gpu are deselected here (tests/conftest.py prints one line saying how many)
+# tests marked gpu are deselected here (tests/conftest.py prints one line saying how many); the 25
+# slowest tests and the suite's wall time (after the install) are printed at the end
 test: dev
-	$(BIN)/python -m pytest -q --durations=25
+	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=25; rc=$$?; \
+		echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 # fails, with the reason, where torch sees no CUDA device: zero tests run is not a pass
 test-gpu: dev

@@ -59,7 +59,8 @@ MODEL = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_he
          "data.tokenizer_sample_mb=0.5", "train.log_every=1000"]
 SETTINGS = [
     *MODEL, "parallel.dp_replicate=3", "parallel.cpus_per_worker=1", f"checkpoint.every_steps={EVERY}",
-    "checkpoint.async=false", "checkpoint.keep_last=1000", "checkpoint.upload_retries=2",
+    "checkpoint.keep_last=1000",  # asynchronous saves, the default: a fault may meet a save in flight
+    "checkpoint.upload_retries=2",
     "supervisor.sdc_every_steps=1", "supervisor.warm_spares=false", "supervisor.restart_backoff_s=0.1",
     # the floor of the calibrated timeouts: above the 3-s straggle of `slow`, so a straggler is not a hang
     "supervisor.timeout_floor_s=6", "supervisor.max_restarts=5",

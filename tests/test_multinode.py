@@ -24,7 +24,7 @@ from raysc.fleet.records import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")
-BASE = [*TINY, "train.steps=12", "checkpoint.every_steps=4", "checkpoint.async=false",
+BASE = [*TINY, "train.steps=12", "checkpoint.every_steps=4",  # asynchronous saves, the default
         "supervisor.restart_backoff_s=0.1", "supervisor.timeout_floor_s=3"]
 
 
@@ -66,20 +66,22 @@ def test_a_tp_group_that_cannot_stay_on_a_node_fails_before_step_1(cluster, cach
 
 def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path):
     """tp=2 × dp_replicate=2 on 2-CPU nodes: each TP group on one node, the replicas on two. The node
-    of rank 3 dies before step 7 (its raylet SIGKILLed: every process and object on it gone); the
-    supervisor records node_lost, re-places the fleet on the surviving nodes and restores step 4
-    from the bucket (the hot copy of that node's files died with it). That the healed run ends
-    bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below."""
+    of rank 3 dies before step 11 (its raylet SIGKILLed: every process and object on it gone) while
+    the checkpoint of step 8 is still uploading (``slow_upload`` holds rank 0's upload); the
+    supervisor abandons that save, records node_lost, re-places the fleet on the surviving nodes and
+    restores step 4 from the bucket (the hot copy of that node's files died with it). That the healed
+    run ends bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below."""
     run_dir = tmp_path / "lost"
     run = _train(cluster, cache_dir, run_dir, "parallel.tp=2", "parallel.dp_replicate=2",
-                 'supervisor.inject="node_loss@7:3"')
+                 'supervisor.inject="slow_upload@8:0,node_loss@11:3"')
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (e["node_ids"] for e in _events(run_dir, "layout"))
     for nodes in (first, second):
         assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # a TP group is consecutive ranks, on one node
         assert nodes[0] != nodes[2]  # the two replicas on different nodes
     assert not _events(run_dir, "layout_warning")
-    assert [e["fault"] for e in _events(run_dir, "fault_injected")] == ["node_loss@7:3"]
+    assert [e["fault"] for e in _events(run_dir, "fault_injected")] == ["slow_upload@8:0", "node_loss@11:3"]
+    assert [e["step"] for e in _events(run_dir, "checkpoint_save_abandoned")] == [8]
     lost = _events(run_dir, "node_lost")
     assert len(lost) == 1 and lost[0]["node_id"] == first[3] and lost[0]["ranks"] == [2, 3]
     assert first[3] not in second and first[3] not in _alive_nodes(cluster)

@@ -89,12 +89,28 @@ def test_layout_matches_single_process(ray_session, parity_dirs, layout):
     check_built(layout, report.run_dir)
 
 
-def test_parity_detects_a_real_difference(ray_session, parity_dirs):
-    """The harness must fail when the numbers differ: a changed learning rate is a different run."""
-    work, overrides = parity_dirs
-    report = run_parity(None, "dp_shard=2", [*overrides, "optim.lr=1e-2"], steps=10, rtol=1e-4,
-                        work_dir=work, ref_dir=work / "reference")
-    assert not report.ok and "FAIL" in report.table()
+def test_parity_detects_a_real_difference(ray_session, parity_dirs, tmp_path):
+    """The harness must fail when the numbers differ: the reference against itself passes, and
+    against a copy of itself whose step-5 loss (then grad norm) is off by ten times the tolerance, it
+    fails. (No run of its own: the layouts above show it passes real runs that agree.)"""
+    import json
+    import shutil
+
+    from raysc.parity import compare_runs
+
+    work, _ = parity_dirs
+    ref = work / "reference"
+    assert compare_runs(ref, ref, "itself", rtol=1e-4).ok
+    for key in ("loss", "grad_norm"):
+        got = tmp_path / key
+        shutil.copytree(ref, got, ignore=shutil.ignore_patterns("checkpoints"))  # its config names ref's store
+        rows = read_jsonl(got / "metrics.jsonl")
+        for row in rows:
+            if row["step"] == 5:
+                row[key] *= 1 + 1e-3
+        (got / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        report = compare_runs(ref, got, f"{key} off at step 5", rtol=1e-4)
+        assert not report.ok and "FAIL" in report.table(), report.table()
 
 
 def test_rank_order_keeps_tp_innermost_and_pp_outermost():

@@ -274,6 +274,7 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
     print(f"in flight when the replica died: {len(during)}; completed {sum(n == 40 for n, _ in during)}, "
           f"failed {sorted((e, failed.count(e)) for e in set(failed))}")
     assert all((n == 40) != bool(e) for n, e in during), during
+    assert failed, f"no stream was in flight when the replica died, so nothing was tested: {during}"
     deadline = time.monotonic() + 120
     while _llm_replicas() in ([], [replica]):  # Serve replaces the dead replica on its own
         assert time.monotonic() < deadline, "Serve did not start a new replica within 120 s"

@@ -211,24 +211,28 @@ def _final_params(run_dir):
 
 
 def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg):
-    """pp=2 × dp_replicate=2: a worker SIGKILLed at step 7, one raising at step 12 and one hanging
-    (SIGSTOP) at step 17. The supervisor replaces the fleet each time (warm spares), restores the
-    newest checkpoint and the run ends with the uninterrupted run's parameters, bit for bit.
-    One step before each fault the node loses its local checkpoint copies (``disk_loss``), so
-    every restore reads the hot copy in Ray's object store; the node keeps keep_last copies."""
+    """pp=2 × dp_replicate=2 at the default asynchronous saves: a worker SIGKILLed at step 7, one
+    raising at step 13 and one hanging (SIGSTOP) at step 19, each while the previous checkpoint
+    (steps 6, 12, 18) is still uploading (``slow_upload`` holds one rank's upload). Each save in
+    flight is abandoned (its files deleted, never committed), the supervisor replaces the fleet (warm
+    spares), restores the newest committed checkpoint (3, 9, 15) and the run ends with the
+    uninterrupted run's parameters, bit for bit. With each fault the node loses its local checkpoint
+    copies (``disk_loss``; the checkpoint restored was committed, and its hot copy taken, when the
+    next save began), so every restore reads the hot copy in Ray's object store; the node keeps
+    keep_last copies."""
     from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root
     from raysc.driver import train
 
-    # synchronous saves, so that each checkpoint is committed before the next fault fires; a 6 s
-    # timeout floor (the hang is found within it): on 2 cores the steps while a healed fleet's new
-    # spares start up take ~3 s against a 0.2 s median, and a 2 s floor tripped on them in CI
-    base = ["train.steps=20", "checkpoint.every_steps=5", "checkpoint.async=false", "parallel.pp=2",
+    # a 6 s timeout floor (the hang is found within it): on 2 cores the steps while a healed fleet's
+    # new spares start up take ~3 s against a 0.2 s median, and a 2 s floor tripped on them in CI
+    base = ["train.steps=20", "checkpoint.every_steps=3", "parallel.pp=2",
             "parallel.dp_replicate=2", "supervisor.restart_backoff_s=0.1", "supervisor.warm_spares=true",
             "supervisor.timeout_floor_s=6"]
     ref = make_cfg(*base, "supervisor.warm_spares=false", run="ref")  # (spares change no number)
     train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="disk_loss@6:0,kill@7:1,disk_loss@11:0,raise@12:3,disk_loss@16:0,'
-                          'hang@17:2"', run="faulty")
+    cfg = make_cfg(*base, 'supervisor.inject="slow_upload@6:0,disk_loss@7:0,kill@7:1,'
+                          'slow_upload@12:2,disk_loss@13:0,raise@13:3,slow_upload@18:1,disk_loss@19:0,hang@19:2"',
+                   run="faulty")
     summary = train(cfg, progress=False)
     assert summary["restarts"] == 3 and summary["steps"] == 20
     a, b = _final_params(ref.run_dir), _final_params(cfg.run_dir)
@@ -238,9 +242,12 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
                 if e["kind"] in ("worker_died", "worker_error", "worker_hang")]
     assert detected[0] == ("worker_died", 1) and detected[1] == ("worker_error", 3)
     assert detected[2][0] in ("worker_hang", "worker_error")  # the calibrated timeout fires either way
+    # each fault met the previous save in flight: abandoned, never committed, saved again after the restore
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_save_abandoned"] == [6, 12, 18]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [3, 6, 9, 12, 15, 18, 20]
     recovered = [e for e in events if e["kind"] == "recovered"]
-    assert [e["resumed_step"] for e in recovered] == [5, 10, 15]
-    assert [e["steps_lost"] for e in recovered] == [1, 1, 1]
+    assert [e["resumed_step"] for e in recovered] == [3, 9, 15]
+    assert [e["steps_lost"] for e in recovered] == [3, 3, 3]
     ready = [e for e in events if e["kind"] == "workers_ready"]
     assert [e["warm"] for e in ready] == [False, True, True, True]
     # each set of spares a restart took had answered: its spares_ready event says when
@@ -249,7 +256,7 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     # MFU is measured against one peak: the first fleet's measured CPU matmul, not each spare's own
     assert ready[0]["peak_flops"] > 0 and {e["peak_flops"] for e in ready} == {ready[0]["peak_flops"]}
     resumed = [e for e in events if e["kind"] == "resumed"]
-    assert [e["step"] for e in resumed] == [5, 10, 15]
+    assert [e["step"] for e in resumed] == [3, 9, 15]
     # every restore read the hot copy and none went to the store. Ranks on one node fetch into the same
     # node-local folder: a rank that starts after another has written a file finds it intact and
     # reports "local" (CheckpointStore._fetch_file), so a restore may show ["hot", "local"]
@@ -257,7 +264,7 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     # node-local copies follow the store's retention (keep_last = 2), also across restores
     key = local_copy_dir(cfg.data.cache_dir, cfg.checkpoint_uri, 20).parent.name  # this run's store
     copies = [sorted(p.name for p in d.iterdir()) for d in node_copies_root(cfg.data.cache_dir).glob(f"node-*/{key}")]
-    assert copies == [["step_00000015", "step_00000020"]]
+    assert copies == [["step_00000018", "step_00000020"]]
     from raysc.fleet.status import run_status
     st = run_status(cfg.run_dir)
     assert st["state"] == "finished" and st["restarts"] == 3 and st["step"] == 20

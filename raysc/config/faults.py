@@ -9,7 +9,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "kill_save", "nan", "spike", "bitflip", "slow", "node_loss", "disk_loss")
+KINDS = ("raise", "kill", "hang", "kill_save", "slow_upload", "nan", "spike", "bitflip", "slow", "node_loss",
+         "disk_loss")
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 

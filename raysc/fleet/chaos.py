@@ -9,6 +9,9 @@ that each heals before the next and no restart rewinds past an earlier fault:
   at the latest and re-runs to the checkpoint at ``b + every`` before the next fault can fire;
 - ``kill_save`` and ``store_outage`` hit the checkpoint of ``b + every`` itself, which is then not
   committed, so the next slot starts one interval later;
+- with asynchronous saves (the default) a restart may find the checkpoint of ``b`` still uploading,
+  abandon it and resume from ``b - every``: after a fault that changes the numbers or refuses a
+  save, the next slot starts one interval later still, so no rewind crosses it;
 - ``spike`` waits until the spike detector has a history to judge against (``min_step``);
 - ``slow`` hits a rank other than 0 (see ``_rank``).
 
@@ -85,10 +88,13 @@ class Schedule:
 
 def make_schedule(seed: int, *, n: int = 12, world: int = 3, every: int = 4, first: int = 8,
                   kinds: tuple[str, ...] = ALL_KINDS, extra_kinds: tuple[str, ...] | None = None,
-                  min_step: dict[str, int] | None = None) -> Schedule:
+                  min_step: dict[str, int] | None = None, async_saves: bool = True) -> Schedule:
     """``n`` faults: each of ``kinds`` once, the rest drawn from ``extra_kinds`` (default: ``kinds``
     but node_loss, which needs a spare node each time), in a seeded random order, at random steps
-    (slots after the checkpoint step ``first``; see the module docstring) and ranks < ``world``."""
+    (slots after the checkpoint step ``first``; see the module docstring) and ranks < ``world``.
+    ``async_saves`` (checkpoint.async, the default): a fault may meet the previous checkpoint still
+    uploading, abandon it and rewind one interval further, so a fault that changes the numbers
+    (replayed in the reference) or refuses a save is followed by one more interval."""
     if n < len(kinds):
         raise ValueError(f"{n} faults cannot cover the {len(kinds)} kinds {kinds}")
     if first % every:
@@ -106,6 +112,8 @@ def make_schedule(seed: int, *, n: int = 12, world: int = 3, every: int = 4, fir
                 break
             faults.append(ChaosFault(kind, step, _rank(kind, world, rng)))
             b += 2 * every if kind in SAVE_KINDS else every
+            if async_saves and kind in (*NUMERIC_KINDS, OUTAGE):
+                b += every  # the next fault may rewind one more interval: never back across this one
         else:
             return Schedule(seed, faults, b + every, every)
     raise ValueError(f"no order of {chosen} meets the minimum steps {floor}")

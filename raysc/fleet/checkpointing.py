@@ -157,12 +157,17 @@ class CheckpointCoordinator:
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
         self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"],
                          "detector": started[0]["detector"], "t0": t0,
-                         "stall_s": max(s["held_s"] for s in started)}
+                         "stall_s": max(s["held_s"] for s in started), "results": {}}
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
     def poll(self) -> None:
-        """Commit the save in flight as soon as every rank has uploaded (called while training runs)."""
+        """Commit the save in flight as soon as every rank has uploaded (called while training runs).
+
+        Only once every rank has answered does it look at the answers, and then through ``wait``: a
+        rank that died or raised meanwhile becomes a typed ``RunFailed`` (healed by the supervisor),
+        never a raw Ray error. Each rank's result is kept as soon as it has one, so a rank that dies
+        after its upload finished still counts as uploaded (``salvage``)."""
         if self.inflight is None or self._polling:
             return
         import ray
@@ -171,27 +176,46 @@ class CheckpointCoordinator:
         try:
             refs = [w.save_pending.remote() for w in self.workers]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0.5)
-            if len(ready) == len(refs) and not any(ray.get(refs)):
+            if len(ready) < len(refs):
+                return
+            pending = self.wait(refs, f"checkpoint status of step {self.inflight['step']}")
+            kept = self.inflight["results"]
+            new = [r for r, busy in enumerate(pending) if not busy and r not in kept]
+            if new:
+                got = self.wait([self.workers[r].save_wait.remote() for r in new],
+                                f"checkpoint upload of step {self.inflight['step']}")
+                kept.update(zip(new, got))
+            if not any(pending):
                 self.finish()
         finally:
             self._polling = False
 
     def salvage(self, timeout_s: float = 30.0) -> None:
-        """After a failure: commit the save in flight if every rank still finishes its upload."""
+        """After a failure: commit the save in flight if every rank finished its upload (before it
+        failed, as ``poll`` recorded, or within ``timeout_s`` now); else abandon it, its uploaded
+        files deleted and no manifest written."""
         if self.inflight is None:
             return
         import ray
 
-        refs = [w.save_wait.remote() for w in self.workers]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-        try:
-            if len(ready) == len(refs) and all(r["ok"] for r in ray.get(refs)):
-                self.finish()
-                return
-        except ray.exceptions.RayError:
-            pass  # a rank is gone: its files may be incomplete, so the save stays uncommitted
-        except RunFailed:
-            return  # the save failed and its policy says stop: already recorded; the caller's error stands
+        kept = dict(self.inflight["results"])
+        asked = {w.save_wait.remote(): r for r, w in enumerate(self.workers) if r not in kept}
+        deadline = time.monotonic() + timeout_s
+        while asked:
+            done, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                break  # a rank still uploading (or hung) past the deadline
+            try:
+                kept[asked.pop(done[0])] = ray.get(done[0])
+            except ray.exceptions.RayError:
+                break  # a rank is gone before its upload finished: its files may be incomplete
+        if len(kept) == len(self.workers) and all(r["ok"] for r in kept.values()):
+            job, self.inflight = self.inflight, None
+            try:
+                self._commit(job, [kept[r] for r in range(len(self.workers))], hot=False)
+            except RunFailed:
+                pass  # the commit failed and its policy says stop: already recorded; the caller's error stands
+            return
         step, self.inflight = self.inflight["step"], None
         self.event(EventKind.CHECKPOINT_SAVE_ABANDONED, step=step, freed_bytes=self._discard(step),
                    note="a rank failed before its upload finished; no manifest written, its files deleted")
@@ -201,8 +225,13 @@ class CheckpointCoordinator:
         if self.inflight is None:
             return
         job, self.inflight = self.inflight, None
+        results = self.wait([w.save_wait.remote() for w in self.workers], f"checkpoint upload of step {job['step']}")
+        self._commit(job, results)
+
+    def _commit(self, job: dict, results: list[dict], hot: bool = True) -> None:
+        """Write the manifest of ``job`` from every rank's upload ``results`` (or record the failed
+        save); retention, and the hot copy when ``hot`` (its workers are alive)."""
         step = job["step"]
-        results = self.wait([w.save_wait.remote() for w in self.workers], f"checkpoint upload of step {step}")
         failed = [r for r in results if not r["ok"]]
         for r in results:
             for note in r.get("retries", []):
@@ -235,7 +264,7 @@ class CheckpointCoordinator:
         total_s = time.perf_counter() - job["t0"]
         deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
                                        protect=step, steps=self.own_steps())  # never another run's
-        if self.cfg.checkpoint.hot_copy:
+        if self.cfg.checkpoint.hot_copy and hot:
             self._keep_hot(step, results)
         size = sum(f["size"] for f in manifest["files"])
         rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}

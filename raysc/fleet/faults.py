@@ -12,6 +12,9 @@ optimizer step ``STEP``:
 - ``slow``: that rank sleeps ``SLOW_S`` seconds before the step (a straggler);
 - ``kill_save``: SIGKILL halfway through uploading the checkpoint of step ``STEP`` (after its
   first file), to prove a half-written checkpoint is never loaded;
+- ``slow_upload``: that rank's upload of the checkpoint of step ``STEP`` is held ``SLOW_UPLOAD_S``
+  seconds before it starts (a slow link, a multi-GB shard), so that the save is still in flight
+  when a later fault fires: the drill for a failure during an asynchronous save;
 - ``node_loss``: the whole Ray node hosting that rank dies: its raylet gets SIGKILL, and with it
   every worker and object on that node (a spot reclaim, a kernel panic). Real on a multi-node
   cluster (``raysc cluster local up``); on a single-node cluster it kills the only node.
@@ -27,7 +30,7 @@ checks them when the config loads.
 first two on its ``Trainer``, so they run inside the step and its timing):
 ``before_step`` (raise, kill, hang, slow, bitflip, node_loss, disk_loss; arms nan/spike),
 ``after_loss`` (the armed loss factor, applied by the ``Trainer``'s loss hook) and
-``on_file_written`` (kill_save, from the upload path). Nothing else in the training code knows
+``before_upload`` (slow_upload) and ``on_file_written`` (kill_save), from the upload path. Nothing else in the training code knows
 about faults.
 """
 
@@ -46,6 +49,7 @@ from raysc.config.faults import Fault, parse_faults
 from raysc.train.sdc import flip_bit
 
 SLOW_S = 3.0
+SLOW_UPLOAD_S = 30.0  # far longer than the few steps a drill needs to fire its next fault
 LOSS_FAULTS = {"nan": float("nan"), "spike": 1000.0}  # factor applied to that step's loss (and so its grads)
 
 
@@ -90,8 +94,9 @@ class FaultInjector:
     def __init__(self, spec: str, rank: int, announce: Callable[[Fault], None],
                  local_copies: Path | None = None) -> None:
         mine = [f for f in parse_faults(spec) if f.rank == rank]
-        self._step_faults = {f.step: f for f in mine if f.kind != "kill_save"}
+        self._step_faults = {f.step: f for f in mine if f.kind not in ("kill_save", "slow_upload")}
         self._save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
+        self._upload_holds = {f.step: f for f in mine if f.kind == "slow_upload"}
         self._announce = announce
         self._local_copies = local_copies
         self._loss_factor: float | None = None  # armed by a nan/spike fault for one step
@@ -117,6 +122,14 @@ class FaultInjector:
     def after_step(self) -> None:
         """The step is over: a loss factor applies to one step only (not to validation)."""
         self._loss_factor = None
+
+    def before_upload(self, step: int) -> None:
+        """In the upload thread of checkpoint ``step``, before its first file: a slow_upload fault
+        holds the upload SLOW_UPLOAD_S seconds (announced first, so a restart does not repeat it)."""
+        fault = self._upload_holds.pop(step, None)
+        if fault is not None:
+            self._announce(fault)
+            time.sleep(SLOW_UPLOAD_S)
 
     def on_file_written(self, step: int) -> Callable[[str], None] | None:
         """The upload path's per-file callback for checkpoint ``step``: a kill_save fault fires after

@@ -215,8 +215,9 @@ class Fleet:
         spares = self._take_spares() if warm else None
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         self.workers = spares or [self._new_worker(rank) for rank in range(self.world)]
-        ip, port, _ = ray.get(self.workers[0].address.remote())
-        touch()
+        touch()  # rank 0's address through ``wait``: a worker dead at birth is a typed failure, healed
+        ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0",
+                           timeout=self.cfg.supervisor.start_timeout_s)[0]
         infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
                      "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
         self.infos = infos

@@ -174,6 +174,7 @@ class RankWorker:
         retries: list[str] = []
         result: dict = {"rank": self.rank, "step": step, "retries": retries}
         try:
+            self.faults.before_upload(step)
             save_extra(staged, local, extra, self.rank)
             digests = staged.wait()
             entries = self.ckpt.upload(step, local, rank_files(local, self.rank), digests,

@@ -29,13 +29,13 @@ from raysc.config.load import config_from_dict, config_hash, dump_config
 from raysc.data.prepare import prepare_data
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
+from raysc.fleet.watch import Watch, typed_failure
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.healing import Healer
 from raysc.fleet.records import RunRecords
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
-from raysc.fleet.watch import Watch
 from raysc.model.flops import param_count
 
 
@@ -143,11 +143,12 @@ class Supervisor:
                     params=param_count(self.cfg.model)["total"], resume=bool(self.resume))
         try:
             return self._run()
-        except RunFailed as e:
+        except (RunFailed, ray.exceptions.RayError) as e:
+            err = typed_failure(e, self._event)
             if self.ckpt is not None:
                 self.ckpt.salvage()
-            self._event(EventKind.RUN_FAILED, error=str(e))
-            raise
+            self._event(EventKind.RUN_FAILED, error=str(err))
+            raise err from None
         finally:
             self._phase = "stopped"
             self.fleet.release()
@@ -168,13 +169,27 @@ class Supervisor:
                     step = self._train_chunk(step)
                 repaired = False
                 step = self._checkpoint_if_due(step)
-            except RunFailed as e:
-                step = healer.heal(e, data, self._set_phase)
+            except (RunFailed, ray.exceptions.RayError) as e:
+                step = self._heal(healer, typed_failure(e, self._event), data)
                 repaired = healer.repaired_in_place
             self._phase = "training"
         if self._stop:
             return self._stopped(step, start_step)
         return self._finish(start_step, time.perf_counter() - t_train)
+
+    def _heal(self, healer: Healer, err: RunFailed, data: dict) -> int:
+        """Heal ``err``; a worker failure while healing (a replacement that dies in set-up, a rank
+        lost during the restore) is healed in turn, each attempt a strike bounded by
+        supervisor.max_restarts. An error with no worker failure behind it (no room to place the
+        fleet, no checkpoint to roll back to) ends the run."""
+        while True:
+            try:
+                return healer.heal(err, data, self._set_phase)
+            except (RunFailed, ray.exceptions.RayError) as e:
+                again = typed_failure(e, self._event)
+                if again is err or again.failure is None:
+                    raise again from None
+                err = again
 
     def _prepare(self) -> dict:
         """Open the checkpoint store, claim it for this run, pack the data; the data's object refs."""

@@ -42,6 +42,21 @@ def _outcome(ref) -> object:
         return "error"
 
 
+def typed_failure(err: BaseException, event: Callable[..., dict]) -> RunFailed:
+    """``err`` as a ``RunFailed`` the supervisor can heal: itself when it is one; a Ray error from a
+    worker call made outside ``Watch.wait`` becomes a typed ``Failure`` (died / raised), recorded
+    as an event, so that no raw Ray exception ends a run the supervisor could still heal."""
+    if isinstance(err, RunFailed):
+        return err
+    first = str(err).splitlines()[0] if str(err) else type(err).__name__
+    if isinstance(err, ray.exceptions.RayActorError):
+        event(EventKind.WORKER_DIED, rank=None, node=None, during="a call outside the watch", error=first)
+        return RunFailed(f"a worker died: {first}", Failure(FailureKind.DIED))
+    cause = getattr(err, "cause", None)
+    event(EventKind.WORKER_ERROR, rank=None, node=None, during="a call outside the watch", error=first)
+    return RunFailed(f"a worker call failed: {first}", Failure(FailureKind.RAISED, None, cause))
+
+
 def root_cause_first(done: list, pending: list) -> list:
     """``done`` with dead actors first. When a rank failed inside a collective (its peer
     vanished), the others get a moment to report: a dead peer is the root cause."""

@@ -1,0 +1,83 @@
+"""A rank that fails while an asynchronous checkpoint is uploading: the coordinator's calls to a
+dead worker become a typed ``Failure`` the supervisor heals (never a raw Ray error), and the save in
+flight is committed only when every rank had finished its upload. The whole run at the defaults is
+``test_training``'s bit-exact recovery test (kill, raise, hang during a save) and ``test_multinode``'s
+node loss; this is the coordinator alone, with stand-in workers."""
+
+from __future__ import annotations
+
+import pytest
+import ray
+
+from raysc.fleet.checkpointing import CheckpointCoordinator
+from raysc.fleet.errors import FailureKind, RunFailed
+from raysc.fleet.watch import Watch
+
+
+@ray.remote(num_cpus=0)
+class _Uploader:
+    """A worker's checkpoint calls: an upload that is done (``files``) or still running."""
+
+    def __init__(self, rank: int, done: bool) -> None:
+        self.rank, self.done = rank, done
+
+    def save_pending(self) -> bool:
+        return not self.done
+
+    def save_wait(self) -> dict:
+        return {"rank": self.rank, "ok": True, "files": [], "retries": []}
+
+    def die(self) -> None:
+        import os
+
+        os._exit(1)
+
+
+def _coordinator(cfg, workers: list) -> tuple[CheckpointCoordinator, list[dict]]:
+    events: list[dict] = []
+
+    def event(kind, **fields):
+        events.append({"kind": kind.value, **fields})
+        return events[-1]
+
+    watch = Watch(event, silent_s=lambda: 0.0, node=lambda r: None, default_hang_s=60.0)
+    ckpt = CheckpointCoordinator(cfg, event, watch.wait)
+    watch.poll = ckpt.poll
+    ckpt.workers = workers
+    ray.get([w.save_pending.remote() for w in workers])  # started: a poll waits at most 0.5 s for answers
+    ckpt.inflight = {"step": 4, "tokens": 0, "loader": {}, "detector": {}, "t0": 0.0, "stall_s": 0.0, "results": {}}
+    return ckpt, events
+
+
+def _kill(worker) -> None:
+    with pytest.raises(ray.exceptions.RayActorError):
+        ray.get(worker.die.remote())
+
+
+def test_a_rank_dead_during_an_upload_is_a_typed_failure_and_its_save_is_abandoned(ray_session, make_cfg):
+    """The watch polls the save in flight while training runs; rank 1 died meanwhile. The poll raises
+    RunFailed(died, rank 1) with a worker_died event (it used to raise Ray's ActorDiedError, which no
+    heal loop catches: the run ended); salvage then abandons the save (no manifest)."""
+    workers = [_Uploader.remote(0, done=False), _Uploader.remote(1, done=False)]
+    ckpt, events = _coordinator(make_cfg(), workers)
+    _kill(workers[1])
+    with pytest.raises(RunFailed) as err:
+        ckpt.poll()
+    assert err.value.failure.kind is FailureKind.DIED and err.value.failure.rank == 1
+    assert [(e["kind"], e["rank"]) for e in events] == [("worker_died", 1)]
+    ckpt.salvage(timeout_s=2.0)
+    assert ckpt.inflight is None and events[-1]["kind"] == "checkpoint_save_abandoned"
+    assert ckpt.store.steps() == []
+
+
+def test_a_save_every_rank_uploaded_is_committed_though_a_rank_died_after(ray_session, make_cfg):
+    """Rank 1 finished its upload (a poll saw it) and then died before rank 0 finished: the save
+    is whole, so salvage commits it rather than throwing the work away."""
+    workers = [_Uploader.remote(0, done=False), _Uploader.remote(1, done=True)]
+    ckpt, events = _coordinator(make_cfg(), workers)
+    ckpt.poll()  # rank 0 still uploading: nothing committed, rank 1's result kept
+    assert ckpt.inflight is not None and set(ckpt.inflight["results"]) == {1}
+    _kill(workers[1])
+    ckpt.salvage(timeout_s=2.0)  # rank 0's upload is done by now (save_wait answers)
+    assert ckpt.inflight is None and [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
+    assert ckpt.store.steps() == [4]
