@@ -81,3 +81,14 @@ def test_a_save_every_rank_uploaded_is_committed_though_a_rank_died_after(ray_se
     ckpt.salvage(timeout_s=2.0)  # rank 0's upload is done by now (save_wait answers)
     assert ckpt.inflight is None and [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4]
     assert ckpt.store.steps() == [4]
+
+
+def test_a_rank_dead_after_its_upload_left_a_receipt_and_the_save_is_committed(ray_session, make_cfg):
+    """No poll saw rank 1 finish before it died, but its upload receipt (written after its last file
+    was durable) is in the store: salvage reads it and commits the whole save."""
+    workers = [_Uploader.remote(0, done=True), _Uploader.remote(1, done=False)]
+    ckpt, events = _coordinator(make_cfg(), workers)
+    ckpt.store.write_receipt(4, 1, [])  # rank 1 holds no file of its own here: its receipt lists none
+    _kill(workers[1])
+    ckpt.salvage(timeout_s=2.0)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4] and ckpt.store.steps() == [4]

@@ -203,6 +203,22 @@ class CheckpointStore:
                 raise first
             return [f.result() for f in futures]
 
+    def write_receipt(self, step: int, rank: int, entries: list[dict]) -> None:
+        """After every file of ``rank``'s part of ``step`` is durable: its manifest entries, so that
+        the save can still be committed when the rank dies before the supervisor hears from it."""
+        self.storage.write_bytes(f"{self.prefix(step)}/{RECEIPT.format(rank=rank)}", json.dumps(entries).encode())
+
+    def read_receipt(self, step: int, rank: int) -> list[dict] | None:
+        """``rank``'s upload receipt of ``step`` (its manifest entries), or None when it has none."""
+        try:
+            entries = json.loads(self.storage.read_bytes(f"{self.prefix(step)}/{RECEIPT.format(rank=rank)}"))
+        except Exception:  # missing, unreadable or not JSON: that rank's upload is not known to be whole
+            return None
+        ok = isinstance(entries, list) and all(
+            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
+            and isinstance(e.get("sha256"), str) for e in entries)
+        return [{k: e[k] for k in ("path", "size", "sha256")} for e in entries] if ok else None
+
     def discard_failed(self, step: int) -> int:
         """After a failed save of ``step``: delete what it uploaded (never a committed checkpoint);
         return the bytes freed."""
@@ -291,6 +307,7 @@ class CheckpointStore:
         return source
 
 
+RECEIPT = "upload-rank{rank}.json"  # in a step's prefix: one rank's uploaded entries, never in its manifest
 RUN_FILE = "run.json"  # in a run directory: {"run_id": ..., "checkpoint_uri": ...}; manifests carry the id
 
 

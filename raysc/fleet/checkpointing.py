@@ -191,9 +191,9 @@ class CheckpointCoordinator:
             self._polling = False
 
     def salvage(self, timeout_s: float = 30.0) -> None:
-        """After a failure: commit the save in flight if every rank finished its upload (before it
-        failed, as ``poll`` recorded, or within ``timeout_s`` now); else abandon it, its uploaded
-        files deleted and no manifest written."""
+        """After a failure: commit the save in flight if every rank finished its upload (as ``poll``
+        recorded, as a dead rank's upload receipt in the store says, or within ``timeout_s`` now);
+        else abandon it, its uploaded files deleted and no manifest written."""
         if self.inflight is None:
             return
         import ray
@@ -205,10 +205,14 @@ class CheckpointCoordinator:
             done, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
             if not done:
                 break  # a rank still uploading (or hung) past the deadline
+            rank = asked.pop(done[0])
             try:
-                kept[asked.pop(done[0])] = ray.get(done[0])
-            except ray.exceptions.RayError:
-                break  # a rank is gone before its upload finished: its files may be incomplete
+                kept[rank] = ray.get(done[0])
+            except ray.exceptions.RayError:  # a rank is gone: whole only if it left its upload receipt
+                files = self.store.read_receipt(self.inflight["step"], rank)
+                if files is None:
+                    break
+                kept[rank] = {"rank": rank, "ok": True, "files": files, "retries": []}
         if len(kept) == len(self.workers) and all(r["ok"] for r in kept.values()):
             job, self.inflight = self.inflight, None
             try:

@@ -181,6 +181,7 @@ class RankWorker:
                                        retries=self.cfg.checkpoint.upload_retries,
                                        on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
                                        after_file=self.faults.on_file_written(step))
+            self.ckpt.write_receipt(step, self.rank, entries)  # the supervisor may commit it without us
             result.update(ok=True, files=entries)
         except Exception as e:  # reported to the supervisor, which records it and applies its policy
             result.update(ok=False, error=f"{type(e).__name__}: {e}",
