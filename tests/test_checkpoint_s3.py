@@ -139,10 +139,17 @@ def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
 
     # one try per request: botocore's default retries of a refused connection, with backoff, take
     # 8-11 s on 2 cores and are not what this asserts
-    options = s3_options(f"http://127.0.0.1:{free_port()}")[:-1] + ", config_kwargs = {retries = {max_attempts = 1}}}"
+    port = free_port()
+    options = s3_options(f"http://127.0.0.1:{port}")[:-1] + ", config_kwargs = {retries = {max_attempts = 1}}}"
     cfg = make_cfg('checkpoint.uri="s3://bucket/run"', options)
-    with pytest.raises(RunFailed, match="checkpoint.uri 's3://bucket/run'"):
+    # the probe's own verdict (not only the URI, which every probe error names) and the endpoint tried
+    with pytest.raises(RunFailed, match=rf"'s3://bucket/run': the store is unreachable .*127\.0\.0\.1:{port}"):
         train(cfg, progress=False)
+    # before step one: no worker was started and no step recorded
+    kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
+    assert "run_failed" in kinds and "workers_ready" not in kinds and "data_ready" not in kinds, kinds
+    metrics = Path(cfg.run_dir) / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()
 
 
 def test_save_killed_halfway_is_never_loaded(ray_session, s3_server, make_cfg):

@@ -227,9 +227,16 @@ class Storage:
                 f"checkpoint.uri {self.uri!r}: access denied ({e}). Check the credentials "
                 f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or checkpoint.storage_options) and that "
                 f"they may write, read and delete under this prefix.") from None
-        except OSError as e:
+        except Exception as e:
+            if not isinstance(e, OSError) and not _unreachable(e):
+                raise StorageError(f"checkpoint.uri {self.uri!r}: write probe failed: {type(e).__name__}: {e}") from None
             raise StorageError(
                 f"checkpoint.uri {self.uri!r}: the store is unreachable or refused the probe ({e}). "
                 f"Check the endpoint (AWS_ENDPOINT_URL or storage_options.endpoint_url) and network.") from None
-        except Exception as e:  # botocore and other client errors have no common base class
-            raise StorageError(f"checkpoint.uri {self.uri!r}: write probe failed: {type(e).__name__}: {e}") from None
+
+
+def _unreachable(e: Exception) -> bool:
+    """Whether a client error says the endpoint could not be reached (botocore's connection errors
+    are not OSErrors, and botocore and other clients have no common base class: by class name)."""
+    return any(c.__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError")
+               for c in type(e).__mro__)
