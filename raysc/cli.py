@@ -366,6 +366,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     stopped run prints); default ``raysc train CONFIG --set ...``."""
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
+    from raysc.cluster.connect import ClusterAddressError
     from raysc.fleet.errors import RunFailed
     from raysc.preflight_gate import PreflightRequired
 
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     except RunFailed as e:
         print(f"error: run failed: {e}", file=sys.stderr)
         return 1
-    except PreflightRequired as e:
+    except (PreflightRequired, ClusterAddressError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

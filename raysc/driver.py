@@ -30,6 +30,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import step_name
+from raysc.cluster.connect import init_ray
 from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
@@ -57,9 +58,9 @@ def check_inputs(cfg: Config) -> None:
 
 
 def ensure_ray() -> None:
-    if not ray.is_initialized():
-        os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-        ray.init(log_to_driver=True, configure_logging=False)
+    """Join ``RAY_ADDRESS`` (a wrong address fails within seconds: ``raysc.cluster.connect``) or
+    start a local Ray, unless this process already has one."""
+    init_ray(log_to_driver=True, configure_logging=False)
 
 
 def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0,

@@ -189,7 +189,7 @@ def keep_serving(args: argparse.Namespace, cfg: Config, dep: Deployment, stop: t
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    import ray
+    from raysc.cluster.connect import init_ray
 
     cfg = cli_settings(args)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not _api_key(cfg.serve):
@@ -199,7 +199,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print(f"waiting for the first verified checkpoint of {args.source} ...", flush=True)
         while newest_verified_step(Path(args.source)) is None:
             time.sleep(args.poll_s)
-    ray.init(address=os.environ.get("RAY_ADDRESS"), log_to_driver=False, configure_logging=False)
+    init_ray(log_to_driver=False, configure_logging=False)  # a wrong RAY_ADDRESS fails within seconds
     t0 = time.perf_counter()
     dep = deploy(args.source, cfg, args.step, args.draft)
     print(json.dumps({"serving": dep.url, "model": dep.model_id, "step": dep.model.step, "export": dep.model.path,
