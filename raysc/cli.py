@@ -369,6 +369,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     from raysc.cluster.connect import ClusterAddressError
     from raysc.fleet.errors import RunFailed
     from raysc.preflight_gate import PreflightRequired
+    from raysc.serve.fit import ServeNotReady
 
     try:
         return args.func(args)
@@ -384,6 +385,9 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     except (PreflightRequired, ClusterAddressError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except ServeNotReady as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -230,3 +230,49 @@ def test_serve_config_yaml_is_a_valid_ray_serve_config_with_a_valid_llm_config()
     assert LLMConfig(**llm).model_id == "llm"
     ours = llm_config_dict(ServedModel("s3://b/x"), ServeConfig(gpus_per_replica=1), "llm")
     assert set(llm) <= set(ours)  # the same keys raysc serve fills
+
+
+def test_serve_fits_a_small_cluster_or_says_what_it_needs():
+    """Serve's defaults (a 1-CPU replica actor merged into the engine's bundle, a 1-CPU ingress) need 3
+    CPUs for one 1-CPU engine: on a 2-CPU laptop the ingress never scheduled. raysc gives the two relays
+    an equal share of what the engines leave, and refuses before deploying what can never fit."""
+    from raysc.serve.fit import ServeDoesNotFit, fit
+
+    def cfg(*sets: str):
+        return load_config(None, list(sets)).serve
+
+    roomy = fit(cfg(), cluster_cpus=8)
+    assert not roomy.shrunk and roomy.share == 1.0 and roomy.cpus == 3.0
+    laptop = fit(cfg(), cluster_cpus=2)
+    assert laptop.shrunk and laptop.share == 0.5 and laptop.cpus == 2.0
+    three = fit(cfg("serve.replicas=2"), cluster_cpus=3)  # two engines leave 1 CPU for three relays
+    assert three.share == 0.33 and three.cpus <= 3
+    with pytest.raises(ServeDoesNotFit, match=r"needs at least 1 replica\(s\) × \(1 CPU engine \+ 0\.1 CPU replica "
+                                              r"actor\) \+ 0\.1 CPU ingress = 1\.2 CPU; the cluster has 1 CPU"):
+        fit(cfg(), cluster_cpus=1)
+    with pytest.raises(ServeDoesNotFit, match="serve.cpus_per_replica, serve.replicas"):
+        fit(cfg("serve.replicas=2"), cluster_cpus=2)
+    with pytest.raises(ServeDoesNotFit, match=r"largest node 1\)"):  # an engine and its actor share a node
+        fit(cfg(), cluster_cpus=4, largest_node_cpus=1)
+    with pytest.raises(ServeDoesNotFit, match="1 GPU; the cluster has 8 CPU .*0 GPU"):
+        fit(cfg("serve.gpus_per_replica=1"), cluster_cpus=8, cluster_gpus=0)
+    # autoscaling places its minimum (at least one replica) at start
+    assert fit(cfg("serve.autoscale_min=0", "serve.autoscale_max=4"), cluster_cpus=2).replicas == 1
+
+
+def test_the_fitted_shares_reach_the_replica_actor_and_the_ingress():
+    """What Ray Serve LLM is handed: the replica actor's CPUs (merged into its first placement bundle by
+    Serve LLM) and the ingress deployment's, only when Serve's defaults do not fit."""
+    from ray.llm._internal.serve.core.server.llm_server import LLMServer
+    from ray.serve.llm import LLMConfig
+
+    from raysc.serve.engine import llm_config_dict
+    from raysc.serve.source import ServedModel
+
+    serve_cfg = load_config(None, []).serve
+    model = ServedModel(path="/tmp/export")
+    default = llm_config_dict(model, serve_cfg, "m")
+    assert "ray_actor_options" not in default["deployment_config"]
+    fitted = llm_config_dict(model, serve_cfg, "m", actor_cpus=0.5)
+    options = LLMServer.get_deployment_options(LLMConfig(**fitted))
+    assert options["placement_group_bundles"][0]["CPU"] == 1.5  # the 1-CPU engine + the 0.5-CPU actor

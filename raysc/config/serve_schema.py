@@ -27,6 +27,8 @@ class ServeConfig:
     autoscale_min: int = opt(1, "autoscaling: fewest replicas", min=0)
     autoscale_max: int = opt(0, "autoscaling: most replicas; 0 = no autoscaling (serve.replicas fixed)", min=0)
     cpus_per_replica: float = opt(1.0, "CPUs reserved for each replica's engine (its placement-group bundle)", gt=0.0)
+    ready_timeout_s: float = opt(300.0, "raysc serve: longest wait for the application to answer; then it stops "
+                                        "with what it waited for and removes what it deployed", gt=0.0)
     gpus_per_replica: float = opt(0.0, "GPUs per tensor/pipeline rank; 0 on a laptop or CI (the CPU build of "
                                        "vLLM), 1 on a GPU cluster", min=0.0)
     dtype: str = opt("auto", "weights/activations precision in vLLM; auto = the exported dtype",

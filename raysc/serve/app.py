@@ -130,9 +130,10 @@ class RequestChecks:
         await self.app(scope, replay, send)
 
 
-def build_app(llm_config: dict, api_key_digest: str = "", max_model_len: int = 0):
+def build_app(llm_config: dict, api_key_digest: str = "", max_model_len: int = 0, ingress_cpus: float | None = None):
     """The Serve application: the OpenAI ingress (with our middlewares) bound to one vLLM deployment
-    built from ``llm_config`` (``raysc.serve.engine.llm_config_dict``)."""
+    built from ``llm_config`` (``raysc.serve.engine.llm_config_dict``); ``ingress_cpus``: the
+    ingress's CPUs when Serve's default of 1 does not fit the cluster (``raysc.serve.fit``)."""
     from ray import serve
     from ray.llm._internal.serve.core.configs.openai_api_models import to_model_metadata
     from ray.llm._internal.serve.core.ingress.ingress import OpenAiIngress, init, make_fastapi_ingress
@@ -145,6 +146,8 @@ def build_app(llm_config: dict, api_key_digest: str = "", max_model_len: int = 0
     fastapi_app.add_middleware(BearerAuth, digest=api_key_digest)
     ingress = make_fastapi_ingress(OpenAiIngress, app=fastapi_app)
     options = OpenAiIngress.get_deployment_options([cfg])
+    if ingress_cpus is not None:
+        options["ray_actor_options"] = {**options.get("ray_actor_options", {}), "num_cpus": ingress_cpus}
     return serve.deployment(ingress, **options).bind(
         llm_deployments={cfg.model_id: build_llm_deployment(cfg)},
         model_cards={cfg.model_id: to_model_metadata(cfg.model_id, cfg)},

@@ -22,6 +22,7 @@ from raysc.config.schema import Config, ServeConfig
 from raysc.fleet.records import SERVING_RECORD
 from raysc.serve.app import API_KEY_ENV, build_app, key_digest
 from raysc.serve.engine import llm_config_dict, speculative_config
+from raysc.serve.fit import ServeFit, ServeNotReady, fit
 from raysc.serve.source import ServedModel, export_run, is_run_dir, newest_verified_step, resolve
 from raysc.serve.store_env import replica_env
 
@@ -94,10 +95,21 @@ def _speculative(cfg: Config, source: str, draft: str | None) -> dict | None:
     return speculative_config(cfg.serve, draft_path, tuned)
 
 
+def cluster_fit(serve_cfg: ServeConfig) -> ServeFit:
+    """``raysc.serve.fit.fit`` against the connected cluster's total resources."""
+    import ray
+
+    total = ray.cluster_resources()
+    largest = max((n["Resources"].get("CPU", 0.0) for n in ray.nodes() if n.get("Alive")), default=0.0)
+    return fit(serve_cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), largest)
+
+
 def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None = None,
-           model: ServedModel | None = None) -> Deployment:
-    """Deploy (or roll) the application serving ``source`` on the connected Ray cluster; returns when the
-    new version answers."""
+           model: ServedModel | None = None, log=print) -> Deployment:
+    """Deploy (or roll) the application serving ``source`` on the connected Ray cluster, sized to fit
+    it (``raysc.serve.fit``); returns when the new version answers, or raises ``ServeNotReady`` after
+    ``serve.ready_timeout_s`` and removes it (a roll onto a new checkpoint waits as Serve does, with
+    the previous version serving meanwhile)."""
     from ray import serve
 
     model = model or resolve(source, step)
@@ -105,20 +117,68 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
     spec = _speculative(cfg, source, draft)
     hf = _hf_config(model)
     serve_cfg = _resolved(cfg.serve, hf)
+    sizes = cluster_fit(serve_cfg)  # ServeDoesNotFit before anything is deployed
+    if sizes.shrunk:
+        log(f"[raysc] serve: the cluster has too few CPUs for Serve's defaults; fitted: {sizes.describe()}",
+            flush=True)
+    share = sizes.share if sizes.shrunk else None
     # a run's store settings (its config.toml: secrets redacted, so credentials come from the environment)
     options = cfg.checkpoint.storage_options if model.run_dir is not None else None
-    llm_cfg = llm_config_dict(model, serve_cfg, model_id, spec, replica_env(model.path, options))
+    llm_cfg = llm_config_dict(model, serve_cfg, model_id, spec, replica_env(model.path, options), actor_cpus=share)
     key = _api_key(cfg.serve)
     max_len = serve_cfg.max_model_len or int(hf.get("max_position_embeddings", 0))
-    app = build_app(llm_cfg, key_digest(key) if key else "", max_len)
+    app = build_app(llm_cfg, key_digest(key) if key else "", max_len, ingress_cpus=share)
     serve.start(http_options={"host": cfg.serve.host, "port": cfg.serve.port})
     name = f"raysc-{model_id}"
-    serve.run(app, name=name, route_prefix="/", blocking=False)
+    if name in serve.status().applications:  # a roll: Serve's own wait sees the new version come up
+        serve.run(app, name=name, route_prefix="/", blocking=False)
+    else:
+        serve.run_many([serve.RunTarget(app, name=name, route_prefix="/")],
+                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        wait_ready(name, serve_cfg.ready_timeout_s, sizes, log=log)
     host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
     dep = Deployment(name, f"http://{host}:{cfg.serve.port}/v1", model_id, model, serve_cfg, spec)
     if model.run_dir is not None:
         _record(dep)
     return dep
+
+
+def _waiting_for(app) -> str:
+    """What an application that is not running yet waits for, from its deployments' statuses."""
+    parts = [f"{name}: {d.status}" + (f" ({d.message.strip()[:300]})" if d.message else "")
+             for name, d in app.deployments.items() if d.status != "HEALTHY"]
+    return "; ".join(parts) or str(app.status)
+
+
+def wait_ready(name: str, timeout_s: float, sizes: ServeFit, log=print, every_s: float = 15.0) -> None:
+    """Until application ``name`` runs: say what it waits for every ``every_s`` (when that changes or
+    a minute passed); after ``timeout_s`` (or when Serve gives up on it) remove it and raise
+    ``ServeNotReady`` with that, the deployment's needs and the cluster's free resources."""
+    import ray
+    from ray import serve
+
+    t0 = last_t = time.monotonic()
+    last = ""
+    while True:
+        app = serve.status().applications.get(name)
+        status = str(app.status) if app else "NOT_STARTED"
+        if status.endswith("RUNNING"):
+            return
+        now = time.monotonic()
+        waiting = _waiting_for(app) if app else status
+        failed = status.endswith("DEPLOY_FAILED")
+        if failed or now - t0 > timeout_s:
+            serve.delete(name, _blocking=False)
+            free = {k: round(v, 2) for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
+            why = "Serve could not deploy it" if failed else f"not answering after {timeout_s:g} s (serve.ready_timeout_s)"
+            raise ServeNotReady(f"{name}: {why}; waiting for: {waiting}. It needs {sizes.describe()}; the "
+                                f"cluster has {free} free. Removed what was deployed. Free resources (another run "
+                                f"or deployment), add nodes, or raise serve.ready_timeout_s when the engine is "
+                                f"only slow to start.")
+        if now >= last_t + every_s and (waiting != last or now >= last_t + 60):
+            log(f"[raysc] serve: {now - t0:.0f} s, waiting for {waiting}", flush=True)
+            last, last_t = waiting, now
+        time.sleep(1.0)
 
 
 def _record(dep: Deployment) -> None:
@@ -152,7 +212,7 @@ def follow(dep: Deployment, source: str, cfg: Config, stop: threading.Event, pol
             continue
         t0 = time.perf_counter()
         model = export_run(run_dir, step)
-        dep = deploy(source, cfg, draft=draft, model=model)
+        dep = deploy(source, cfg, draft=draft, model=model, log=log)
         log(json.dumps({"serving_step": step, "export": model.path, "rolled_s": round(time.perf_counter() - t0, 1)}),
             flush=True)
     return dep

@@ -87,11 +87,13 @@ def speculative_config(cfg: ServeConfig, draft_path: str | None, tuned: dict | N
 
 
 def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
-                    speculative: dict | None = None, env: dict[str, str] | None = None) -> dict[str, Any]:
+                    speculative: dict | None = None, env: dict[str, str] | None = None,
+                    actor_cpus: float | None = None) -> dict[str, Any]:
     """The ``LLMConfig`` of one served model, as the dictionary ``ray.serve.llm.LLMConfig`` validates
     (also what ``jobs/serve_config.yaml`` holds for ``serve deploy``); ``env``: environment variables
     for the replicas' model download (``raysc.serve.store_env.replica_env``: how a node reaches an
-    object-store export), handed to ``raysc.serve.replica_setup``."""
+    object-store export), handed to ``raysc.serve.replica_setup``; ``actor_cpus``: the replica
+    actor's CPUs when Serve's default of 1 does not fit the cluster (``raysc.serve.fit``)."""
     check(cfg, speculative)
     source: Any = model.path
     if model.remote:  # each replica's node mirrors the folder from the object store
@@ -105,6 +107,8 @@ def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
                                              "target_ongoing_requests": max(1, cfg.max_num_seqs // 2)}}
     else:
         deployment = {"num_replicas": cfg.replicas}
+    if actor_cpus is not None:  # each replica's own actor (merged into its first bundle): raysc.serve.fit
+        deployment["ray_actor_options"] = {"num_cpus": actor_cpus}
     out: dict[str, Any] = {
         "model_loading_config": {"model_id": model_id, "model_source": source},
         "engine_kwargs": engine_kwargs(cfg, speculative),
