@@ -24,12 +24,24 @@ GPU_NOTICE = "{n} GPU tests deselected: run `make test-gpu` (pytest -m gpu) on a
 _GPU_DESELECTED = pytest.StashKey[int]()
 
 
+def _head_tests_together(items: list) -> None:
+    """The tests on the separate ``ray_head`` cluster run one after another, where the first of them
+    is: the head is started for them and stopped at the session's end, and would otherwise sit
+    through the modules between them taking a share of the two cores."""
+    head = [item for item in items if "ray_head" in getattr(item, "fixturenames", ())]
+    if head:
+        at = items.index(head[0])
+        rest = [item for item in items if item not in head]
+        items[:] = rest[:at] + head + rest[at:]
+
+
 @pytest.hookimpl(trylast=True)  # after pytest's own -m selection
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` need CUDA. Without ``-m`` (``make test``) they are deselected, never
+    """The ``ray_head`` tests together (``_head_tests_together``). Tests marked ``gpu`` need CUDA. Without ``-m`` (``make test``) they are deselected, never
     skipped, and one line says so; selected (``make test-gpu`` = ``-m gpu``) on a machine without
     CUDA, the session stops with an error instead of passing with nothing run (``--collect-only``
     still lists them)."""
+    _head_tests_together(items)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
         return

@@ -41,24 +41,24 @@ def _submit(ray_head: dict, sets: list[str], *options: str) -> list[str]:
 
 def test_job_submit_survives_kill_9_of_a_worker(ray_head, cache_dir, tmp_path):
     run_dir = tmp_path / "job-run"
-    sets = [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', "train.steps=300",
+    sets = [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', "train.steps=150",
             "checkpoint.every_steps=50", "parallel.dp_replicate=2", "train.log_every=100",
             "supervisor.warm_spares=true"]
     job = subprocess.Popen(_submit(ray_head, sets), env=ray_head["env"], stdout=subprocess.PIPE,
                            stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     events = run_dir / "events.jsonl"
     try:
-        def worker_pids():
-            ready = [e for e in read_jsonl(events) if e["kind"] == "workers_ready"]
-            steps = read_jsonl(run_dir / "metrics.jsonl")
-            return ready[0]["pids"] if ready and len(steps) >= 120 else None  # past a checkpoint, spares warm
+        def worker_pids():  # past a committed checkpoint, with the spares warm: the events say when
+            kinds = {e["kind"]: e for e in read_jsonl(events)}
+            ready = all(k in kinds for k in ("workers_ready", "checkpoint_saved", "spares_ready"))
+            return kinds["workers_ready"]["pids"] if ready else None
 
-        pids = _wait_for(worker_pids, 240, "the fleet to train 120 steps", job)
+        pids = _wait_for(worker_pids, 240, "a committed checkpoint and warm spares", job)
         os.kill(pids[1], signal.SIGKILL)  # from outside, like the OOM killer
         out, _ = job.communicate(timeout=300)
         assert job.returncode == 0, out
         summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-        assert summary["steps"] == 300 and summary["restarts"] == 1
+        assert summary["steps"] == 150 and summary["restarts"] == 1
         kinds = [e["kind"] for e in read_jsonl(events)]
         died = [e for e in read_jsonl(events) if e["kind"] == "worker_died"]
         assert died and died[0]["rank"] == 1 and "recovered" in kinds and kinds[-1] == "run_end"

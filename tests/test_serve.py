@@ -120,6 +120,9 @@ def served(ray_session, s3_server, tmp_path_factory, cache_dir):
              "client": openai.OpenAI(base_url=dep.url, api_key=KEY)}
     yield state
     undeploy(state["dep"])  # the rolled deployment, if a test rolled it
+    from ray import serve
+
+    serve.shutdown()  # Serve's controller and proxy: not left running through the rest of the session
     for k, v in saved.items():
         if v is None:
             os.environ.pop(k, None)
