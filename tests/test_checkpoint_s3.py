@@ -27,7 +27,7 @@ def _bucket(s3_server) -> str:
     return name
 
 
-def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, make_cfg):
+def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, make_cfg, monkeypatch):
     """A run that stopped after step 10 resumes from its S3 checkpoint and continues the uninterrupted
     run's loss curve, schedule, data cursor and parameters bit for bit (the one bit-exact resume test:
     the local store's resume is exercised by the corrupted-checkpoint fallback in test_training)."""
@@ -59,6 +59,8 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     for m in got:  # bit for bit: the same loss curve, schedule and data cursor, and the same final model
         for key in ("loss", "grad_norm", "lr", "tokens"):
             assert m[key] == ref[m["step"]][key], (m["step"], key)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")  # config.toml has them redacted: load_run's
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", SECRET)
     a, b = load_run(full.run_dir).model, load_run(part.run_dir).model
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     assert "resumed" in [e["kind"] for e in read_jsonl(Path(part.run_dir) / "events.jsonl")]
