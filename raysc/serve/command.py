@@ -169,7 +169,8 @@ def wait_ready(name: str, timeout_s: float, sizes: ServeFit, log=print, every_s:
         failed = status.endswith("DEPLOY_FAILED")
         if failed or now - t0 > timeout_s:
             serve.delete(name, _blocking=False)
-            free = {k: round(v, 2) for k, v in ray.available_resources().items() if k in ("CPU", "GPU", "memory")}
+            avail, total = ray.available_resources(), ray.cluster_resources()
+            free = {k: round(avail.get(k, 0.0), 2) for k in ("CPU", "GPU") if k == "CPU" or total.get(k)}
             why = "Serve could not deploy it" if failed else f"not answering after {timeout_s:g} s (serve.ready_timeout_s)"
             raise ServeNotReady(f"{name}: {why}; waiting for: {waiting}. It needs {sizes.describe()}; the "
                                 f"cluster has {free} free. Removed what was deployed. Free resources (another run "
