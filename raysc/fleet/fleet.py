@@ -215,9 +215,11 @@ class Fleet:
         spares = self._take_spares() if warm else None
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         self.workers = spares or [self._new_worker(rank) for rank in range(self.world)]
-        touch()  # rank 0's address through ``wait``: a worker dead at birth is a typed failure, healed
-        ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0",
-                           timeout=self.cfg.supervisor.start_timeout_s)[0]
+        # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded by
+        # the start-up timeout alone: a process starting and importing is not a hang
+        start_s = self.cfg.supervisor.start_timeout_s
+        ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0", timeout=start_s, hang_s=start_s + 1)[0]
+        touch()
         infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
                      "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
         self.infos = infos

@@ -29,13 +29,13 @@ from raysc.config.load import config_from_dict, config_hash, dump_config
 from raysc.data.prepare import prepare_data
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
-from raysc.fleet.watch import Watch, typed_failure
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.healing import Healer
 from raysc.fleet.records import RunRecords
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
+from raysc.fleet.watch import Watch, typed_failure
 from raysc.model.flops import param_count
 
 
