@@ -4,7 +4,7 @@ every kind, and what became of each (the reliability table of docs/resilience.md
 Setup: ``raysc cluster local`` with NODES worker nodes of 2 CPUs (real raylets, object stores and
 node ids on this machine), the test suite's tiny Llama, three data-parallel replicas of one CPU each
 (``parallel.dp_replicate = 3``: a flipped bit is outvoted and repaired; a lost node leaves room on
-the others), a replica check every step, a synchronous checkpoint every EVERY steps to an
+the others), a replica check every step, an asynchronous checkpoint (the default) every EVERY steps to an
 S3-compatible store (moto on 127.0.0.1) behind an HTTP proxy that can refuse writes
 (``tests/s3_fault_proxy.py``), every committed checkpoint kept (so none may be missing at the end).
 Every run is ``raysc train`` as users run it.
