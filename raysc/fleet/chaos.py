@@ -46,8 +46,9 @@ from dataclasses import dataclass
 from raysc.config.faults import KINDS as INJECTED
 
 OUTAGE = "store_outage"
-# disk_loss is not drawn: nothing fails or heals (it only changes where the next restore reads from)
-ALL_KINDS = (*(k for k in INJECTED if k != "disk_loss"), OUTAGE)
+# not drawn: disk_loss and slow_upload fail nothing and heal nothing (one changes where the next restore
+# reads from, the other holds a save in flight for a later fault to meet)
+ALL_KINDS = (*(k for k in INJECTED if k not in ("disk_loss", "slow_upload")), OUTAGE)
 SAVE_KINDS = ("kill_save", OUTAGE)  # hit the checkpoint of their step, which is then not committed
 NUMERIC_KINDS = ("nan", "spike", "bitflip")  # change the numbers on purpose: replayed in the reference
 RESTART_KINDS = ("kill", "hang", "raise", "kill_save", "node_loss")
