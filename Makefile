@@ -24,8 +24,20 @@ $(VENV)/.dev-installed: $(VENV)/.installed
 	$(BIN)/pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $@
 
+# llama.cpp's vocabulary-only GGUF files (the real Llama 3, Llama 2, Qwen2, GPT-2 ... tokenizers, each with
+# llama.cpp's expected token ids in .inp/.out files) from the sdist of the llama-cpp-python we depend on,
+# under .cache/ (never in the repo): tests/test_tokenizer.py builds Hugging Face tokenizer folders from them
+LLAMA_CPP_PIN := $(shell grep -o 'llama-cpp-python==[0-9.]*' pyproject.toml)
+VOCAB := .cache/llama-vocab
+$(VOCAB)/.extracted: pyproject.toml | $(BIN)/python
+	rm -rf $(VOCAB) && mkdir -p $(VOCAB)/sdist
+	$(BIN)/pip download -q --no-deps --no-binary :all: -d $(VOCAB)/sdist '$(LLAMA_CPP_PIN)'
+	tar xzf $(VOCAB)/sdist/*.tar.gz -C $(VOCAB) --strip-components=4 --wildcards '*/vendor/llama.cpp/models/ggml-vocab-*'
+	rm -rf $(VOCAB)/sdist
+	touch $@
+
 install: $(VENV)/.installed
-dev: $(VENV)/.dev-installed
+dev: $(VENV)/.dev-installed $(VOCAB)/.extracted
 
 run: install
 	$(BIN)/raysc demo

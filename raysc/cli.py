@@ -195,15 +195,18 @@ def cmd_curate(args: argparse.Namespace) -> int:
 
 def cmd_pack(args: argparse.Namespace) -> int:
     from raysc.curate.pack import pack_curated
+    from raysc.data.prepare import special_tokens
     from raysc.driver import ensure_ray
 
     cfg = load_config(args.config, args.overrides)
     curated = cfg.curated_uri
     ensure_ray()
     out = args.out or f"{curated}/packed"
-    index = pack_curated(curated, args.tokenizer or cfg.data.tokenizer or None, cfg.model.vocab_size,
-                         cfg.train.seq_len, out, dict(cfg.curate.storage_options),
-                         sample_mb=cfg.data.tokenizer_sample_mb, seed=cfg.train.seed)
+    tokenizer = args.tokenizer or cfg.data.tokenizer or None
+    special = special_tokens(cfg, tokenizer) if tokenizer else None  # data.eos_token / bos_token / add_bos
+    index = pack_curated(curated, tokenizer, cfg.model.vocab_size, cfg.train.seq_len, out,
+                         dict(cfg.curate.storage_options), sample_mb=cfg.data.tokenizer_sample_mb,
+                         seed=cfg.train.seed, special=special)
     print(json.dumps({d: {k: v for k, v in m.items() if k != "shards"} for d, m in index["domains"].items()}),
           flush=True)
     print(f"train on it with: --set data.source=\"{out}\" [--set data.schedule=\"0:...\"]", flush=True)

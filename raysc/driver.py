@@ -43,18 +43,25 @@ from raysc.preflight_gate import require_passing
 
 
 def check_inputs(cfg: Config) -> None:
-    """Checks that need no Ray: inputs exist, a local ``model.init_from`` fits the model config. Raises
-    FileNotFoundError naming the key, or ``CheckpointMismatch`` (a ValueError) listing the differences."""
+    """Checks that need no Ray: inputs exist, a local ``model.init_from`` fits the model config, the
+    tokenizer (``data.tokenizer`` or the checkpoint's) fits the embedding and has an end-of-text token.
+    Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences)."""
     if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists():
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
                                 f"or directory, or a `raysc pack` output directory")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")
+    tokenizer = cfg.data.tokenizer
     if cfg.model.init_from and not is_url(cfg.model.init_from):
         from raysc.model.hf_checkpoint import check_init_from
 
-        check_init_from(cfg.model.init_from, cfg.model)  # headers only: a mismatch stops here, before Ray
+        info = check_init_from(cfg.model.init_from, cfg.model)  # headers only: a mismatch stops here, before Ray
+        tokenizer = tokenizer or info["tokenizer"]
+    if tokenizer:
+        from raysc.data.prepare import check_tokenizer
+
+        check_tokenizer(cfg, tokenizer)  # fits the embedding, has an end-of-text token: before Ray
 
 
 def ensure_ray() -> None:

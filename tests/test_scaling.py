@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -270,18 +271,31 @@ def test_at_width_keeps_head_dim_and_gqa_ratio():
         at_width(SMALL, 72, True, 64)
 
 
-def test_lr_transfer_mup_keeps_the_best_lr_sp_does_not(tiny_rows):
+def _sweep(index: int, cfg, rows, out: str) -> None:
+    """One forked process: the LR sweep under SP (index 0) or μP (index 1), written to ``out``."""
+    torch.set_num_threads(1)
+    lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]  # 2x grid
+    seeds = [cfg.train.seed, cfg.train.seed + 1]
+    run = lr_sweep(cfg.model, cfg.optim, cfg.schedule, rows, [32, 128], lrs, steps=50, batch=16, seeds=seeds,
+                   mup=bool(index), tail=10)
+    Path(out, f"{index}.json").write_text(json.dumps(run))
+
+
+def test_lr_transfer_mup_keeps_the_best_lr_sp_does_not(tiny_rows, tmp_path):
     """The issue's CI test: sweep the peak LR at widths 32 and 128 (head_dim 16, 2 layers, 50 steps of
     16×32 tokens, warmup 5 + cosine, clipping 1.0, final loss = mean of the last 10 steps, averaged
     over two seeds). Under μP (base width 32) the best LR stays within one grid step; under SP it
-    moves further (SP with Adam wants the LR to fall about like 1/width)."""
+    moves further (SP with Adam wants the LR to fall about like 1/width). SP and μP sweep in two
+    forked processes of one thread each, one per core."""
+    import torch.multiprocessing as mp
+
     cfg, rows = tiny_rows
-    lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]  # 2x grid
-    seeds = [cfg.train.seed, cfg.train.seed + 1]
-    runs = {on: lr_sweep(cfg.model, cfg.optim, cfg.schedule, rows, [32, 128], lrs, steps=50, batch=16,
-                         seeds=seeds, mup=on, tail=10) for on in (False, True)}
-    print("\n" + format_sweep(runs[False]) + "\n" + format_sweep(runs[True]))
-    sp, mu = runs[False], runs[True]
+    mp.start_processes(_sweep, args=(cfg, rows, str(tmp_path)), nprocs=2, start_method="fork")
+    # JSON keys are strings: back to widths and learning rates
+    sp, mu = ({**r, "loss": {int(w): {float(lr): v for lr, v in by.items()} for w, by in r["loss"].items()},
+               "best_lr": {int(w): lr for w, lr in r["best_lr"].items()}}
+              for r in (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1)))
+    print("\n" + format_sweep(sp) + "\n" + format_sweep(mu))
     assert abs(mu["shift"]) <= 1
     assert abs(sp["shift"]) > abs(mu["shift"])
     # and the wide μP model at its best LR beats the narrow one (wider is better under μP)

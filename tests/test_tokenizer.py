@@ -1,45 +1,274 @@
-"""Tokenizers raysc cannot use are refused by name, with the fix: a public Llama tokenizer (what
-``--init-from`` reads from a Hugging Face checkpoint) ends documents with another token, and a
-GPT-2-style one has ``<|endoftext|>`` at another id, while packing, export and generation use id 0."""
+"""Special tokens are data, read from the tokenizer's folder: real public tokenizers (llama.cpp's
+vocabulary-only GGUF files of Llama 3, Llama 2, Qwen2 and GPT-2, from the llama-cpp-python sdist that
+`make dev` extracts under .cache/llama-vocab) made into Hugging Face folders as those models ship them,
+then packed, exported (Hugging Face and GGUF, read back by transformers and llama.cpp) and trained on.
+
+The folders are built by transformers from the GGUF files; their tokenizer_config.json (and the
+post-processor that adds Llama 3's BOS) are written the way each model's own repository has them. That
+the vocabulary is the real one is checked against llama.cpp's expected token ids (.inp/.out files);
+that the ids raysc reads are the right ones is checked against the GGUF's own metadata."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
+import numpy as np
 import pytest
-from tokenizers import Tokenizer, models
+from tokenizers import Tokenizer, models, processors
 
-from raysc.data.tokenizer import EOS, load_tokenizer
+from raysc.data.special_tokens import SpecialTokenError, read_special_tokens
 
+ROOT = Path(__file__).resolve().parents[1]
+VOCAB = ROOT / ".cache" / "llama-vocab"
 
-def _save(tmp_path, vocab: dict[str, int], specials: list[str]) -> str:
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.add_special_tokens(specials)
-    path = tmp_path / "tokenizer.json"
-    tok.save(str(path))
-    return str(path)
-
-
-def test_a_llama_3_tokenizer_is_refused_naming_its_end_token_and_the_fix(tmp_path):
-    vocab = {"<unk>": 0, "hello": 1, "<|begin_of_text|>": 128000, "<|end_of_text|>": 128001}
-    path = _save(tmp_path, vocab, ["<|begin_of_text|>", "<|end_of_text|>"])
-    with pytest.raises(ValueError) as err:
-        load_tokenizer(path)
-    msg = str(err.value)
-    assert path in msg and f"has no {EOS} token" in msg and "'<|end_of_text|>' (id 128001)" in msg
-    assert "--init-from" in msg and "raysc export" in msg
-
-
-def test_a_llama_2_tokenizer_names_its_end_token(tmp_path):
-    path = _save(tmp_path, {"<unk>": 0, "<s>": 1, "</s>": 2, "hello": 3}, ["<s>", "</s>"])
-    with pytest.raises(ValueError, match=r"its end-of-text token is '</s>' \(id 2\)"):
-        load_tokenizer(path)
-
-
-def test_endoftext_at_another_id_is_refused(tmp_path):
-    path = _save(tmp_path, {"!": 0, "hello": 1, EOS: 2}, [EOS])
-    with pytest.raises(ValueError, match=rf"has {EOS.replace('|', '[|]')} at id 2, not 0"):
-        load_tokenizer(path)
+# what each model's repository ships beside tokenizer.json (Llama 3: no add_bos_token, its post-processor
+# adds BOS; GPT-2: config.json only)
+FOLDERS = {
+    "llama-bpe": {"tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
+                                            "tokenizer_class": "PreTrainedTokenizerFast"}},
+    "llama-spm": {"tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+                                            "add_bos_token": True, "add_eos_token": False,
+                                            "tokenizer_class": "LlamaTokenizer"}},
+    "qwen2": {"tokenizer_config.json": {"bos_token": None, "eos_token": "<|endoftext|>",
+                                        "pad_token": "<|endoftext|>", "tokenizer_class": "Qwen2Tokenizer"},
+              "generation_config.json": {"bos_token_id": 151643, "eos_token_id": 151643}},
+    "gpt-2": {"config.json": {"bos_token_id": 50256, "eos_token_id": 50256, "model_type": "gpt2"}},
+}
+# (BOS id or None, EOS id, adds BOS, PAD id or None) as the GGUF files' metadata and the repositories say
+EXPECTED = {"llama-bpe": (128000, 128001, True, None), "llama-spm": (1, 2, True, None),
+            "qwen2": (None, 151643, False, 151643), "gpt-2": (50256, 50256, False, None)}
+BYTE_LEVEL = ["llama-bpe", "qwen2", "gpt-2"]  # what raysc's GGUF export writes (llama.cpp's gpt2 model)
+PRE = {"llama-bpe": "llama-bpe", "qwen2": "qwen2", "gpt-2": "gpt-2"}
+DOCS = ["Hello world", "def f():\n    return 1", "Äpfel und Birnen 3333", " leading space"]
 
 
-def test_endoftext_at_id_0_loads(tmp_path):
-    path = _save(tmp_path, {EOS: 0, "<unk>": 1, "hello": 2}, [EOS])
-    assert load_tokenizer(path).token_to_id(EOS) == 0
+def _gguf(name: str) -> Path:
+    path = VOCAB / f"ggml-vocab-{name}.gguf"
+    assert path.is_file(), f"{path} is missing: `make dev` extracts llama.cpp's vocabulary files into {VOCAB}"
+    return path
+
+
+def _gguf_meta(name: str) -> dict:
+    import gguf
+
+    fields = gguf.GGUFReader(str(_gguf(name))).fields
+    return {k.removeprefix("tokenizer.ggml."): fields[k].contents() for k in fields
+            if k.startswith("tokenizer.ggml.") and k.endswith(("_token_id", "add_bos_token"))}
+
+
+def _gguf_vocab_size(name: str) -> int:
+    import gguf
+
+    return len(gguf.GGUFReader(str(_gguf(name))).fields["tokenizer.ggml.tokens"].data)
+
+
+def _expected_ids(name: str) -> list[tuple[str, list[int]]]:
+    """llama.cpp's tokenizer tests: each text of the .inp file with the ids of the .out file."""
+    texts = _gguf(name).with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
+    ids = _gguf(name).with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
+    return [(t, [int(i) for i in line.split()]) for t, line in zip(texts, ids)]
+
+
+@pytest.fixture(scope="session")
+def hf_folders(tmp_path_factory) -> dict[str, Path]:
+    """A Hugging Face tokenizer folder per family: tokenizer.json from the GGUF vocabulary (transformers'
+    converter), beside the files its repository ships."""
+    from transformers import AutoTokenizer
+
+    root = tmp_path_factory.mktemp("hf-tokenizers")
+    out = {}
+    for name, files in FOLDERS.items():
+        folder = root / name
+        folder.mkdir()
+        tok: Tokenizer = AutoTokenizer.from_pretrained(str(VOCAB), gguf_file=_gguf(name).name).backend_tokenizer
+        if name == "llama-bpe":  # Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor
+            tok.post_processor = processors.Sequence([
+                processors.ByteLevel(trim_offsets=False),
+                processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                              special_tokens=[("<|begin_of_text|>", 128000)])])
+        else:  # the converter's own template may add BOS; the repository's files say whether it does
+            tok.post_processor = processors.ByteLevel(trim_offsets=False) if name in BYTE_LEVEL else None
+        spec = json.loads(tok.to_str())
+        # the converter adds special tokens the model never had (Llama 3 gains an <|endoftext|> at 128256)
+        n = _gguf_vocab_size(name)
+        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n]
+        if name == "llama-bpe":  # as Llama 3 ships it: a whole word in the vocabulary wins over the merges
+            spec["model"]["ignore_merges"] = True
+        (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
+        for fname, data in files.items():
+            (folder / fname).write_text(json.dumps(data))
+        out[name] = folder
+    return out
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_the_folders_hold_the_real_vocabularies(hf_folders, name):
+    """Each byte-level folder's tokenizer.json encodes llama.cpp's 47 test texts to llama.cpp's expected
+    ids. (Llama 2's SentencePiece vocabulary is used for its special tokens only: transformers' GGUF
+    converter does not reproduce its whitespace handling, 15 of the 47 texts differ.)"""
+    tok = Tokenizer.from_file(str(hf_folders[name] / "tokenizer.json"))
+    cases = [(t, want) for t, want in _expected_ids(name) if t]
+    assert len(cases) >= 40
+    wrong = [(t, want, tok.encode(t, add_special_tokens=False).ids) for t, want in cases
+             if tok.encode(t, add_special_tokens=False).ids != want]
+    assert not wrong, wrong[:3]
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_special_tokens_come_from_the_folder_and_match_the_gguf_metadata(hf_folders, name):
+    special = read_special_tokens(hf_folders[name] / "tokenizer.json")
+    bos, eos, adds, pad = EXPECTED[name]
+    assert (special.bos_id, special.eos_id, special.add_bos, special.pad_id) == (bos, eos, adds, pad)
+    meta = _gguf_meta(name)
+    assert special.eos_id == meta["eos_token_id"]
+    if special.bos_id is not None:
+        assert special.bos_id == meta["bos_token_id"]
+    if "add_bos_token" in meta:
+        assert special.add_bos == meta["add_bos_token"]
+    assert special.stops[0] == eos
+
+
+@pytest.mark.parametrize("name,eos", [("llama-bpe", 128001), ("llama-spm", 2), ("qwen2", 151643), ("gpt-2", 50256)])
+def test_a_bare_tokenizer_json_falls_back_to_its_end_of_text_token(hf_folders, tmp_path, name, eos):
+    bare = tmp_path / "tokenizer.json"
+    bare.write_bytes((hf_folders[name] / "tokenizer.json").read_bytes())
+    assert read_special_tokens(bare).eos_id == eos
+
+
+@pytest.mark.parametrize("name", list(FOLDERS))
+def test_packing_puts_eos_after_and_bos_before_every_document_exactly_once(hf_folders, name):
+    from raysc.data.packing import encode_corpus
+
+    tok = Tokenizer.from_file(str(hf_folders[name] / "tokenizer.json"))
+    special = read_special_tokens(hf_folders[name] / "tokenizer.json", tok=tok)
+    # a document that already starts with BOS (or ends with EOS) as text does not get a second one
+    docs = DOCS + [(special.bos or "") + "already marked" + special.eos]
+    stream = encode_corpus(docs, tok, tok.get_vocab_size(), special).astype(np.int64).tolist()
+    expect: list[int] = []
+    for d in docs:
+        ids = tok.encode(d, add_special_tokens=False).ids
+        ids = ids[1:] if special.add_bos and ids[:1] == [special.bos_id] else ids
+        ids = ids[:-1] if ids[-1:] == [special.eos_id] else ids
+        expect += ([special.bos_id] if special.add_bos else []) + ids + [special.eos_id]
+    assert stream == expect
+    if name == "llama-bpe":
+        assert stream.count(128000) == stream.count(128001) == len(docs)
+    plain = encode_corpus(DOCS, tok, tok.get_vocab_size(), special).astype(np.int64)
+    assert int((plain == special.eos_id).sum()) == len(DOCS)
+    ends = np.flatnonzero(plain == special.eos_id)
+    if special.add_bos:  # BOS right after every EOS but the last, and first
+        assert plain[0] == special.bos_id and (plain[ends[:-1] + 1] == special.bos_id).all()
+        assert int((plain == special.bos_id).sum()) == len(DOCS)
+
+
+def test_config_keys_override_the_folder_and_bad_ones_name_the_fix(hf_folders, tmp_path):
+    path = hf_folders["llama-bpe"] / "tokenizer.json"
+    eot = read_special_tokens(path, eos_token="<|eot_id|>", add_bos="false")
+    assert (eot.eos, eot.eos_id, eot.add_bos) == ("<|eot_id|>", 128009, False)
+    with pytest.raises(SpecialTokenError, match=r"data.eos_token names EOS '<\|nope\|>', which is not in"):
+        read_special_tokens(path, eos_token="<|nope|>")
+    # a tokenizer with no end-of-text token at all
+    tok = Tokenizer(models.WordLevel({"<unk>": 0, "hello": 1}, unk_token="<unk>"))
+    tok.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(SpecialTokenError, match="has no end-of-text token.*set data.eos_token"):
+        read_special_tokens(tmp_path / "tokenizer.json")
+    with pytest.raises(SpecialTokenError, match="no BOS token"):
+        read_special_tokens(hf_folders["qwen2"] / "tokenizer.json", add_bos="true")
+
+
+def test_a_tokenizer_larger_than_the_embedding_stops_before_ray(hf_folders, make_cfg):
+    from raysc.driver import check_inputs
+
+    cfg = make_cfg(f'data.tokenizer="{hf_folders["qwen2"] / "tokenizer.json"}"', "model.vocab_size=65536")
+    with pytest.raises(ValueError, match=r"has 151936 tokens but model.vocab_size is 65536.*model.vocab_size >= 151936"):
+        check_inputs(cfg)
+
+
+def _tiny_model(vocab: int):
+    from raysc.config.schema import ModelConfig
+    from raysc.model.llama import Llama
+
+    return Llama(ModelConfig(vocab_size=vocab, dim=64, n_layers=1, n_heads=2, n_kv_heads=1), 64)
+
+
+def test_hugging_face_export_carries_the_source_ids_and_files(hf_folders, tmp_path):
+    from transformers import AutoTokenizer, GenerationConfig
+
+    from raysc.export.hf import export_hf
+
+    src = hf_folders["llama-bpe"]
+    special = read_special_tokens(src / "tokenizer.json")
+    out = export_hf(_tiny_model(128256), src / "tokenizer.json", tmp_path / "export", special=special)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"]) == (128000, 128001)
+    assert GenerationConfig.from_pretrained(out).eos_token_id == 128001
+    assert (out / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
+    tok = AutoTokenizer.from_pretrained(out)
+    assert (tok.bos_token_id, tok.eos_token_id) == (128000, 128001)
+    assert tok("Hello").input_ids[0] == 128000  # the export's tokenizer adds BOS as the source's does
+
+
+@pytest.mark.parametrize("name", BYTE_LEVEL)
+def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cpp_expects(hf_folders, tmp_path,
+                                                                                          name):
+    import gguf
+    import llama_cpp
+
+    from raysc.export.gguf import export_gguf
+
+    src = hf_folders[name] / "tokenizer.json"
+    special = read_special_tokens(src)
+    vocab = Tokenizer.from_file(str(src)).get_vocab_size()
+    path = export_gguf(_tiny_model(vocab), src, tmp_path / f"{name}.gguf", special=special)
+    fields = gguf.GGUFReader(str(path)).fields
+    assert fields["tokenizer.ggml.pre"].contents() == PRE[name]
+    assert fields["tokenizer.ggml.eos_token_id"].contents() == special.eos_id
+    assert fields["tokenizer.ggml.add_bos_token"].contents() == special.add_bos
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    assert llm.token_eos() == special.eos_id
+    wrong = [(t, want) for t, want in _expected_ids(name)
+             if t and llm.tokenize(t.encode(), add_bos=False, special=False) != want]
+    assert not wrong, wrong[:3]
+
+
+def test_gguf_export_refuses_a_sentencepiece_vocabulary_with_the_way_out(hf_folders, tmp_path):
+    from raysc.export.gguf import export_gguf
+
+    src = hf_folders["llama-spm"] / "tokenizer.json"
+    with pytest.raises(ValueError, match="byte fallback.*convert_hf_to_gguf.py"):
+        export_gguf(_tiny_model(32000), src, tmp_path / "spm.gguf")
+
+
+def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_session, hf_folders, make_cfg):
+    """``data.tokenizer`` pointing into a Hugging Face folder: the rows begin documents with
+    <|begin_of_text|> and end them with <|end_of_text|>; the run directory keeps the folder's files and
+    the special tokens; ``raysc export`` and generation use them."""
+    from raysc.cli import main
+    from raysc.data.prepare import prepare_data
+    from raysc.data.special_tokens import run_special_tokens
+    from raysc.driver import train
+    from raysc.export.restore import sample_text
+
+    src = hf_folders["llama-bpe"]
+    cfg = make_cfg(f'data.tokenizer="{src / "tokenizer.json"}"', "model.vocab_size=128256", "train.steps=2",
+                   "model.tie_embeddings=true")
+    packed = prepare_data(cfg)[0]
+    rows = np.concatenate([packed.train, packed.val]).astype(np.int64)
+    assert rows[0, 0] == 128000  # the corpus's first document begins with BOS
+    stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])  # rows share their boundary token
+    ends = np.flatnonzero(stream == 128001)
+    assert len(ends) > 10 and (stream[ends[ends + 1 < len(stream)] + 1] == 128000).all()
+    assert (stream == 128000).sum() in (len(ends), len(ends) + 1)  # one BOS per document
+
+    summary = train(cfg, progress=False)
+    run_dir = Path(cfg.run.dir)
+    assert summary["steps"] == 2
+    special = run_special_tokens(run_dir)
+    assert (special.bos_id, special.eos_id, special.add_bos) == (128000, 128001, True)
+    assert (run_dir / "tokenizer_config.json").read_text() == (src / "tokenizer_config.json").read_text()
+    out = run_dir / "export"
+    assert main(["export", str(run_dir), "--out", str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (128000, 128001, 128256)
+    assert sample_text(run_dir, "Hello", 4, 0.0, 0, 0).startswith("Hello")

@@ -153,6 +153,11 @@ class DataConfig:
                         max=64)
     storage_options: dict = opt_dict("fsspec options for reading data.source when it is an object-store URL")
     tokenizer: str = opt("", "path to an existing tokenizer.json; empty = train a byte-level BPE on the corpus")
+    eos_token: str = opt("", "the token that ends every document (and stops generation); empty = the tokenizer's "
+                             "own, read from its folder (special_tokens_map.json, tokenizer_config.json, config.json)")
+    bos_token: str = opt("", "the token that begins a document; empty = the tokenizer's own, if it has one")
+    add_bos: str = opt("auto", "put the BOS token before every document: auto = as the tokenizer does (Llama 2 and "
+                               "3, Mistral: yes; Qwen2, GPT-2, raysc's own: no)", choices=["auto", "true", "false"])
     tokenizer_sample_mb: float = opt(4.0, "megabytes of corpus text used to train the tokenizer", gt=0.0)
     max_corpus_mb: float = opt(6.0, "cap on the bundled corpus size in megabytes", gt=0.0)
     val_fraction: float = opt(0.01, "share of packed sequences held out for validation loss", min=0.0, max=0.5)

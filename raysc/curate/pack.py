@@ -1,7 +1,8 @@
 """Tokenize curated documents and pack them into per-domain token shards, in Ray Data.
 
 Each Ray Data batch of ``documents/`` (the curation output) is encoded with the run's
-tokenizer (``tokenizers`` batch encoding), documents are joined with ``<|endoftext|>`` per
+tokenizer (``tokenizers`` batch encoding), each document ended by the tokenizer's EOS (and begun by its
+BOS where it adds one: ``raysc.data.special_tokens``, recorded in the index) and joined per
 domain, cut into rows of ``seq_len + 1`` tokens (neighbouring rows share their boundary
 token, as in ``raysc.data.packing``; a batch's tail shorter than a row is dropped and
 counted) and written by the task itself as ``<out>/<domain>/shard-<hash>.npy``, with the
@@ -22,7 +23,8 @@ import json
 import numpy as np
 
 from raysc.data.packing import encode_corpus
-from raysc.data.tokenizer import EOS, EOS_ID, load_tokenizer, sample_texts, train_tokenizer
+from raysc.data.special_tokens import RAYSC, SpecialTokens
+from raysc.data.tokenizer import load_tokenizer, sample_texts, train_tokenizer
 
 _TOKENIZERS: dict[str, object] = {}  # tokenizer JSON sha -> Tokenizer, per worker process
 
@@ -37,17 +39,18 @@ def _tokenizer(tokenizer_json: str):
 
 
 def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_json: str, vocab_size: int,
-               seq_len: int, out_uri: str, options: dict) -> list[dict]:
+               seq_len: int, out_uri: str, options: dict, special: dict | None = None) -> list[dict]:
     """Encode, join and pack one block of documents; write its shards; return their metadata."""
     import fsspec
 
     tok = _tokenizer(tokenizer_json)
+    marks = SpecialTokens.from_dict(special) if special else RAYSC
     fs, root = fsspec.core.url_to_fs(out_uri, **options)
     out = []
     for domain in sorted(set(domains)):
         pick = [i for i, d in enumerate(domains) if d == domain]
         doc_texts = [texts[i] for i in pick]
-        stream = encode_corpus(doc_texts, tok, vocab_size)
+        stream = encode_corpus(doc_texts, tok, vocab_size, marks)
         n_rows = (len(stream) - 1) // seq_len
         if n_rows < 1:
             out.append({"domain": domain, "file": "", "sequences": 0, "tokens": 0, "documents": len(pick),
@@ -55,7 +58,7 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_j
             continue
         rows = stream[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]]
         used = n_rows * seq_len + 1
-        ends = np.flatnonzero(stream == EOS_ID)
+        ends = np.flatnonzero(stream == marks.eos_id)
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
         starts = starts[starts < used]
         name = hashlib.sha1("\0".join(ids[i] for i in pick).encode()).hexdigest()[:16]
@@ -84,10 +87,14 @@ def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: fl
 
 
 def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, seq_len: int, out_uri: str,
-                 options: dict | None = None, log=print, sample_mb: float = 4.0, seed: int = 0) -> dict:
+                 options: dict | None = None, log=print, sample_mb: float = 4.0, seed: int = 0,
+                 special: SpecialTokens | None = None) -> dict:
     """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index.
 
-    ``tokenizer_path`` None trains one (``vocab_size``) on ``sample_mb`` of the documents."""
+    ``tokenizer_path`` None trains one (``vocab_size``) on ``sample_mb`` of the documents. ``special``:
+    the special tokens to pack with (default: the tokenizer's own, ``read_special_tokens``)."""
+    from raysc.data.special_tokens import read_special_tokens
+
     import fsspec
     import ray
 
@@ -105,11 +112,13 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
             raise ValueError(f"tokenizer {tokenizer_path!r} has {tok.get_vocab_size()} tokens but model.vocab_size "
                              f"is {vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")
         tokenizer_json = tok.to_str()
+        special = special or read_special_tokens(tokenizer_path, tok=tok)
     else:
         log(f"pack: training a {vocab_size}-token BPE tokenizer on {sample_mb} MB of the curated documents")
         tokenizer_json = _sample_tokenizer(f"{root}/documents", arrow_fs, vocab_size, sample_mb, seed)
     docs = ray.data.read_parquet(f"{root}/documents", filesystem=arrow_fs).select_columns(["id", "text", "domain"])
-    args = (tokenizer_json, vocab_size, seq_len, out_uri.rstrip("/"), options)
+    special = special or RAYSC
+    args = (tokenizer_json, vocab_size, seq_len, out_uri.rstrip("/"), options, special.to_dict())
 
     def block(batch: dict) -> dict:
         meta = pack_block(list(batch["id"]), list(batch["text"]), list(batch["domain"]), *args)
@@ -118,7 +127,8 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
 
     rows = sorted(docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(),
                   key=lambda r: (r["domain"], r["file"]))
-    index: dict = {"format": "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len, "eos": EOS, "tokenizer": "tokenizer.json",
+    index: dict = {"format": "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len,
+                   "eos": special.eos, "special_tokens": special.to_dict(), "tokenizer": "tokenizer.json",
                    "tokenizer_source": tokenizer_path or "trained by raysc pack",
                    "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(), "domains": {}}
     for r in rows:

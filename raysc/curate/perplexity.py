@@ -13,9 +13,9 @@ per domain, since code and prose have different perplexities under any model.
   JSON) reaches the actors through Ray's object store, so an actor on another node needs neither
   the run directory nor the checkpoint store.
 - A document's score is the mean next-token negative log-likelihood of its first
-  ``quality.score_tokens`` tokens (at most the model's context), each predicted after an
-  end-of-sequence token as training sees a document start, and ``q_ppl`` = exp of that. A document
-  of no tokens scores ``inf`` (worst).
+  ``quality.score_tokens`` tokens (at most the model's context), each predicted after the token that
+  precedes a document in training (the run's BOS when it adds one, else its EOS), and ``q_ppl`` =
+  exp of that. A document of no tokens scores ``inf`` (worst).
 - Percentiles per domain (``thresholds``) come from every score (a uniform sample of
   ``PERCENTILE_SAMPLE`` above that): ``q_ppl_bucket`` is head / middle / tail, and with
   ``quality.keep_top_percent`` < 100 a document above its domain's percentile is dropped with the
@@ -54,6 +54,7 @@ class Reference:
     context: int
     weights: dict[str, np.ndarray]
     tokenizer_json: str
+    start_id: int = 0  # what precedes a document in the run's packed rows
 
 
 def load_reference(run_dir: str) -> Reference:
@@ -67,7 +68,8 @@ def load_reference(run_dir: str) -> Reference:
     run = load_run(run_dir)
     weights = {k: v.detach().float().numpy() for k, v in run.model.state_dict().items()}
     return Reference(str(Path(run_dir).resolve()), run.step, asdict(run.cfg.model), run.model.max_seq_len, weights,
-                     Path(run.tokenizer_path).read_text(encoding="utf-8"))
+                     Path(run.tokenizer_path).read_text(encoding="utf-8"),
+                     run.special.bos_id if run.special.add_bos else run.special.eos_id)
 
 
 class PerplexityScorer:
@@ -89,22 +91,21 @@ class PerplexityScorer:
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_str(ref.tokenizer_json)
         self.tokens = min(score_tokens, ref.context)
+        self.start_id = ref.start_id
 
     def __call__(self, batch: dict) -> dict:
-        ids = [e.ids[:self.tokens] for e in self.tokenizer.encode_batch(list(batch["text"]))]
+        ids = [e.ids[:self.tokens] for e in self.tokenizer.encode_batch(list(batch["text"]), add_special_tokens=False)]
         out = dict(batch)
-        out["q_ppl"] = document_perplexities(self.model, ids, self.device)
+        out["q_ppl"] = document_perplexities(self.model, ids, self.device, self.start_id)
         return out
 
 
-def document_perplexities(model, docs: list[list[int]], device=None) -> np.ndarray:
-    """exp(mean next-token NLL) of each token list under ``model``, every list predicted after an
-    end-of-sequence token; ``inf`` for an empty one. Lists are scored in length-sorted micro-batches,
-    padded at the end (a causal model's earlier positions do not see the padding)."""
+def document_perplexities(model, docs: list[list[int]], device=None, start_id: int = 0) -> np.ndarray:
+    """exp(mean next-token NLL) of each token list under ``model``, every list predicted after
+    ``start_id`` (the token before a document in training: EOS, or BOS where the run adds one); ``inf``
+    for an empty one. Lists are scored in length-sorted micro-batches, padded at the end (a causal model's earlier positions do not see the padding)."""
     import torch
     import torch.nn.functional as F
-
-    from raysc.data.tokenizer import EOS_ID
 
     out = np.full(len(docs), np.inf)
     order = sorted((i for i, d in enumerate(docs) if d), key=lambda i: len(docs[i]))
@@ -112,7 +113,7 @@ def document_perplexities(model, docs: list[list[int]], device=None) -> np.ndarr
         for s in range(0, len(order), MICRO_BATCH):
             chunk = order[s:s + MICRO_BATCH]
             width = max(len(docs[i]) for i in chunk)
-            x = torch.full((len(chunk), width + 1), EOS_ID, dtype=torch.long)
+            x = torch.full((len(chunk), width + 1), start_id, dtype=torch.long)
             y = torch.full((len(chunk), width), -100, dtype=torch.long)
             for r, i in enumerate(chunk):
                 n = len(docs[i])

@@ -1,8 +1,9 @@
 """Tokenize and pack a corpus into fixed-length training sequences.
 
-Documents are encoded with the run's tokenizer, each followed by ``<|endoftext|>``,
-concatenated in corpus order and cut into rows of ``seq_len + 1`` tokens (inputs
-are ``row[:-1]``, targets ``row[1:]``); consecutive rows share one boundary token
+Documents are encoded with the run's tokenizer, each followed by the tokenizer's end-of-text
+token (and preceded by its begin-of-text token when the tokenizer adds one: Llama 2 and 3,
+Mistral; ``raysc.data.special_tokens``), concatenated in corpus order and cut into rows of
+``seq_len + 1`` tokens (inputs are ``row[:-1]``, targets ``row[1:]``); consecutive rows share one boundary token
 so no token is lost as a target. Every ``round(1/val_fraction)``-th row is held
 out for validation, which spreads the held-out set over every domain.
 
@@ -20,7 +21,7 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from raysc.data.tokenizer import EOS_ID
+from raysc.data.special_tokens import RAYSC, SpecialTokens
 
 
 @dataclass
@@ -47,12 +48,21 @@ def pack_tokens(stream: np.ndarray, seq_len: int) -> np.ndarray:
     return stream[idx]
 
 
-def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int) -> np.ndarray:
+def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int,
+                  special: SpecialTokens = RAYSC) -> np.ndarray:
+    """The documents' tokens, each document as ``[BOS] ids EOS`` (BOS when ``special.add_bos``), joined.
+    The tokenizer's own post-processor is not run (``add_special_tokens=False``): BOS and EOS are added
+    here, once each, whatever the tokenizer's template would add."""
     dtype = np.uint16 if vocab_size <= 65536 else np.uint32
+    head = np.asarray([special.bos_id] if special.add_bos else [], dtype=dtype)
+    tail = np.asarray([special.eos_id], dtype=dtype)
     pieces = []
     for enc in tok.encode_batch(texts, add_special_tokens=False):
-        pieces.append(np.asarray(enc.ids, dtype=dtype))
-        pieces.append(np.asarray([EOS_ID], dtype=dtype))
+        ids = enc.ids
+        # a document whose text already begins with BOS or ends with EOS keeps one of each, never two
+        start = 1 if special.add_bos and ids[:1] == [special.bos_id] else 0
+        stop = len(ids) - 1 if len(ids) > start and ids[-1] == special.eos_id else len(ids)
+        pieces += [head, np.asarray(ids[start:stop], dtype=dtype), tail]
     return np.concatenate(pieces) if pieces else np.zeros(0, dtype=dtype)
 
 
@@ -71,18 +81,21 @@ def split_rows(rows: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.nd
 
 
 def build_packed(texts: list[str], tokenizer_path: str | Path, corpus_sha: str, seq_len: int,
-                 val_fraction: float, cache_dir: str | Path) -> PackedData:
+                 val_fraction: float, cache_dir: str | Path, special: SpecialTokens = RAYSC) -> PackedData:
     """Encode, pack and split ``texts``; cached under ``cache_dir/packed``."""
     tok_bytes = Path(tokenizer_path).read_bytes()
+    # the special tokens are part of the key: the same tokenizer with BOS added packs other rows
+    bos = special.bos_id if special.add_bos else None
+    marks = "" if (special.eos_id, bos) == (RAYSC.eos_id, None) else f":{bos}:{special.eos_id}"
     key = hashlib.sha256(
-        f"{corpus_sha}:{hashlib.sha256(tok_bytes).hexdigest()}:{seq_len}:{val_fraction}".encode()
+        f"{corpus_sha}:{hashlib.sha256(tok_bytes).hexdigest()}:{seq_len}:{val_fraction}{marks}".encode()
     ).hexdigest()[:16]
     base = Path(cache_dir) / "packed" / key
     if (base / "info.json").is_file():
         return PackedData(np.load(base / "train.npy"), np.load(base / "val.npy"),
                           json.loads((base / "info.json").read_text()))
     tok = Tokenizer.from_str(tok_bytes.decode())
-    stream = encode_corpus(texts, tok, tok.get_vocab_size())
+    stream = encode_corpus(texts, tok, tok.get_vocab_size(), special)
     train, val = split_rows(pack_tokens(stream, seq_len), val_fraction)
     info = {"key": key, "tokens": int(len(stream)), "documents": len(texts), "seq_len": seq_len,
             "train_sequences": int(len(train)), "val_sequences": int(len(val))}

@@ -23,6 +23,7 @@ from raysc.config.syntax import parse_schedule
 from raysc.data.corpus import build_bundled_corpus, corpus_meta, read_documents
 from raysc.data.packing import PackedData, build_packed, split_rows
 from raysc.data.shards import load_domains, read_index
+from raysc.data.special_tokens import SpecialTokens, read_special_tokens
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
 from raysc.hashing import file_sha256
 
@@ -50,17 +51,33 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
                                         file_sha256_dir(corpus))
     if d.tokenizer:
         tok_path = Path(d.tokenizer)
-        vocab = load_tokenizer(tok_path).get_vocab_size()
-        if vocab > cfg.model.vocab_size:
-            raise ValueError(
-                f"data.tokenizer {d.tokenizer!r} has {vocab} tokens but model.vocab_size is "
-                f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}")
+        special = check_tokenizer(cfg, tok_path)
     else:
         tok_path = build_tokenizer(texts, cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed,
                                    d.cache_dir, corpus_sha)
-    packed = build_packed(texts, tok_path, corpus_sha, cfg.train.seq_len, d.val_fraction, d.cache_dir)
-    info = {"corpus": meta, "corpus_sha256": corpus_sha, "tokenizer": str(tok_path), **packed.info}
+        special = special_tokens(cfg, tok_path)
+    packed = build_packed(texts, tok_path, corpus_sha, cfg.train.seq_len, d.val_fraction, d.cache_dir, special)
+    info = {"corpus": meta, "corpus_sha256": corpus_sha, "tokenizer": str(tok_path), **packed.info,
+            "special_tokens": special.to_dict()}
     return packed, tok_path, info
+
+
+def check_tokenizer(cfg: Config, tok_path: str | Path) -> SpecialTokens:
+    """A tokenizer the model can train with: it fits the embedding and names the token that ends a
+    document (``SpecialTokenError``, a ValueError, otherwise); its special tokens."""
+    tok = load_tokenizer(tok_path)
+    if tok.get_vocab_size() > cfg.model.vocab_size:
+        raise ValueError(f"tokenizer {str(tok_path)!r} has {tok.get_vocab_size()} tokens but model.vocab_size is "
+                         f"{cfg.model.vocab_size}: the embedding has no row for its top ids; set model.vocab_size >= "
+                         f"{tok.get_vocab_size()} (or use the checkpoint's own tokenizer)")
+    d = cfg.data
+    return read_special_tokens(tok_path, d.eos_token, d.bos_token, d.add_bos, tok=tok)
+
+
+def special_tokens(cfg: Config, tok_path: str | Path) -> SpecialTokens:
+    """The run's special tokens: the tokenizer's (read beside it), with ``data.*_token`` overrides."""
+    d = cfg.data
+    return read_special_tokens(tok_path, d.eos_token, d.bos_token, d.add_bos)
 
 
 def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
@@ -92,7 +109,8 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
             "tokens": sum(m["tokens"] for m in index["domains"].values()),
             "documents": sum(m["documents"] for m in index["domains"].values()), "seq_len": cfg.train.seq_len,
             "train_sequences": sum(len(v) for v in train.values()), "val_sequences": sum(len(v) for v in val),
-            "domains": {k: len(v) for k, v in train.items()}, "schedule": schedule}
+            "domains": {k: len(v) for k, v in train.items()}, "schedule": schedule,
+            "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict()}
     return PackedData(train, np.concatenate(val), info), tok_path, info
 
 

@@ -1,15 +1,13 @@
-"""Byte-level BPE tokenizer trained locally with Hugging Face ``tokenizers``.
+"""Byte-level BPE tokenizer trained locally with Hugging Face ``tokenizers``, and loading any
+``tokenizer.json``.
 
-One special token, ``<|endoftext|>`` (id 0), separates documents and serves as
-BOS/EOS. Training reads a seeded sample of the corpus (``data.tokenizer_sample_mb``)
-so the result is a pure function of (corpus, vocab size, seed); the trained
-``tokenizer.json`` is what ``PreTrainedTokenizerFast`` loads on export.
+A trained tokenizer has one special token, ``<|endoftext|>`` (id 0), that ends every document (no
+BOS). Training reads a seeded sample of the corpus (``data.tokenizer_sample_mb``) so the result is a
+pure function of (corpus, vocab size, seed); the trained ``tokenizer.json`` is what
+``PreTrainedTokenizerFast`` loads on export.
 
-``load_tokenizer`` refuses any other tokenizer.json — a public Llama checkpoint's, read with
-``--init-from``, ends documents with ``</s>`` (Llama 2) or ``<|end_of_text|>`` (Llama 3) — because
-packing, the Hugging Face and GGUF exports and generation all write and stop at id 0: such a
-tokenizer would train on documents joined by whatever token id 0 is. The error names the
-tokenizer's own end token when it has a known one, and what to use instead.
+``load_tokenizer`` loads any tokenizer.json (a public checkpoint's too); which ids end and begin a
+document is read beside it by ``raysc.data.special_tokens``, never assumed.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 EOS = "<|endoftext|>"
 EOS_ID = 0
-# end-of-text tokens of public tokenizers, named in the refusal: Llama 3, Llama 2 / Mistral, Gemma, ChatML
-OTHER_ENDS = ("<|end_of_text|>", "</s>", "<eos>", "<|im_end|>")
 
 
 def sample_texts(texts: list[str], sample_mb: float, seed: int) -> list[str]:
@@ -75,19 +71,8 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     p = Path(path)
     if not p.is_file():
         raise FileNotFoundError(f"tokenizer file {str(p)!r} does not exist")
-    tok = Tokenizer.from_file(str(p))
-    eos = tok.token_to_id(EOS)
-    if eos != EOS_ID:
-        raise ValueError(f"tokenizer {str(p)!r} {_eos_problem(tok, eos)}: raysc ends every document with {EOS} "
-                         f"at id {EOS_ID} (packing, export and generation use that id) and cannot map another "
-                         f"end-of-text token. Fix: use a tokenizer raysc trained (data.tokenizer empty) or one a "
-                         f"raysc export wrote; with --init-from, continue from a raysc export (`raysc export`), "
-                         f"whose tokenizer.json has it: public Llama checkpoints' tokenizers are not supported yet")
-    return tok
-
-
-def _eos_problem(tok: Tokenizer, eos: int | None) -> str:
-    if eos is not None:
-        return f"has {EOS} at id {eos}, not {EOS_ID}"
-    own = [f"{t!r} (id {tok.token_to_id(t)})" for t in OTHER_ENDS if tok.token_to_id(t) is not None]
-    return f"has no {EOS} token" + (f"; its end-of-text token is {own[0]}" if own else "")
+    try:
+        return Tokenizer.from_file(str(p))
+    except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
+        raise ValueError(f"{str(p)!r} is not a tokenizer.json that Hugging Face tokenizers can read ({e}); "
+                         f"point data.tokenizer at a tokenizer.json file") from None

@@ -7,12 +7,16 @@ quantizes Q8_0/Q4_0 blocks; what is ours is the mapping:
   dimension, RMSNorm epsilon, RoPE base and dimension, context length;
 - the run's byte-level BPE ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer
   model: tokens in id order (padded to the embedding's size with unused
-  ``[PAD<id>]`` tokens), merges, token types (``<|endoftext|>`` control), BOS =
-  EOS = id 0 and no automatic BOS, the same as the Hugging Face export. Its
-  pre-tokenizer is ``gpt-2``: llama.cpp splits text with GPT-2's regex for it,
-  the regex of the ``tokenizers`` ByteLevel pre-tokenizer we train with
-  (``raysc.data.tokenizer``); tests/test_export_gguf.py checks that llama.cpp
-  tokenizes like raysc;
+  ``[PAD<id>]`` tokens), merges, token types (special tokens control), and the run's
+  BOS, EOS and whether BOS is added (``raysc.data.special_tokens``), the same as the
+  Hugging Face export. The pre-tokenizer name tells llama.cpp which regex splits text
+  (``pre_tokenizer_name``): ``gpt-2`` for the ``tokenizers`` ByteLevel pre-tokenizer
+  raysc trains with (tests/test_export_gguf.py checks that llama.cpp tokenizes like
+  raysc), ``llama-bpe`` for Llama 3's split, ``qwen2`` for Qwen2's. llama.cpp's own
+  converter recognises a pre-tokenizer by hashing what it does to a test text; we
+  read the split regex from tokenizer.json instead, which needs no table of hashes.
+  SentencePiece vocabularies (llama.cpp's ``llama`` model: Llama 2, Mistral) are
+  refused with the reason;
 - q/k projections permuted from our rotary layout ("rotate half": dimension i
   pairs with i + head_dim/2) to the interleaved pairs (2i, 2i+1) that llama.cpp's
   ``llama`` architecture rotates, the permutation llama.cpp's HF converter applies;
@@ -37,7 +41,7 @@ import gguf
 import numpy as np
 import torch
 
-from raysc.data.tokenizer import EOS_ID
+from raysc.data.special_tokens import SpecialTokens, special_tokens_beside
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 
@@ -45,7 +49,13 @@ Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
-PRE_TOKENIZER = "gpt-2"
+# the split regexes of public byte-level BPE tokenizers (tokenizer.json's pre_tokenizer Split pattern), by
+# llama.cpp's pre-tokenizer name; they differ in how digits group (\p{N}{1,3} against \p{N})
+_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+           r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+SPLIT_PRE_TOKENIZERS = {_LLAMA3: "llama-bpe", _QWEN2: "qwen2"}
 
 T = gguf.MODEL_TENSOR
 _LAYER_TENSORS = {
@@ -78,9 +88,12 @@ def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
     """tokens, token types and merges of a byte-level BPE ``tokenizer.json`` for a ``gpt2`` GGUF vocab."""
     spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
     model = spec.get("model") or {}
-    if model.get("type") != "BPE":
-        raise ValueError(f"{tokenizer_json}: GGUF export handles byte-level BPE tokenizers, not "
-                         f"{model.get('type')!r}; export a run trained with raysc's tokenizer")
+    if model.get("type") != "BPE" or model.get("byte_fallback"):
+        kind = "SentencePiece-style BPE (byte fallback: Llama 2, Mistral)" if model.get("byte_fallback") else \
+            repr(model.get("type"))
+        raise ValueError(f"{tokenizer_json}: GGUF export handles byte-level BPE tokenizers (raysc's own, GPT-2, "
+                         f"Llama 3, Qwen2), not {kind}; export this run with `raysc export` (Hugging Face "
+                         f"format) and convert it with llama.cpp's convert_hf_to_gguf.py")
     by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
     control = set()
     for added in spec.get("added_tokens", []):
@@ -99,7 +112,26 @@ def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return {"tokens": tokens, "types": types, "merges": merges}
+    return {"tokens": tokens, "types": types, "merges": merges, "pre": pre_tokenizer_name(spec, tokenizer_json)}
+
+
+def pre_tokenizer_name(spec: dict, where: str | Path = "tokenizer.json") -> str:
+    """llama.cpp's name (``tokenizer.ggml.pre``) for the pre-tokenizer of ``spec`` (a tokenizer.json):
+    ``gpt-2`` for a plain ByteLevel with its own regex, else by the Split regex before a ByteLevel."""
+    pre = spec.get("pre_tokenizer") or {}
+    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
+    split = [p for p in steps if p.get("type") == "Split"]
+    level = [p for p in steps if p.get("type") == "ByteLevel"]
+    if not split and len(level) == 1 and level[0].get("use_regex", True):
+        return "gpt-2"
+    if len(split) == 1 and level:
+        pattern = split[0].get("pattern") or {}
+        name = SPLIT_PRE_TOKENIZERS.get(pattern.get("Regex", ""))
+        if name:
+            return name
+    raise ValueError(f"{where}: its pre-tokenizer ({json.dumps(pre)[:200]}) is none that raysc's GGUF export "
+                     f"knows (GPT-2's ByteLevel, Llama 3's or Qwen2's split); export with `raysc export` "
+                     f"(Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py")
 
 
 def tensor_type(name: str, shape: tuple[int, ...], qtype: str, tied: bool) -> Q:
@@ -116,12 +148,14 @@ def tensor_type(name: str, shape: tuple[int, ...], qtype: str, tied: bool) -> Q:
 
 
 def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, qtype: str = "f32",
-                name: str = "raysc", blocks: dict[str, np.ndarray] | None = None) -> Path:
+                name: str = "raysc", blocks: dict[str, np.ndarray] | None = None,
+                special: SpecialTokens | None = None) -> Path:
     """Write ``model`` and its tokenizer as one GGUF file of type ``qtype`` (f32, f16, q8_0, q4_0).
 
     ``blocks``: raysc parameter name -> that matrix's blocks of the type ``tensor_type`` gives it
     (uint8, one row of blocks per weight row, rows in raysc's order), written instead of quantizing
-    the weight here; they must be blocks of the weights as exported (μP folded)."""
+    the weight here; they must be blocks of the weights as exported (μP folded). ``special``: the
+    special tokens (default: the run's, read beside ``tokenizer_json``)."""
     if qtype not in TYPES:
         raise ValueError(f"GGUF type {qtype!r} is not one of {', '.join(TYPES)}")
     c = model.cfg
@@ -145,14 +179,17 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
     w.add_layer_norm_rms_eps(c.norm_eps)
 
     tok = tokenizer_fields(tokenizer_json, c.vocab_size)
+    special = special or special_tokens_beside(tokenizer_json)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(PRE_TOKENIZER)
+    w.add_tokenizer_pre(tok["pre"])
     w.add_token_list(tok["tokens"])
     w.add_token_types(tok["types"])
     w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(EOS_ID)
-    w.add_eos_token_id(EOS_ID)
-    w.add_add_bos_token(False)
+    w.add_bos_token_id(special.eos_id if special.bos_id is None else special.bos_id)
+    w.add_eos_token_id(special.eos_id)
+    if special.pad_id is not None:
+        w.add_pad_token_id(special.pad_id)
+    w.add_add_bos_token(special.add_bos)
     w.add_add_eos_token(False)
 
     # a tied output matrix appears once, as embed.weight (named_parameters lists shared ones once)

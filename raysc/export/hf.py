@@ -2,7 +2,8 @@
 
 Writes ``model.safetensors`` (HF parameter names), ``config.json`` for
 ``LlamaForCausalLM``, ``generation_config.json`` and the tokenizer files that
-``PreTrainedTokenizerFast`` reads. Our rotary layout already matches HF's
+``PreTrainedTokenizerFast`` reads. The special-token ids are the run's (``raysc.data.special_tokens``):
+a public tokenizer's files are copied as they came, a raysc-trained one gets files written for it. Our rotary layout already matches HF's
 ("rotate half"), so q/k weights are copied without permutation. The name mapping lives in
 ``raysc.model.hf_names`` (import reads it backwards).
 """
@@ -10,19 +11,18 @@ Writes ``model.safetensors`` (HF parameter names), ``config.json`` for
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import save_file
 
-from raysc.data.tokenizer import EOS, EOS_ID
+from raysc.data.special_tokens import SpecialTokens, copy_tokenizer, special_tokens_beside
 from raysc.model.hf_names import hf_name
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 
 
-def hf_config(model: Llama, dtype: str) -> dict:
+def hf_config(model: Llama, dtype: str, special: SpecialTokens) -> dict:
     c = model.cfg
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -33,7 +33,7 @@ def hf_config(model: Llama, dtype: str) -> dict:
         "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std,
-        "bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "use_cache": True, "torch_dtype": dtype,
+        "bos_token_id": _bos_id(special), "eos_token_id": special.eos_id, "use_cache": True, "torch_dtype": dtype,
     }
 
 
@@ -44,8 +44,14 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def _bos_id(special: SpecialTokens) -> int:
+    return special.eos_id if special.bos_id is None else special.bos_id  # no BOS: transformers wants an id
+
+
 def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
-              dtype: torch.dtype = torch.float32) -> Path:
+              dtype: torch.dtype = torch.float32, special: SpecialTokens | None = None) -> Path:
+    """``tokenizer_json`` is a run's (its special tokens are read beside it unless ``special`` is given)."""
+    special = special or special_tokens_beside(tokenizer_json)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {}
@@ -56,15 +62,19 @@ def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
         tensors[hf_name(name)] = p.detach().to("cpu", dtype).contiguous().clone()
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     dtype_name = str(dtype).removeprefix("torch.")
-    (out / "config.json").write_text(json.dumps(hf_config(model, dtype_name), indent=2))
+    (out / "config.json").write_text(json.dumps(hf_config(model, dtype_name, special), indent=2))
+    copy_tokenizer(tokenizer_json, out)  # with its tokenizer_config.json and special_tokens_map.json, if any;
+    # the generation config is the run's own (the source's sampling defaults are not the export's)
+    stops = list(special.stops)
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": EOS_ID, "eos_token_id": EOS_ID, "do_sample": False}, indent=2))
-    shutil.copyfile(tokenizer_json, out / "tokenizer.json")
-    special = {"bos_token": EOS, "eos_token": EOS, "unk_token": EOS}
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.max_seq_len,
-         "add_bos_token": False, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-         "chat_template": CHAT_TEMPLATE, **special},
-        indent=2))
-    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2))
+        {"bos_token_id": _bos_id(special), "eos_token_id": stops[0] if len(stops) == 1 else stops,
+         "do_sample": False}, indent=2))
+    if not (out / "tokenizer_config.json").is_file():  # a raysc-trained tokenizer: its files written here
+        tokens = {"bos_token": special.bos or special.eos, "eos_token": special.eos, "unk_token": special.eos}
+        (out / "tokenizer_config.json").write_text(json.dumps(
+            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.max_seq_len,
+             "add_bos_token": special.add_bos, "add_eos_token": False, "clean_up_tokenization_spaces": False,
+             "chat_template": CHAT_TEMPLATE, **tokens},
+            indent=2))
+        (out / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2))
     return out

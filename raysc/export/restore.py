@@ -25,7 +25,8 @@ from raysc.checkpoint.store import CheckpointStore, local_copy_dir, read_run_id
 from raysc.config.load import load_config
 from raysc.config.schema import Config
 from raysc.config.secrets import REDACTED
-from raysc.data.tokenizer import EOS_ID, load_tokenizer
+from raysc.data.special_tokens import SpecialTokens, special_tokens_beside
+from raysc.data.tokenizer import load_tokenizer
 from raysc.model.generate import generate
 from raysc.model.llama import Llama, build_model
 
@@ -37,6 +38,11 @@ class RunModel:
     tokenizer_path: Path
     checkpoint: str
     step: int
+
+    @property
+    def special(self) -> SpecialTokens:
+        """The special tokens the run packed with (its EOS ends generation)."""
+        return special_tokens_beside(self.tokenizer_path)
 
 
 def run_config(run_dir: str | Path) -> Config:
@@ -106,5 +112,7 @@ def sample_text(run_dir: str | Path, prompt: str, max_new_tokens: int, temperatu
     (``raysc generate``, the demo's samples)."""
     run = load_run(run_dir)
     tok = load_tokenizer(run.tokenizer_path)
-    ids = generate(run.model, tok.encode(prompt).ids, max_new_tokens, temperature, top_k, seed, EOS_ID)
+    ids = generate(run.model, run.special.begin(tok.encode(prompt, add_special_tokens=False).ids), max_new_tokens, temperature, top_k, seed,
+                   run.special.stops)
     return prompt + tok.decode(ids)
+

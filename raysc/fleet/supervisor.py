@@ -27,6 +27,7 @@ import ray
 from raysc.checkpoint.storage import step_name
 from raysc.config.load import config_from_dict, config_hash, dump_config
 from raysc.data.prepare import prepare_data
+from raysc.data.special_tokens import SpecialTokens, copy_tokenizer, write_special_tokens
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
@@ -203,7 +204,10 @@ class Supervisor:
             self._init_from()
         self._phase = "preparing data"
         packed, tok_path, data_info = prepare_data(self.cfg)
-        (self.run_dir / "tokenizer.json").write_bytes(Path(tok_path).read_bytes())
+        # the tokenizer as it came (with the files beside it that name its special tokens) and the special
+        # tokens this run packed with: exports, generation and serving read them from the run directory
+        copy_tokenizer(tok_path, self.run_dir)
+        write_special_tokens(self.run_dir, SpecialTokens.from_dict(data_info["special_tokens"]))
         self._event(EventKind.DATA_READY, **{k: data_info[k] for k in (
             "tokens", "documents", "train_sequences", "val_sequences", "corpus_sha256", "domains", "schedule")
             if k in data_info})

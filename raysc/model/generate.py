@@ -8,6 +8,8 @@ Serve (docs/architecture.md), above the model, never imported by training code.
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 
 from raysc.model.llama import Llama
@@ -15,8 +17,10 @@ from raysc.model.llama import Llama
 
 @torch.no_grad()
 def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, stop_id: int | None = None) -> list[int]:
-    """Return the generated continuation (without the prompt). temperature 0 means greedy."""
+             top_k: int = 0, seed: int = 0, stop_id: int | Iterable[int] | None = None) -> list[int]:
+    """Return the generated continuation (without the prompt), ended before the first of ``stop_id``
+    (an id or several: a tokenizer's EOS and its generation config's others). temperature 0 means greedy."""
+    stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
     device = next(model.parameters()).device
@@ -35,7 +39,7 @@ def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperatu
                 kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=gen))
-        if stop_id is not None and nxt == stop_id:
+        if nxt in stops:
             break
         out.append(nxt)
         ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)

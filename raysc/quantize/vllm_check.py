@@ -31,7 +31,8 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
     import torch
 
     from raysc.config.schema import ModelConfig
-    from raysc.data.tokenizer import EOS_ID, load_tokenizer
+    from raysc.data.special_tokens import read_special_tokens
+    from raysc.data.tokenizer import load_tokenizer
     from raysc.export.hf import hf_name
     from raysc.model.generate import generate
     from raysc.model.llama import Llama
@@ -51,14 +52,19 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
         for n, p in model.named_parameters():
             p.copy_(weights[hf_name(n)])
     tok = load_tokenizer(path / "tokenizer.json")
+    special = read_special_tokens(path / "tokenizer.json", tok=tok)  # the export's own files say its EOS
     w8a8 = c["quantization_config"]["format"] == "int-quantized"
+
+    def ids(prompt: str) -> list[int]:
+        return special.begin(tok.encode(prompt, add_special_tokens=False).ids)
+
     out = []
     for prompt in prompts:
         if w8a8:
             with int8_activations(model, linear_names(model)):
-                out.append(generate(model, tok.encode(prompt).ids, max_tokens, stop_id=EOS_ID))
+                out.append(generate(model, ids(prompt), max_tokens, stop_id=special.stops))
         else:
-            out.append(generate(model, tok.encode(prompt).ids, max_tokens, stop_id=EOS_ID))
+            out.append(generate(model, ids(prompt), max_tokens, stop_id=special.stops))
     return out
 
 
