@@ -49,18 +49,12 @@ def _gguf(name: str) -> Path:
     return path
 
 
-def _gguf_meta(name: str) -> dict:
-    import gguf
+def _metadata(path: Path) -> dict[str, str]:
+    """A GGUF file's metadata as llama.cpp reads it (its C reader: gguf-py's takes seconds on 128k tokens)."""
+    import llama_cpp
 
-    fields = gguf.GGUFReader(str(_gguf(name))).fields
-    return {k.removeprefix("tokenizer.ggml."): fields[k].contents() for k in fields
-            if k.startswith("tokenizer.ggml.") and k.endswith(("_token_id", "add_bos_token"))}
-
-
-def _gguf_vocab_size(name: str) -> int:
-    import gguf
-
-    return len(gguf.GGUFReader(str(_gguf(name))).fields["tokenizer.ggml.tokens"].data)
+    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    return {**llm.metadata, "n_vocab": str(llm.n_vocab())}
 
 
 def _expected_ids(name: str) -> list[tuple[str, list[int]]]:
@@ -71,35 +65,49 @@ def _expected_ids(name: str) -> list[tuple[str, list[int]]]:
 
 
 @pytest.fixture(scope="session")
-def hf_folders(tmp_path_factory) -> dict[str, Path]:
+def hf_folders() -> dict[str, Path]:
     """A Hugging Face tokenizer folder per family: tokenizer.json from the GGUF vocabulary (transformers'
-    converter), beside the files its repository ships."""
-    from transformers import AutoTokenizer
+    converter), beside the files its repository ships. Built once per transformers version under
+    .cache/llama-vocab/hf (the conversion takes about a minute on 2 cores)."""
+    import shutil
 
-    root = tmp_path_factory.mktemp("hf-tokenizers")
+    import transformers
+
+    root = VOCAB / "hf" / transformers.__version__
     out = {}
     for name, files in FOLDERS.items():
         folder = root / name
-        folder.mkdir()
-        tok: Tokenizer = AutoTokenizer.from_pretrained(str(VOCAB), gguf_file=_gguf(name).name).backend_tokenizer
-        if name == "llama-bpe":  # Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor
-            tok.post_processor = processors.Sequence([
-                processors.ByteLevel(trim_offsets=False),
-                processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                              special_tokens=[("<|begin_of_text|>", 128000)])])
-        else:  # the converter's own template may add BOS; the repository's files say whether it does
-            tok.post_processor = processors.ByteLevel(trim_offsets=False) if name in BYTE_LEVEL else None
-        spec = json.loads(tok.to_str())
-        # the converter adds special tokens the model never had (Llama 3 gains an <|endoftext|> at 128256)
-        n = _gguf_vocab_size(name)
-        spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n]
-        if name == "llama-bpe":  # as Llama 3 ships it: a whole word in the vocabulary wins over the merges
-            spec["model"]["ignore_merges"] = True
-        (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
-        for fname, data in files.items():
-            (folder / fname).write_text(json.dumps(data))
+        if not (folder / "tokenizer.json").is_file():
+            tmp = root / f".{name}.tmp"
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
+            _convert(name, tmp)
+            for fname, data in files.items():
+                (tmp / fname).write_text(json.dumps(data))
+            shutil.rmtree(folder, ignore_errors=True)
+            tmp.rename(folder)
         out[name] = folder
     return out
+
+
+def _convert(name: str, folder: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok: Tokenizer = AutoTokenizer.from_pretrained(str(VOCAB), gguf_file=_gguf(name).name).backend_tokenizer
+    if name == "llama-bpe":  # Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor
+        tok.post_processor = processors.Sequence([
+            processors.ByteLevel(trim_offsets=False),
+            processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
+                                          special_tokens=[("<|begin_of_text|>", 128000)])])
+    else:  # the converter's own template may add BOS; the repository's files say whether it does
+        tok.post_processor = processors.ByteLevel(trim_offsets=False) if name in BYTE_LEVEL else None
+    spec = json.loads(tok.to_str())
+    # the converter adds special tokens the model never had (Llama 3 gains an <|endoftext|> at 128256)
+    n = int(_metadata(_gguf(name))["n_vocab"])
+    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n]
+    if name == "llama-bpe":  # as Llama 3 ships it: a whole word in the vocabulary wins over the merges
+        spec["model"]["ignore_merges"] = True
+    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
 
 
 @pytest.mark.parametrize("name", BYTE_LEVEL)
@@ -120,12 +128,12 @@ def test_special_tokens_come_from_the_folder_and_match_the_gguf_metadata(hf_fold
     special = read_special_tokens(hf_folders[name] / "tokenizer.json")
     bos, eos, adds, pad = EXPECTED[name]
     assert (special.bos_id, special.eos_id, special.add_bos, special.pad_id) == (bos, eos, adds, pad)
-    meta = _gguf_meta(name)
-    assert special.eos_id == meta["eos_token_id"]
+    meta = {k.removeprefix("tokenizer.ggml."): v for k, v in _metadata(_gguf(name)).items()}
+    assert str(special.eos_id) == meta["eos_token_id"]
     if special.bos_id is not None:
-        assert special.bos_id == meta["bos_token_id"]
+        assert str(special.bos_id) == meta["bos_token_id"]
     if "add_bos_token" in meta:
-        assert special.add_bos == meta["add_bos_token"]
+        assert str(special.add_bos).lower() == meta["add_bos_token"]
     assert special.stops[0] == eos
 
 
@@ -212,7 +220,6 @@ def test_hugging_face_export_carries_the_source_ids_and_files(hf_folders, tmp_pa
 @pytest.mark.parametrize("name", BYTE_LEVEL)
 def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cpp_expects(hf_folders, tmp_path,
                                                                                           name):
-    import gguf
     import llama_cpp
 
     from raysc.export.gguf import export_gguf
@@ -221,11 +228,11 @@ def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cp
     special = read_special_tokens(src)
     vocab = Tokenizer.from_file(str(src)).get_vocab_size()
     path = export_gguf(_tiny_model(vocab), src, tmp_path / f"{name}.gguf", special=special)
-    fields = gguf.GGUFReader(str(path)).fields
-    assert fields["tokenizer.ggml.pre"].contents() == PRE[name]
-    assert fields["tokenizer.ggml.eos_token_id"].contents() == special.eos_id
-    assert fields["tokenizer.ggml.add_bos_token"].contents() == special.add_bos
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
+    meta = llm.metadata
+    assert meta["tokenizer.ggml.pre"] == PRE[name]
+    assert meta["tokenizer.ggml.eos_token_id"] == str(special.eos_id)
+    assert meta["tokenizer.ggml.add_bos_token"] == str(special.add_bos).lower()
     assert llm.token_eos() == special.eos_id
     wrong = [(t, want) for t, want in _expected_ids(name)
              if t and llm.tokenize(t.encode(), add_bos=False, special=False) != want]
