@@ -18,6 +18,7 @@ from pathlib import Path
 
 import openai
 
+from greedy_check import greedy_mismatches
 from raysc.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,8 +40,6 @@ def _lines(stream, out: queue.Queue) -> None:
 
 
 def test_raysc_train_then_raysc_serve_on_the_machines_own_cpus(tmp_path, cache_dir):
-    from test_serve import _greedy_mismatches
-
     env, run_dir = _newcomer_env(), tmp_path / "tiny"
     train = subprocess.run([RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress", "--set", "train.steps=20",
                             "--set", f'run.dir="{run_dir}"', "--set", f'data.cache_dir="{cache_dir}"'],
@@ -73,7 +72,7 @@ def test_raysc_train_then_raysc_serve_on_the_machines_own_cpus(tmp_path, cache_d
                                             extra_body={"return_token_ids": True}).choices[0].token_ids
                   for p in PROMPTS]
         assert all(len(ids) == 24 for ids in served), served
-        assert not _greedy_mismatches(run_dir, info["step"], PROMPTS, served)
+        assert not greedy_mismatches(run_dir, info["step"], PROMPTS, served)
     finally:
         serve.send_signal(signal.SIGINT)  # Ctrl-C: undeploys, and the local Ray it started goes with it
         try:

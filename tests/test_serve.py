@@ -27,6 +27,7 @@ from raysc.model.generate import generate
 from raysc.data.tokenizer import load_tokenizer
 
 from conftest import TINY
+from greedy_check import greedy_mismatches
 
 import openai
 import requests
@@ -58,27 +59,6 @@ def _served_ids(client, model_id: str, prompts: list[str]) -> list[list[int]]:
     out = [client.completions.create(model=model_id, prompt=p, max_tokens=NEW, temperature=0,
                                      extra_body={"return_token_ids": True}) for p in prompts]
     return [r.choices[0].token_ids for r in out]
-
-
-def _greedy_mismatches(run_dir: Path, step: int, prompts: list[str], served: list[list[int]]) -> list[str]:
-    """Where ``served`` is not the greedy continuation of the checkpoint: each token must be the
-    argmax of raysc's own logits given the tokens before it (teacher forcing), except at an exact
-    tie, i.e. the top logits within 1e-4 (fp32 kernels of two engines may break those either way)."""
-    import torch
-
-    run = load_run(run_dir, step)
-    tok = load_tokenizer(run.tokenizer_path)
-    bad = []
-    for p, out in zip(prompts, served):
-        ids = tok.encode(p).ids
-        with torch.no_grad():
-            logits = run.model(torch.tensor([ids + out]))[0]
-        for i, t in enumerate(out):
-            row = logits[len(ids) + i - 1]
-            if row[t] < row.max() - 1e-4:
-                bad.append(f"{p!r} token {i}: served {t} ({row[t]:.5f}), argmax {int(row.argmax())} ({row.max():.5f})")
-                break
-    return bad
 
 
 def _cli(*argv: str):
@@ -136,7 +116,7 @@ def test_openai_client_completions_chat_streaming_models_and_usage(served):
     assert dep.model.remote and dep.model.path == served["export"].path  # raysc serve s3://...
     # vLLM serves exactly the trained model (step 20, mirrored from S3): greedy, token for token (up to ties)
     ids = _served_ids(c, dep.model_id, PROMPTS)
-    assert not _greedy_mismatches(served["run_dir"], 20, PROMPTS, ids)
+    assert not greedy_mismatches(served["run_dir"], 20, PROMPTS, ids)
     served["ids_20"] = ids
     tok = load_tokenizer(served["run_dir"] / "tokenizer.json")
     got = [c.completions.create(model=dep.model_id, prompt=p, max_tokens=NEW, temperature=0) for p in PROMPTS[:4]]
@@ -303,7 +283,7 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
     assert new.speculative == {"method": "draft_model", "model": str(Path(draft).resolve()), "num_speculative_tokens": 3}
     assert run_status(run_dir)["serving"]["url"] == new.url  # raysc status lists what serves the run
     ids = _served_ids(served["client"], new.model_id, PROMPTS)  # the app answers again
-    assert not _greedy_mismatches(run_dir, 30, PROMPTS, ids)  # exact at T=0 with speculation
-    assert _greedy_mismatches(run_dir, 20, PROMPTS, ids)  # step 30's weights: the draft's are rejected somewhere
+    assert not greedy_mismatches(run_dir, 30, PROMPTS, ids)  # exact at T=0 with speculation
+    assert greedy_mismatches(run_dir, 20, PROMPTS, ids)  # step 30's weights: the draft's are rejected somewhere
     now = _llm_replicas()
     assert len(now) == 1 and now != [replica]
