@@ -23,6 +23,7 @@ from raysc.data.tokenizer import train_tokenizer
 from raysc.export.hf import export_hf
 from raysc.model import hf_checkpoint
 from raysc.model.hf_checkpoint import CheckpointMismatch, content_sha256
+from raysc.model.llama import Llama
 from raysc.parallel.dims import build_mesh
 from raysc.parity import layout_overrides
 from raysc.ports import free_port
@@ -123,6 +124,61 @@ def test_transformers_checkpoint_gives_transformers_logits(tmp_path):
     assert ((mine - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
 
 
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+RAYSC_LLAMA3 = ["model.rope_theta=500000.0", "model.rope_scaling=llama3", "model.rope_factor=4.0",
+                "model.rope_original_max_position=16"]
+
+
+def test_llama3_rope_scaling_matches_transformers_on_import_export_and_in_llama_cpp(tmp_path):
+    """Llama 3.1's scaled rotary embedding (an original context of 16 so that the 32-token rows reach
+    past it): a transformers checkpoint imports with transformers' logits, raysc's export loads in
+    transformers with raysc's logits, and the GGUF export (rope_freqs) gives llama.cpp the same logits."""
+    import llama_cpp
+    import transformers
+
+    from raysc.export.gguf import export_gguf
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters=LLAMA3_ROPE)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", *RAYSC_LLAMA3]
+    ours = Trainer(load_config(None, [*base, f'model.init_from="{tmp_path / "hf"}"']), ROWS,
+                   measure_peak=False).model.eval()
+    ids = torch.from_numpy(ROWS[:2, :32])
+
+    def close(a, b) -> bool:
+        return ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        assert close(ours(ids), theirs)
+        # the same weights without the scaling are another model: the test can tell
+        plain = Llama(load_config(None, [*base, "model.rope_scaling=none"]).model, 32).eval()
+        plain.load_state_dict(ours.state_dict())
+        assert not close(plain(ids), theirs)
+    tok = tmp_path / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 300).save(str(tok))
+    out = export_hf(ours, tok, tmp_path / "export")
+    assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
+    back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert close(back(ids).logits, theirs)
+    gguf_file = export_gguf(ours, tok, tmp_path / "model.gguf")
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
+    llm.eval(ids[0].tolist())
+    got = torch.tensor(np.array(llm.scores[:32]))
+    # llama.cpp's f32 kernels differ from torch's by ~2e-4 on these logits with or without scaling; the
+    # unscaled model is 30x further away, so the bound tells them apart
+    with torch.no_grad():
+        unscaled = (plain(ids)[0] - theirs[0]).abs().max().item()
+    assert (got - theirs[0]).abs().max().item() < 1e-3 < unscaled / 5
+
+
 def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export, tmp_path):
     params, out = export
     cfg = load_config(None, [*MODEL, "model.ffn_dim=96", f'model.init_from="{out}"'])
@@ -142,6 +198,21 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
     with pytest.raises(CheckpointMismatch, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
                                                  r"\(layers\.1\.mlp\.w_up\.weight\): not in model\.safetensors"):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{cut}"']), ROWS, measure_peak=False)
+    # a llama3-scaled rope into a config without the scaling, and with another factor
+    scaled = tmp_path / "scaled"
+    scaled.mkdir()
+    for f in out.iterdir():
+        (scaled / f.name).write_bytes(f.read_bytes())
+    hf_cfg = json.loads((out / "config.json").read_text())
+    hf_cfg["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": 10000.0}
+    (scaled / "config.json").write_text(json.dumps(hf_cfg))
+    with pytest.raises(CheckpointMismatch, match="rope type 'llama3' but model.rope_scaling = 'none'; set "
+                                                 "model.rope_scaling=llama3"):
+        Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
+    with pytest.raises(CheckpointMismatch, match="rope factor = 4.0 but model.rope_factor = 8.0; set "
+                                                 "model.rope_factor=4.0"):
+        Trainer(load_config(None, [*MODEL, "model.rope_scaling=llama3", "model.rope_original_max_position=16",
+                                   f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     # μP whose folded scales cannot be multiplied back out exactly (m = 64/24)
     with pytest.raises(CheckpointMismatch, match="width multiplier m = 2.66667 is not; set model.mup=false"):
         Trainer(load_config(None, [*MODEL, "model.mup=true", "model.mup_base_width=24",

@@ -228,3 +228,17 @@ def test_cli_plan_ranks_writes_the_fragment_and_profiles(ray_session, make_cfg, 
     overrides = [f"{s}.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}"
                  for s, table in parsed.items() for k, v in table.items()]
     assert load_config(str(cfg_path), overrides).parallel.world_size == 2
+
+
+def test_plan_ranks_the_llama_3_2_1b_recipe(tmp_path, capsys):
+    """The continued pre-training recipe (jobs/configs/llama-3.2-1b.toml: Llama 3.2 1B's shapes, llama3
+    rope scaling, a 128,256-token vocabulary) plans on 8 GPUs."""
+    from raysc.cli import main
+
+    assert main(["plan", "jobs/configs/llama-3.2-1b.toml", "--gpus", "8", "--out", str(tmp_path / "best.toml"),
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["ranked"][0]["layout"] == result["best"]["layout"] and result["ranked"][0]["memory_gb"] < 80
+    from raysc.model.flops import param_count
+
+    assert 1.2e9 < param_count(load_config("jobs/configs/llama-3.2-1b.toml").model)["total"] < 1.3e9  # 1.24 B

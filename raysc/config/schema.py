@@ -27,6 +27,16 @@ class ModelConfig:
     ffn_multiple_of: int = opt(32, "rounding for the automatic ffn_dim", min=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0.0)
     rope_theta: float = opt(10000.0, "rotary embedding base", gt=0.0)
+    rope_scaling: str = opt("none", "rotary frequency scaling: none, or llama3 (Llama 3.1/3.2/3.3: long wavelengths "
+                                    "divided by rope_factor, short ones kept, a smooth band between)",
+                            choices=["none", "llama3"])
+    rope_factor: float = opt(8.0, "llama3 rope scaling: the factor long wavelengths are stretched by", gt=0.0)
+    rope_low_freq_factor: float = opt(1.0, "llama3 rope scaling: wavelengths above original_max_position / this "
+                                           "are scaled", gt=0.0)
+    rope_high_freq_factor: float = opt(4.0, "llama3 rope scaling: wavelengths below original_max_position / this "
+                                            "are kept", gt=0.0)
+    rope_original_max_position: int = opt(8192, "llama3 rope scaling: the context length the model was first "
+                                                 "trained at", min=1)
     tie_embeddings: bool = opt(False, "share the input embedding with the output projection")
     max_seq_len: int = opt(0, "longest sequence the rotary table covers; 0 = train.seq_len", min=0)
     init_std: float = opt(0.02, "standard deviation of the weight initialisation", gt=0.0)

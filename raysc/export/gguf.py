@@ -4,7 +4,9 @@ The ``gguf`` package (llama.cpp's own gguf-py, pure numpy) writes the file and
 quantizes Q8_0/Q4_0 blocks; what is ours is the mapping:
 
 - metadata of llama.cpp's ``llama`` architecture: sizes, GQA head counts, head
-  dimension, RMSNorm epsilon, RoPE base and dimension, context length;
+  dimension, RMSNorm epsilon, RoPE base and dimension, context length; with llama3
+  rope scaling, the ``rope_freqs`` tensor of per-frequency divisors that llama.cpp's
+  converter writes for Llama 3.1;
 - the run's byte-level BPE ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer
   model: tokens in id order (padded to the embedding's size with unused
   ``[PAD<id>]`` tokens), merges, token types (special tokens control), and the run's
@@ -35,6 +37,7 @@ blocks itself (``raysc.quantize.gguf_gptq``: GPTQ's rounding on the Q4_0 grid).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 import gguf
@@ -42,7 +45,7 @@ import numpy as np
 import torch
 
 from raysc.data.special_tokens import SpecialTokens, special_tokens_beside
-from raysc.model.llama import Llama
+from raysc.model.llama import Llama, rope_inv_freq
 from raysc.model.mup import fold_into_weights
 
 Q = gguf.GGMLQuantizationType
@@ -176,6 +179,9 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
     w.add_value_length(c.head_dim)
     w.add_rope_dimension_count(c.head_dim)
     w.add_rope_freq_base(c.rope_theta)
+    if c.rope_scaling == "llama3":  # llama.cpp divides each frequency by its factor from this tensor
+        base = rope_inv_freq(dataclasses.replace(c, rope_scaling="none"))
+        w.add_tensor(gguf.TENSOR_NAMES[T.ROPE_FREQS] + ".weight", (base / rope_inv_freq(c)).numpy().astype(np.float32))
     w.add_layer_norm_rms_eps(c.norm_eps)
 
     tok = tokenizer_fields(tokenizer_json, c.vocab_size)

@@ -30,7 +30,7 @@ def hf_config(model: Llama, dtype: str, special: SpecialTokens) -> dict:
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
         "max_position_embeddings": model.max_seq_len, "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta},
+        "rope_theta": c.rope_theta, **rope_config(c),
         "attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0,
         "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std,
         "bos_token_id": _bos_id(special), "eos_token_id": special.eos_id, "use_cache": True, "torch_dtype": dtype,
@@ -42,6 +42,17 @@ def hf_config(model: Llama, dtype: str, special: SpecialTokens) -> dict:
 # so the model continues the conversation (docs/serving.md).
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def rope_config(c) -> dict:
+    """config.json's rotary keys: transformers 5's ``rope_parameters`` and, for a scaled rope, the
+    ``rope_scaling`` that transformers 4, vLLM and llama.cpp's converter read."""
+    if c.rope_scaling == "none":
+        return {"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
+    scaling = {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
+               "high_freq_factor": c.rope_high_freq_factor,
+               "original_max_position_embeddings": c.rope_original_max_position}
+    return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": c.rope_theta}}
 
 
 def _bos_id(special: SpecialTokens) -> int:

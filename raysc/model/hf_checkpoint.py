@@ -76,13 +76,31 @@ def _power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
 
-def _rope(hf: dict) -> tuple[float | None, str]:
-    """rope_theta and the rope type, from either the old keys or transformers 5's ``rope_parameters``."""
+# llama3 rope scaling: config.json's key -> raysc's model key
+LLAMA3_ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
+                    "high_freq_factor": "rope_high_freq_factor",
+                    "original_max_position_embeddings": "rope_original_max_position"}
+
+
+def _rope(hf: dict) -> tuple[float | None, str, dict]:
+    """rope_theta, the rope type and its parameters, from either the old keys (``rope_theta``,
+    ``rope_scaling``) or transformers 5's ``rope_parameters``."""
     params = hf.get("rope_parameters") or {}
     scaling = hf.get("rope_scaling") or {}
     theta = params.get("rope_theta", hf.get("rope_theta"))
     kind = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
-    return theta, kind
+    return theta, kind, {**scaling, **params}
+
+
+def rope_settings(hf: dict) -> dict:
+    """``ModelConfig`` rotary fields from a config.json (theta and, for llama3, its scaling)."""
+    theta, kind, rope = _rope(hf)
+    out = {"rope_theta": float(theta)} if theta is not None else {}
+    if kind == "llama3":
+        out["rope_scaling"] = "llama3"
+        out.update({ours: type_(rope[key]) for key, ours in LLAMA3_ROPE_KEYS.items() if key in rope
+                    for type_ in [int if ours == "rope_original_max_position" else float]})
+    return out
 
 
 class HFCheckpoint:
@@ -142,7 +160,7 @@ class HFCheckpoint:
             out.append(f"config.json: model_type {hf.get('model_type')!r} is not 'llama'; raysc reads Llama-"
                        f"architecture checkpoints only")
         heads = hf.get("num_attention_heads")
-        theta, rope_type = _rope(hf)
+        theta, rope_type, rope = _rope(hf)
         want = {  # config.json key: (its value, ours, the raysc key)
             "hidden_size": (hf.get("hidden_size"), c.dim, "model.dim"),
             "num_hidden_layers": (hf.get("num_hidden_layers"), c.n_layers, "model.n_layers"),
@@ -162,8 +180,19 @@ class HFCheckpoint:
         if head_dim is not None and heads and head_dim != hf.get("hidden_size", 0) // heads:
             out.append(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads; raysc's attention "
                        f"has head_dim = model.dim / model.n_heads")
-        if rope_type != "default":
-            out.append(f"config.json: rope type {rope_type!r}; raysc's rotary embedding has no scaling (default only)")
+        ours = "default" if c.rope_scaling == "none" else c.rope_scaling
+        if rope_type not in ("default", "llama3"):
+            out.append(f"config.json: rope type {rope_type!r}; raysc's rotary embedding scales as llama3 or not at all")
+        elif rope_type != ours:
+            value = "none" if rope_type == "default" else rope_type
+            out.append(f"config.json: rope type {rope_type!r} but model.rope_scaling = {c.rope_scaling!r}; set "
+                       f"model.rope_scaling={value}")
+        if rope_type == "llama3":
+            for key, ours_key in LLAMA3_ROPE_KEYS.items():
+                theirs, mine = rope.get(key), getattr(c, ours_key)
+                if theirs is not None and float(theirs) != float(mine):
+                    out.append(f"config.json: rope {key} = {theirs} but model.{ours_key} = {mine}; set "
+                               f"model.{ours_key}={theirs}")
         if hf.get("hidden_act", "silu") != "silu":
             out.append(f"config.json: hidden_act {hf.get('hidden_act')!r}; raysc's MLP is SwiGLU (silu)")
         for key in ("attention_bias", "mlp_bias"):

@@ -30,9 +30,29 @@ from raysc.config.schema import ModelConfig
 from raysc.model import mup
 
 
-def rope_tables(head_dim: int, max_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary inverse frequencies (head_dim / 2), with ``model.rope_scaling`` applied.
+
+    llama3 (Llama 3.1's long-context scaling, as Meta's reference code and transformers compute it): a
+    frequency whose wavelength is longer than ``original_max_position / low_freq_factor`` is divided by
+    ``factor``, one shorter than ``original_max_position / high_freq_factor`` is kept, and those between
+    are interpolated by how many of their wavelengths fit in the original context."""
+    head_dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if cfg.rope_scaling != "llama3":
+        return inv_freq
+    factor, low, high = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    old = cfg.rope_original_max_position
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    smooth = (old / wavelen - low) / (high - low)
+    between = (wavelen <= old / low) & (wavelen >= old / high)
+    return torch.where(between, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def rope_tables(cfg: ModelConfig, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables of shape (max_len, head_dim) in the rotate-half layout."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = rope_inv_freq(cfg)
     t = torch.arange(max_len, dtype=torch.int64).float()
     freqs = torch.outer(t, inv_freq)
     emb = torch.cat((freqs, freqs), dim=-1)
@@ -171,7 +191,7 @@ class Llama(nn.Module):
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
             self.output.weight = self.embed.weight
-        cos, sin = rope_tables(cfg.head_dim, max_seq_len, cfg.rope_theta)
+        cos, sin = rope_tables(cfg, max_seq_len)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         # positions of this module's tokens when not 0..seq-1 (set by context parallelism)
@@ -189,7 +209,7 @@ class Llama(nn.Module):
     @torch.no_grad()
     def reset_buffers(self) -> None:
         """Recompute the rotary tables in place (after ``to_empty`` left them uninitialised)."""
-        cos, sin = rope_tables(self.cfg.head_dim, self.max_seq_len, self.cfg.rope_theta)
+        cos, sin = rope_tables(self.cfg, self.max_seq_len)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
