@@ -124,6 +124,17 @@ def test_transformers_checkpoint_gives_transformers_logits(tmp_path):
     assert ((mine - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
 
 
+def _close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Within 1e-5 of ``b``'s largest magnitude."""
+    return ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
+
+
+def _tokenizer(tmp_path: Path) -> Path:
+    tok = tmp_path / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 300).save(str(tok))
+    return tok
+
+
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
 RAYSC_LLAMA3 = ["model.rope_theta=500000.0", "model.rope_scaling=llama3", "model.rope_factor=4.0",
@@ -151,23 +162,19 @@ def test_llama3_rope_scaling_matches_transformers_on_import_export_and_in_llama_
                    measure_peak=False).model.eval()
     ids = torch.from_numpy(ROWS[:2, :32])
 
-    def close(a, b) -> bool:
-        return ((a - b).abs().max() / b.abs().max()).item() <= 1e-5
-
     with torch.no_grad():
         theirs = hf(ids).logits
-        assert close(ours(ids), theirs)
+        assert _close(ours(ids), theirs)
         # the same weights without the scaling are another model: the test can tell
         plain = Llama(load_config(None, [*base, "model.rope_scaling=none"]).model, 32).eval()
         plain.load_state_dict(ours.state_dict())
-        assert not close(plain(ids), theirs)
-    tok = tmp_path / "tokenizer.json"
-    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 300).save(str(tok))
+        assert not _close(plain(ids), theirs)
+    tok = _tokenizer(tmp_path)
     out = export_hf(ours, tok, tmp_path / "export")
     assert json.loads((out / "config.json").read_text())["rope_scaling"]["rope_type"] == "llama3"
     back = transformers.LlamaForCausalLM.from_pretrained(out).eval()
     with torch.no_grad():
-        assert close(back(ids).logits, theirs)
+        assert _close(back(ids).logits, theirs)
     gguf_file = export_gguf(ours, tok, tmp_path / "model.gguf")
     llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
     llm.eval(ids[0].tolist())
@@ -177,6 +184,58 @@ def test_llama3_rope_scaling_matches_transformers_on_import_export_and_in_llama_
     with torch.no_grad():
         unscaled = (plain(ids)[0] - theirs[0]).abs().max().item()
     assert (got - theirs[0]).abs().max().item() < 1e-3 < unscaled / 5
+
+
+def test_qwen2_imports_exports_and_runs_in_llama_cpp_with_transformers_logits(tmp_path):
+    """Qwen2 (Llama with q/k/v biases, ``model.attention_bias``): a transformers ``Qwen2ForCausalLM``
+    with random biases imports with transformers' logits, raysc's export loads back as
+    ``Qwen2ForCausalLM`` with them, and the GGUF export runs as llama.cpp's ``qwen2`` architecture."""
+    import llama_cpp
+    import transformers
+
+    from raysc.export.gguf import export_gguf
+
+    hf_cfg = transformers.Qwen2Config(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False)
+    torch.manual_seed(0)
+    hf = transformers.Qwen2ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith("_proj.bias"):
+                p.normal_(0.0, 0.5)  # transformers starts them at zero: make them matter
+    hf.save_pretrained(tmp_path / "hf")
+    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=1000000.0"]
+    with pytest.raises(CheckpointMismatch, match=r"q/k/v biases \(qwen2\) but model.attention_bias = false; set "
+                                                 r"model.attention_bias=true"):
+        Trainer(load_config(None, [*base, f'model.init_from="{tmp_path / "hf"}"']), ROWS, measure_peak=False)
+    ours = Trainer(load_config(None, [*base, "model.attention_bias=true", f'model.init_from="{tmp_path / "hf"}"']),
+                   ROWS, measure_peak=False).model.eval()
+    ids = torch.from_numpy(ROWS[:2, :32])
+
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        assert _close(ours(ids), theirs)
+        unbiased = Llama(load_config(None, base).model, 32).eval()
+        unbiased.load_state_dict({k: v for k, v in ours.state_dict().items() if not k.endswith(".bias")})
+        assert not _close(unbiased(ids), theirs)  # the biases count
+    tok = _tokenizer(tmp_path)
+    out = export_hf(ours, tok, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["model_type"]) == (["Qwen2ForCausalLM"], "qwen2")
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "Qwen2ForCausalLM"
+    with torch.no_grad():
+        assert _close(back(ids).logits, theirs)
+    gguf_file = export_gguf(ours, tok, tmp_path / "model.gguf")
+    llm = llama_cpp.Llama(model_path=str(gguf_file), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
+    assert llm.metadata["general.architecture"] == "qwen2"
+    llm.eval(ids[0].tolist())
+    got = torch.tensor(np.array(llm.scores[:32]))
+    with torch.no_grad():
+        off = (unbiased(ids)[0] - theirs[0]).abs().max().item()
+    assert (got - theirs[0]).abs().max().item() < 1e-3 < off / 5
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export, tmp_path):

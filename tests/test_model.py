@@ -64,11 +64,13 @@ def test_attention_matches_reference_softmax():
     torch.testing.assert_close(attn(x, rope), ref, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("tie", [False, True])
-def test_param_count_matches_module(tie):
-    cfg = small(tie_embeddings=tie)
+@pytest.mark.parametrize("tie,bias", [(False, False), (True, False), (False, True)])
+def test_param_count_matches_module(tie, bias):
+    cfg = small(tie_embeddings=tie, attention_bias=bias)
     m = build_model(cfg, 32, seed=0)
     assert sum(p.numel() for p in m.parameters()) == param_count(cfg)["total"]
+    if bias:  # Qwen2's q/k/v biases start at zero
+        assert all(not b.any() for n, b in m.named_parameters() if n.endswith(".bias")) and m.layers["0"].attn.wq.bias is not None
     if tie:
         assert m.output.weight is m.embed.weight
 

@@ -3,7 +3,8 @@ builds what it asks for (what rank 0 built, as the ``layout`` event reports it: 
 changes scheduling would pass parity even if ignored), plus the rank layout and the context-parallel
 pieces.
 
-Every layout (and μP under FSDP+TP and CP) trains 10 steps in forked gloo processes, one group per
+Every layout (and μP under FSDP+TP and CP, Qwen2's biases under FSDP+TP+SP and PP, Llama 3.1's scaled
+rope under CP+TP) trains 10 steps in forked gloo processes, one group per
 world size, against one process's ``Trainer`` on the same packed rows: the numbers of a layout are
 the ``Trainer``'s, wherever it runs. ``RAY_LAYOUTS`` run the same through Ray as users run them
 (``raysc parity``: supervisor, workers, per-step reports), the harness that compares them included."""
@@ -61,6 +62,13 @@ RAY_LAYOUTS = [  # end to end through Ray: the deepest layout, CP with TP, an in
 ]
 MUP = ["model.mup=true", "model.mup_base_width=32"]
 MUP_LAYOUTS = ["dp_shard=2,tp=2", "cp=2"]
+# the public families' switches: Qwen2's q/k/v biases (sharded with their weights under TP and SP, on
+# their stage under PP) and Llama 3.1's scaled rope (rotary tables indexed by CP's chunk positions)
+QWEN2 = ["model.attention_bias=true"]
+LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_factor=4.0", "model.rope_original_max_position=16",
+               "model.rope_theta=500000.0"]
+FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("pp=2,pp_schedule=1f1b", QWEN2),
+                ("cp=2,tp=2", LLAMA3_ROPE)]
 STEPS = 10
 
 
@@ -146,7 +154,7 @@ def _world(layout: str) -> int:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
-    """Every layout of LAYOUTS (and μP's) with ``world`` ranks: each of 10 steps' loss and grad norm
+    """Every layout of LAYOUTS (and μP's, and the public families' switches) with ``world`` ranks: each of 10 steps' loss and grad norm
     within 1e-4 of one process's, and rank 0 built what the layout implies."""
     import json
 
@@ -159,6 +167,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     overrides = [*PARITY, f'data.cache_dir="{cache_dir}"']
     cases = [(lay, []) for lay in LAYOUTS if _world(lay) == world]
     cases += [(lay, MUP) for lay in MUP_LAYOUTS if _world(lay) == world]
+    cases += [(lay, extra) for lay, extra in FAMILY_CASES if _world(lay) == world]
     assert cases
     for extra in {tuple(e) for _, e in cases}:
         prepare_data(load_config(None, [*overrides, *extra, f"train.steps={STEPS}"]))  # tokenize once, here

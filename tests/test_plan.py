@@ -230,15 +230,16 @@ def test_cli_plan_ranks_writes_the_fragment_and_profiles(ray_session, make_cfg, 
     assert load_config(str(cfg_path), overrides).parallel.world_size == 2
 
 
-def test_plan_ranks_the_llama_3_2_1b_recipe(tmp_path, capsys):
-    """The continued pre-training recipe (jobs/configs/llama-3.2-1b.toml: Llama 3.2 1B's shapes, llama3
-    rope scaling, a 128,256-token vocabulary) plans on 8 GPUs."""
+@pytest.mark.parametrize("recipe,params", [("llama-3.2-1b", 1.236e9), ("qwen2.5-0.5b", 0.494e9)])
+def test_plan_ranks_the_continued_pretraining_recipes(tmp_path, capsys, recipe, params):
+    """The continued pre-training recipes (jobs/configs/: Llama 3.2 1B's shapes with llama3 rope scaling
+    and a 128,256-token vocabulary; Qwen2.5 0.5B's with q/k/v biases and 151,936 tokens) plan on 8 GPUs,
+    and their parameter counts are the published ones."""
     from raysc.cli import main
+    from raysc.model.flops import param_count
 
-    assert main(["plan", "jobs/configs/llama-3.2-1b.toml", "--gpus", "8", "--out", str(tmp_path / "best.toml"),
+    assert main(["plan", f"jobs/configs/{recipe}.toml", "--gpus", "8", "--out", str(tmp_path / "best.toml"),
                  "--json"]) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["ranked"][0]["layout"] == result["best"]["layout"] and result["ranked"][0]["memory_gb"] < 80
-    from raysc.model.flops import param_count
-
-    assert 1.2e9 < param_count(load_config("jobs/configs/llama-3.2-1b.toml").model)["total"] < 1.3e9  # 1.24 B
+    assert param_count(load_config(f"jobs/configs/{recipe}.toml").model)["total"] == pytest.approx(params, rel=2e-3)

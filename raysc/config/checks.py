@@ -55,7 +55,7 @@ def check_quality(cfg: Config, origin: str) -> None:
 
 
 def check_model(cfg: Config, origin: str) -> None:
-    """[model]: head shapes, and a rotary table that covers train.seq_len."""
+    """[model]: head shapes, a rotary table that covers train.seq_len, μP only for raysc's own Llama."""
     m, t = cfg.model, cfg.train
     if m.dim % m.n_heads:
         raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
@@ -73,6 +73,12 @@ def check_model(cfg: Config, origin: str) -> None:
             f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
             f"raise it or set it to 0 (= train.seq_len)."
         )
+    if m.mup and (m.attention_bias or m.rope_scaling != "none"):
+        raise ConfigError(
+            f"{origin}: model.mup = true with a public family's switches (model.attention_bias = "
+            f"{str(m.attention_bias).lower()}, model.rope_scaling = {m.rope_scaling!r}) is not supported: μP's "
+            f"rules cover raysc's own Llama (docs/scaling.md); set model.mup = false to continue a public "
+            f"checkpoint in its standard parametrisation.")
 
 
 def check_checkpoint(cfg: Config, origin: str) -> None:

@@ -3,7 +3,8 @@
 The ``gguf`` package (llama.cpp's own gguf-py, pure numpy) writes the file and
 quantizes Q8_0/Q4_0 blocks; what is ours is the mapping:
 
-- metadata of llama.cpp's ``llama`` architecture: sizes, GQA head counts, head
+- metadata of llama.cpp's ``llama`` architecture (``qwen2`` for a model with q/k/v
+  biases, whose rotary layout needs no permutation): sizes, GQA head counts, head
   dimension, RMSNorm epsilon, RoPE base and dimension, context length; with llama3
   rope scaling, the ``rope_freqs`` tensor of per-frequency divisors that llama.cpp's
   converter writes for Llama 3.1;
@@ -74,8 +75,9 @@ def gguf_name(name: str) -> str:
         return gguf.TENSOR_NAMES[top[name]] + ".weight"
     if name.startswith("layers."):
         _, idx, rest = name.split(".", 2)
-        if rest in _LAYER_TENSORS:
-            return gguf.TENSOR_NAMES[_LAYER_TENSORS[rest]].format(bid=int(idx)) + ".weight"
+        base, _, kind = rest.rpartition(".")
+        if f"{base}.weight" in _LAYER_TENSORS and kind in ("weight", "bias"):
+            return gguf.TENSOR_NAMES[_LAYER_TENSORS[f"{base}.weight"]].format(bid=int(idx)) + f".{kind}"
     raise KeyError(f"no GGUF name for parameter {name!r}")
 
 
@@ -164,7 +166,9 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
     c = model.cfg
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    w = gguf.GGUFWriter(str(out), "llama")
+    # Qwen2 (q/k/v biases) is llama.cpp's qwen2 architecture, which rotates halves (NEOX) as raysc does
+    arch = "qwen2" if c.attention_bias else "llama"
+    w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
     w.add_file_type(FILE_TYPES[qtype])
     w.add_quantization_version(gguf.GGML_QUANT_VERSION)
@@ -214,9 +218,9 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
                                  f"shape {tuple(p.shape)} needs uint8 {expect}")
         else:
             t = p.detach().to("cpu", torch.float32)
-        if pname.endswith("attn.wq.weight"):
+        if arch == "llama" and pname.endswith("attn.wq.weight"):
             t = interleave_rotary(t, c.n_heads)
-        elif pname.endswith("attn.wk.weight"):
+        elif arch == "llama" and pname.endswith("attn.wk.weight"):
             t = interleave_rotary(t, c.n_kv_heads)
         data = t.contiguous().numpy()
         w.add_tensor(gname, data if pname in blocks else gguf.quantize(data, kind), raw_dtype=kind)

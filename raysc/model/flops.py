@@ -16,6 +16,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Exact parameter counts of ``raysc.model.Llama`` computed from the config."""
     d, hd = cfg.dim, cfg.head_dim
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
+    if cfg.attention_bias:  # Qwen2's q/k/v biases
+        attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
     mlp = 3 * d * cfg.hidden_ffn_dim
     per_layer = attn + mlp + 2 * d
     embedding = cfg.vocab_size * d

@@ -76,6 +76,10 @@ def _power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
 
+# config.json model_type -> the transformers class raysc reads and writes for it (model.attention_bias
+# picks qwen2); mistral checkpoints without a sliding window are Llama-architecture ones
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
+
 # llama3 rope scaling: config.json's key -> raysc's model key
 LLAMA3_ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                     "high_freq_factor": "rope_high_freq_factor",
@@ -92,10 +96,12 @@ def _rope(hf: dict) -> tuple[float | None, str, dict]:
     return theta, kind, {**scaling, **params}
 
 
-def rope_settings(hf: dict) -> dict:
-    """``ModelConfig`` rotary fields from a config.json (theta and, for llama3, its scaling)."""
+def family_settings(hf: dict) -> dict:
+    """``ModelConfig`` rotary and family fields from a config.json (theta and, for llama3, its scaling;
+    q/k/v biases for qwen2)."""
     theta, kind, rope = _rope(hf)
     out = {"rope_theta": float(theta)} if theta is not None else {}
+    out["attention_bias"] = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
     if kind == "llama3":
         out["rope_scaling"] = "llama3"
         out.update({ours: type_(rope[key]) for key, ours in LLAMA3_ROPE_KEYS.items() if key in rope
@@ -156,9 +162,18 @@ class HFCheckpoint:
     def _config_problems(self) -> list[str]:
         c, hf = self.cfg, self.hf_config
         out = []
-        if hf.get("model_type", "llama") != "llama":
-            out.append(f"config.json: model_type {hf.get('model_type')!r} is not 'llama'; raysc reads Llama-"
-                       f"architecture checkpoints only")
+        model_type = hf.get("model_type", "llama")
+        if model_type not in ARCHITECTURES:
+            out.append(f"config.json: model_type {model_type!r} is not one raysc reads ({', '.join(ARCHITECTURES)}: "
+                       f"{', '.join(ARCHITECTURES.values())})")
+        biased = model_type == "qwen2" or bool(hf.get("attention_bias"))  # Qwen2 always has q/k/v biases
+        if biased != c.attention_bias:
+            out.append(f"config.json: {'q/k/v biases' if biased else 'no attention biases'} ({model_type}) but "
+                       f"model.attention_bias = {str(c.attention_bias).lower()}; set "
+                       f"model.attention_bias={str(biased).lower()}")
+        if hf.get("use_sliding_window") or (model_type != "qwen2" and hf.get("sliding_window")):
+            out.append(f"config.json: sliding-window attention (sliding_window = {hf.get('sliding_window')}); "
+                       f"raysc's attention is full causal attention")
         heads = hf.get("num_attention_heads")
         theta, rope_type, rope = _rope(hf)
         want = {  # config.json key: (its value, ours, the raysc key)
@@ -195,9 +210,8 @@ class HFCheckpoint:
                                f"model.{ours_key}={theirs}")
         if hf.get("hidden_act", "silu") != "silu":
             out.append(f"config.json: hidden_act {hf.get('hidden_act')!r}; raysc's MLP is SwiGLU (silu)")
-        for key in ("attention_bias", "mlp_bias"):
-            if hf.get(key):
-                out.append(f"config.json: {key} is true; raysc's Llama has no biases")
+        if hf.get("mlp_bias"):
+            out.append("config.json: mlp_bias is true; raysc's MLP has no biases")
         return out
 
     def _mup_problems(self) -> list[str]:

@@ -1,4 +1,5 @@
-"""Parameter names of the raysc Llama and of a Hugging Face ``LlamaForCausalLM``, both ways.
+"""Parameter names of the raysc Llama and of a Hugging Face ``LlamaForCausalLM`` (or
+``Qwen2ForCausalLM``, the same names plus q/k/v biases), both ways.
 
 Export (``raysc.export.hf``) writes Hugging Face names; continued pre-training from a Hugging Face
 checkpoint (``raysc.model.hf_checkpoint``) reads them back. One table serves both directions, so the
@@ -13,6 +14,9 @@ LAYER_NAMES: dict[str, str] = {
     "attn.wk.weight": "self_attn.k_proj.weight",
     "attn.wv.weight": "self_attn.v_proj.weight",
     "attn.wo.weight": "self_attn.o_proj.weight",
+    "attn.wq.bias": "self_attn.q_proj.bias",  # Qwen2's (model.attention_bias)
+    "attn.wk.bias": "self_attn.k_proj.bias",
+    "attn.wv.bias": "self_attn.v_proj.bias",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",

@@ -115,9 +115,10 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = cfg.head_dim
         self.mup = cfg.mup  # μP: softmax scale 1/head_dim instead of 1/sqrt(head_dim)
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        bias = cfg.attention_bias  # Qwen2's q/k/v biases (column-parallel under TP, like their weights)
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=bias)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
         # (q, k, v) -> attention output; context parallelism swaps in a distributed kernel
         self.core_attention: Callable[..., torch.Tensor] = causal_attention
@@ -164,7 +165,10 @@ def init_value(cfg: ModelConfig, name: str, shape: torch.Size, generator: torch.
                dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """The initial value of parameter ``name`` (full shape, on CPU): Normal(0, init_std) matrices,
     output projections scaled by 1/sqrt(2·layers), unit norms; under μP hidden matrices also by
-    1/sqrt(width multiplier). Draws ``numel`` normals from ``generator`` for a matrix, none for a norm."""
+    1/sqrt(width multiplier); zero biases. Draws ``numel`` normals from ``generator`` for a matrix, none for
+    a norm or a bias."""
+    if name.endswith(".bias"):
+        return torch.zeros(shape, dtype=dtype)
     if len(shape) == 1:
         return torch.ones(shape, dtype=dtype)
     return torch.empty(shape, dtype=dtype).normal_(0.0, init_std(cfg, name), generator=generator)

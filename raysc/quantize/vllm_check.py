@@ -34,7 +34,7 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
     from raysc.data.special_tokens import read_special_tokens
     from raysc.data.tokenizer import load_tokenizer
     from raysc.export.hf import hf_name
-    from raysc.model.hf_checkpoint import rope_settings
+    from raysc.model.hf_checkpoint import family_settings
     from raysc.model.generate import generate
     from raysc.model.llama import Llama
     from raysc.quantize.quality import int8_activations
@@ -45,7 +45,7 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
     c = json.loads((path / "config.json").read_text())
     cfg = ModelConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
                       n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-                      ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], **rope_settings(c),
+                      ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], **family_settings(c),
                       tie_embeddings=c["tie_word_embeddings"])
     model = Llama(cfg, c["max_position_embeddings"]).eval()
     weights = read_weights(path)
