@@ -17,13 +17,15 @@ SMALL = ["model.vocab_size=320", "model.dim=64", "model.n_layers=3", "model.n_he
 def test_serve_memory_matches_the_export_and_a_filled_kv_cache(tmp_path):
     from transformers import AutoModelForCausalLM
 
+    from raysc.data.special_tokens import RAYSC
     from raysc.export.hf import export_hf
     from raysc.model.llama import build_model
 
     tok = tmp_path / "tokenizer.json"
     tok.write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}, "merges": []}}))
     cfg = load_config(None, SMALL)
-    export_hf(build_model(cfg.model, cfg.rope_len, seed=0), tok, tmp_path / "hf")
+    # a stub tokenizer: its special tokens are given, as a raysc-trained one's (the test is about the weights)
+    export_hf(build_model(cfg.model, cfg.rope_len, seed=0), tok, tmp_path / "hf", special=RAYSC)
     est = serve_memory(cfg)
     hf = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert est == serve_memory_from_hf(hf, cfg.serve)  # the config and the exported folder agree
