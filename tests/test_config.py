@@ -84,6 +84,8 @@ def test_cross_key_rules(tmp_path):
     assert "exactly one of" in _error(tmp_path, overrides=["train.global_batch=8", "train.global_batch_tokens=1024"])
     assert "micro_batch=3" in _error(tmp_path, overrides=["train.global_batch=8", "train.micro_batch=3"])
     assert "needs parallel.device='cuda'" in _error(tmp_path, overrides=['train.dtype="bf16"'])
+    for switch in ("model.attention_bias=true", 'model.rope_scaling="llama3"'):  # μP: raysc's own Llama only
+        assert "set model.mup = false" in _error(tmp_path, overrides=["model.mup=true", switch])
 
 
 

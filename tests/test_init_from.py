@@ -272,6 +272,13 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
                                                  "model.rope_factor=4.0"):
         Trainer(load_config(None, [*MODEL, "model.rope_scaling=llama3", "model.rope_original_max_position=16",
                                    f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
+    # an architecture raysc does not read, and Mistral's sliding window, are named
+    (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "gemma"}))
+    with pytest.raises(CheckpointMismatch, match="model_type 'gemma' is not one raysc reads .llama, qwen2, mistral"):
+        Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
+    (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "mistral", "sliding_window": 4096}))
+    with pytest.raises(CheckpointMismatch, match="sliding-window attention .sliding_window = 4096"):
+        Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     # μP whose folded scales cannot be multiplied back out exactly (m = 64/24)
     with pytest.raises(CheckpointMismatch, match="width multiplier m = 2.66667 is not; set model.mup=false"):
         Trainer(load_config(None, [*MODEL, "model.mup=true", "model.mup_base_width=24",
