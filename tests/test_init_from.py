@@ -238,6 +238,41 @@ def test_qwen2_imports_exports_and_runs_in_llama_cpp_with_transformers_logits(tm
     assert (got - theirs[0]).abs().max().item() < 1e-3 < off / 5
 
 
+def test_heads_wider_than_dim_over_n_heads_import_export_and_run_in_llama_cpp(tmp_path):
+    """``model.head_dim`` (Qwen3 and Gemma have heads wider than hidden_size / num_attention_heads): a
+    transformers Llama with 4 heads of 32 on a 64-wide model imports with its logits, exports back with
+    them, and runs in llama.cpp; without the key the checkpoint is refused naming it."""
+    import llama_cpp
+    import transformers
+
+    from raysc.export.gguf import export_gguf
+
+    hf_cfg = transformers.LlamaConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=64,
+        tie_word_embeddings=False)
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", f'model.init_from="{tmp_path / "hf"}"']
+    with pytest.raises(CheckpointMismatch, match="head_dim = 32 but the config's heads are 16 wide; set "
+                                                 "model.head_dim=32"):
+        Trainer(load_config(None, base), ROWS, measure_peak=False)
+    ours = Trainer(load_config(None, [*base, "model.head_dim=32"]), ROWS, measure_peak=False).model.eval()
+    ids = torch.from_numpy(ROWS[:2, :32])
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        assert _close(ours(ids), theirs)
+    tok = _tokenizer(tmp_path)
+    back = transformers.LlamaForCausalLM.from_pretrained(export_hf(ours, tok, tmp_path / "export")).eval()
+    with torch.no_grad():
+        assert _close(back(ids).logits, theirs)
+    llm = llama_cpp.Llama(model_path=str(export_gguf(ours, tok, tmp_path / "model.gguf")), n_ctx=64, n_batch=64,
+                          logits_all=True, verbose=False)
+    llm.eval(ids[0].tolist())
+    assert (torch.tensor(np.array(llm.scores[:32])) - theirs[0]).abs().max().item() < 1e-3
+
+
 def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export, tmp_path):
     params, out = export
     cfg = load_config(None, [*MODEL, "model.ffn_dim=96", f'model.init_from="{out}"'])

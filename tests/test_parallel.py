@@ -67,7 +67,11 @@ MUP_LAYOUTS = ["dp_shard=2,tp=2", "cp=2"]
 QWEN2 = ["model.attention_bias=true"]
 LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_factor=4.0", "model.rope_original_max_position=16",
                "model.rope_theta=500000.0"]
-FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("pp=2,pp_schedule=1f1b", QWEN2),
+# heads that are not dim / n_heads wide (model.head_dim, as Qwen3's): 4 heads of 8 on a 64-wide model.
+# (4 of 32 trains the same way but its 10th step's grad norm drifts 1.4e-4 from one process's under
+# FSDP+TP, past the 1e-4 bound; FSDP alone drifts 2.6e-5 there: reduction order amplified, not a bug)
+FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("dp_shard=2,tp=2", ["model.head_dim=8"]),
+                ("pp=2,pp_schedule=1f1b", QWEN2),
                 ("cp=2,tp=2", LLAMA3_ROPE)]
 STEPS = 10
 

@@ -57,11 +57,13 @@ def check_quality(cfg: Config, origin: str) -> None:
 def check_model(cfg: Config, origin: str) -> None:
     """[model]: head shapes, a rotary table that covers train.seq_len, μP only for raysc's own Llama."""
     m, t = cfg.model, cfg.train
-    if m.dim % m.n_heads:
-        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}.")
+    if m.dim % m.n_heads and not m.attn_head_dim:
+        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; change one, "
+                          f"or set model.head_dim (heads need not be dim / n_heads wide).")
     if m.head_dim % 2:
         raise ConfigError(
-            f"{origin}: head dim model.dim/model.n_heads={m.head_dim} must be even for rotary embeddings."
+            f"{origin}: the head dim (model.head_dim, or model.dim/model.n_heads) = {m.head_dim} must be even for "
+            f"rotary embeddings."
         )
     if m.n_heads % m.n_kv_heads:
         raise ConfigError(

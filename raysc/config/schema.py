@@ -23,6 +23,9 @@ class ModelConfig:
     n_layers: int = opt(4, "transformer blocks", min=1)
     n_heads: int = opt(4, "query heads", min=1)
     n_kv_heads: int = opt(2, "key/value heads (grouped-query attention); must divide n_heads", min=1)
+    attn_head_dim: int = opt(0, "size of one attention head; 0 = dim / n_heads. Set it for checkpoints whose "
+                                "heads are not dim / n_heads wide (Qwen3-0.6B: dim 1024, 16 heads of 128)",
+                             min=0, key="head_dim")
     ffn_dim: int = opt(0, "SwiGLU hidden size; 0 = 8/3·dim rounded up to ffn_multiple_of", min=0)
     ffn_multiple_of: int = opt(32, "rounding for the automatic ffn_dim", min=1)
     norm_eps: float = opt(1e-5, "RMSNorm epsilon", gt=0.0)
@@ -58,7 +61,7 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.dim // self.n_heads
+        return self.attn_head_dim or self.dim // self.n_heads
 
     @property
     def mup_width_mult(self) -> float:

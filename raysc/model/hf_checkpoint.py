@@ -98,10 +98,13 @@ def _rope(hf: dict) -> tuple[float | None, str, dict]:
 
 def family_settings(hf: dict) -> dict:
     """``ModelConfig`` rotary and family fields from a config.json (theta and, for llama3, its scaling;
-    q/k/v biases for qwen2)."""
+    q/k/v biases for qwen2; a head size that is not hidden_size / num_attention_heads)."""
     theta, kind, rope = _rope(hf)
     out = {"rope_theta": float(theta)} if theta is not None else {}
     out["attention_bias"] = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
+    heads = hf.get("num_attention_heads")
+    if hf.get("head_dim") and heads and hf["head_dim"] != hf.get("hidden_size", 0) // heads:
+        out["attn_head_dim"] = hf["head_dim"]
     if kind == "llama3":
         out["rope_scaling"] = "llama3"
         out.update({ours: type_(rope[key]) for key, ours in LLAMA3_ROPE_KEYS.items() if key in rope
@@ -191,10 +194,10 @@ class HFCheckpoint:
             if theirs is not None and theirs != ours:
                 value = str(theirs).lower() if isinstance(theirs, bool) else theirs
                 out.append(f"config.json: {key} = {theirs} but {ours_key} = {ours}; set {ours_key}={value}")
-        head_dim = hf.get("head_dim")
-        if head_dim is not None and heads and head_dim != hf.get("hidden_size", 0) // heads:
-            out.append(f"config.json: head_dim {head_dim} != hidden_size / num_attention_heads; raysc's attention "
-                       f"has head_dim = model.dim / model.n_heads")
+        head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else None)
+        if head_dim is not None and head_dim != c.head_dim:
+            out.append(f"config.json: head_dim = {head_dim} but the config's heads are {c.head_dim} wide; set "
+                       f"model.head_dim={head_dim}")
         ours = "default" if c.rope_scaling == "none" else c.rope_scaling
         if rope_type not in ("default", "llama3"):
             out.append(f"config.json: rope type {rope_type!r}; raysc's rotary embedding scales as llama3 or not at all")
