@@ -279,3 +279,24 @@ def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_ses
     config = json.loads((out / "config.json").read_text())
     assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (128000, 128001, 128256)
     assert sample_text(run_dir, "Hello", 4, 0.0, 0, 0).startswith("Hello")
+
+
+def test_raysc_pack_with_llama_3s_tokenizer_begins_and_ends_every_document(ray_session, packed_corpus, hf_folders,
+                                                                           tmp_path):
+    """`raysc pack` with a public tokenizer: its index records the special tokens, and in every shard each
+    document starts with <|begin_of_text|> right after the previous one's <|end_of_text|>."""
+    from raysc.curate.pack import pack_curated
+
+    index = pack_curated(str(packed_corpus["root"] / "cur"), str(hf_folders["llama-bpe"] / "tokenizer.json"), 128256,
+                         64, str(tmp_path / "packed"), log=lambda *_: None)
+    assert index["eos"] == "<|end_of_text|>" and index["special_tokens"]["bos_id"] == 128000
+    checked = 0
+    for domain, meta in index["domains"].items():
+        for shard in meta["shards"]:
+            rows = np.load(tmp_path / "packed" / shard).astype(np.int64)
+            stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])  # rows share their boundary token
+            starts = np.load(tmp_path / "packed" / shard.replace(".npy", ".starts.npy"))
+            assert (stream[starts] == 128000).all() and (stream[starts[1:] - 1] == 128001).all()
+            assert (stream == 128000).sum() == len(starts)  # one BOS per document, none elsewhere
+            checked += len(starts)
+    assert checked > 50
