@@ -70,14 +70,14 @@ def check_tokenizer(cfg: Config, tok_path: str | Path) -> SpecialTokens:
         raise ValueError(f"tokenizer {str(tok_path)!r} has {tok.get_vocab_size()} tokens but model.vocab_size is "
                          f"{cfg.model.vocab_size}: the embedding has no row for its top ids; set model.vocab_size >= "
                          f"{tok.get_vocab_size()} (or use the checkpoint's own tokenizer)")
+    return special_tokens(cfg, tok_path, tok)
+
+
+def special_tokens(cfg: Config, tok_path: str | Path, tok=None) -> SpecialTokens:
+    """The run's special tokens: the tokenizer's (read beside it), with ``data.*_token`` overrides;
+    ``tok`` is the tokenizer when the caller has it loaded already."""
     d = cfg.data
     return read_special_tokens(tok_path, d.eos_token, d.bos_token, d.add_bos, tok=tok)
-
-
-def special_tokens(cfg: Config, tok_path: str | Path) -> SpecialTokens:
-    """The run's special tokens: the tokenizer's (read beside it), with ``data.*_token`` overrides."""
-    d = cfg.data
-    return read_special_tokens(tok_path, d.eos_token, d.bos_token, d.add_bos)
 
 
 def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:

@@ -102,20 +102,20 @@ def _id_of(tok: Tokenizer, token: str, what: str, source: str) -> int:
 
 
 def _pick(tok: Tokenizer, what: str, override: str, files: list[tuple[str, dict]], model: dict,
-          key: str) -> tuple[str, int, str] | None:
-    """(token, id, where it came from) for ``what`` (EOS or BOS), in transformers' precedence."""
+          key: str) -> tuple[str, int] | None:
+    """(token, id) for ``what`` (EOS or BOS), in transformers' precedence."""
     if override:
-        return override, _id_of(tok, override, what, f"data.{what.lower()}_token"), "config"
+        return override, _id_of(tok, override, what, f"data.{what.lower()}_token")
     for name, data in files:
         if key in data:  # an explicit null (Qwen2's bos_token) means "none": later files do not bring one back
             token = _token(data[key])
-            return (token, _id_of(tok, token, what, name), name) if token else None
+            return (token, _id_of(tok, token, what, name)) if token else None
     ids = _ids(model.get(f"{key}_id"))
     if ids and tok.id_to_token(ids[0]) is not None:
-        return tok.id_to_token(ids[0]), ids[0], "config.json"
+        return tok.id_to_token(ids[0]), ids[0]
     for token in (KNOWN_ENDS if what == "EOS" else KNOWN_BEGINS):
         if tok.token_to_id(token) is not None:
-            return token, tok.token_to_id(token), "tokenizer.json"
+            return token, tok.token_to_id(token)
     return None
 
 
