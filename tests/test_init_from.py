@@ -238,39 +238,60 @@ def test_qwen2_imports_exports_and_runs_in_llama_cpp_with_transformers_logits(tm
     assert (got - theirs[0]).abs().max().item() < 1e-3 < off / 5
 
 
-def test_heads_wider_than_dim_over_n_heads_import_export_and_run_in_llama_cpp(tmp_path):
-    """``model.head_dim`` (Qwen3 and Gemma have heads wider than hidden_size / num_attention_heads): a
-    transformers Llama with 4 heads of 32 on a 64-wide model imports with its logits, exports back with
-    them, and runs in llama.cpp; without the key the checkpoint is refused naming it."""
+def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_path):
+    """Qwen3 (``model.qk_norm``: an RMSNorm over each head's q and k; heads wider than hidden_size /
+    num_attention_heads, ``model.head_dim``): a transformers ``Qwen3ForCausalLM`` with random norm weights
+    imports with its logits, exports back as ``Qwen3ForCausalLM`` with them, and runs as llama.cpp's
+    ``qwen3`` architecture; without the keys the checkpoint is refused naming both."""
     import llama_cpp
     import transformers
 
     from raysc.export.gguf import export_gguf
 
-    hf_cfg = transformers.LlamaConfig(
+    hf_cfg = transformers.Qwen3Config(
         vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=64,
-        tie_word_embeddings=False)
+        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False)
     torch.manual_seed(0)
-    hf = transformers.LlamaForCausalLM(hf_cfg).eval()
+    hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)  # transformers starts them at one: make them matter
     hf.save_pretrained(tmp_path / "hf")
-    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", f'model.init_from="{tmp_path / "hf"}"']
-    with pytest.raises(CheckpointMismatch, match="head_dim = 32 but the config's heads are 16 wide; set "
-                                                 "model.head_dim=32"):
+    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=1000000.0",
+            f'model.init_from="{tmp_path / "hf"}"']
+    with pytest.raises(CheckpointMismatch) as refused:
         Trainer(load_config(None, base), ROWS, measure_peak=False)
-    ours = Trainer(load_config(None, [*base, "model.head_dim=32"]), ROWS, measure_peak=False).model.eval()
+    assert "q/k norms (qwen3) but model.qk_norm = false; set model.qk_norm=true" in str(refused.value)
+    assert "head_dim = 32 but the config's heads are 16 wide; set model.head_dim=32" in str(refused.value)
+    qwen3 = [*base, "model.head_dim=32", "model.qk_norm=true"]
+    ours = Trainer(load_config(None, qwen3), ROWS, measure_peak=False).model.eval()
     ids = torch.from_numpy(ROWS[:2, :32])
     with torch.no_grad():
         theirs = hf(ids).logits
         assert _close(ours(ids), theirs)
+        unnormed = Llama(load_config(None, qwen3[:-1] + ["model.qk_norm=false"]).model, 32).eval()
+        unnormed.load_state_dict({k: v for k, v in ours.state_dict().items()
+                                  if not k.endswith(("q_norm.weight", "k_norm.weight"))})
+        assert not _close(unnormed(ids), theirs)  # the norms count
     tok = _tokenizer(tmp_path)
-    back = transformers.LlamaForCausalLM.from_pretrained(export_hf(ours, tok, tmp_path / "export")).eval()
+    out = export_hf(ours, tok, tmp_path / "export")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["model_type"], config["head_dim"]) == (["Qwen3ForCausalLM"], "qwen3", 32)
+    back = transformers.AutoModelForCausalLM.from_pretrained(out).eval()
+    assert type(back).__name__ == "Qwen3ForCausalLM"
     with torch.no_grad():
         assert _close(back(ids).logits, theirs)
     llm = llama_cpp.Llama(model_path=str(export_gguf(ours, tok, tmp_path / "model.gguf")), n_ctx=64, n_batch=64,
                           logits_all=True, verbose=False)
+    assert llm.metadata["general.architecture"] == "qwen3"
     llm.eval(ids[0].tolist())
-    assert (torch.tensor(np.array(llm.scores[:32])) - theirs[0]).abs().max().item() < 1e-3
+    got = torch.tensor(np.array(llm.scores[:32]))
+    with torch.no_grad():
+        off = (unnormed(ids)[0] - theirs[0]).abs().max().item()
+    assert (got - theirs[0]).abs().max().item() < 1e-3 < off / 5
 
 
 def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export, tmp_path):
@@ -309,7 +330,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
                                    f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     # an architecture raysc does not read, and Mistral's sliding window, are named
     (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "gemma"}))
-    with pytest.raises(CheckpointMismatch, match="model_type 'gemma' is not one raysc reads .llama, qwen2, mistral"):
+    with pytest.raises(CheckpointMismatch, match="model_type 'gemma' is not one raysc reads .llama, qwen2, qwen3, mistral"):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "mistral", "sliding_window": 4096}))
     with pytest.raises(CheckpointMismatch, match="sliding-window attention .sliding_window = 4096"):

@@ -67,12 +67,18 @@ MUP_LAYOUTS = ["dp_shard=2,tp=2", "cp=2"]
 QWEN2 = ["model.attention_bias=true"]
 LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_factor=4.0", "model.rope_original_max_position=16",
                "model.rope_theta=500000.0"]
-# heads that are not dim / n_heads wide (model.head_dim, as Qwen3's): 4 heads of 8 on a 64-wide model.
+# Qwen3: a q and a k norm per head (replicated under TP, their gradients summed over the TP group) and
+# heads that are not dim / n_heads wide (model.head_dim): 4 heads of 8 on a 64-wide model.
 # (4 of 32 trains the same way but its 10th step's grad norm drifts 1.4e-4 from one process's under
 # FSDP+TP, past the 1e-4 bound; FSDP alone drifts 2.6e-5 there: reduction order amplified, not a bug)
-FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("dp_shard=2,tp=2", ["model.head_dim=8"]),
+QWEN3 = ["model.head_dim=8", "model.qk_norm=true"]
+FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("dp_shard=2,tp=2", QWEN3),
                 ("pp=2,pp_schedule=1f1b", QWEN2),
                 ("cp=2,tp=2", LLAMA3_ROPE)]
+# the grad norm's bound where 1e-4 is tighter than reduction order allows: the Qwen3 case's grad norm
+# drifts 1.7e-4 from one process's at step 7 (its loss stays within 4e-7 for all 10 steps); with the TP
+# reduction of the q/k norms' gradients taken out it is 2.2e-4 off at step 3 and 3.8e-2 at step 7
+GRAD_RTOL = {"dp_shard=2,tp=2 " + " ".join(QWEN3): 5e-4}
 STEPS = 10
 
 
@@ -183,8 +189,9 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     assert len(results) == len(cases)
     for name, r in results.items():
         for step, (got, want) in enumerate(zip(r["steps"], r["ref"]), 1):
-            for key in ("loss", "grad_norm"):
-                assert got[key] == pytest.approx(want[key], rel=1e-4), (name, step, key)
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), (name, step, "loss")
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_RTOL.get(name, 1e-4)), \
+                (name, step, "grad_norm")
         check_built_parts(r["layout"], r["built"])
 
 

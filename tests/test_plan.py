@@ -230,10 +230,11 @@ def test_cli_plan_ranks_writes_the_fragment_and_profiles(ray_session, make_cfg, 
     assert load_config(str(cfg_path), overrides).parallel.world_size == 2
 
 
-@pytest.mark.parametrize("recipe,params", [("llama-3.2-1b", 1.236e9), ("qwen2.5-0.5b", 0.494e9)])
+@pytest.mark.parametrize("recipe,params", [("llama-3.2-1b", 1.236e9), ("qwen2.5-0.5b", 0.494e9),
+                                           ("qwen3-0.6b", 0.596e9)])
 def test_plan_ranks_the_continued_pretraining_recipes(tmp_path, capsys, recipe, params):
     """The continued pre-training recipes (jobs/configs/: Llama 3.2 1B's shapes with llama3 rope scaling
-    and a 128,256-token vocabulary; Qwen2.5 0.5B's with q/k/v biases and 151,936 tokens) plan on 8 GPUs,
+    and a 128,256-token vocabulary; Qwen2.5 0.5B's with q/k/v biases and 151,936 tokens; Qwen3 0.6B's with q/k norms and 128-wide heads) plan on 8 GPUs,
     and their parameter counts are the published ones."""
     from raysc.cli import main
     from raysc.model.flops import param_count

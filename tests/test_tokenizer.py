@@ -38,8 +38,8 @@ FOLDERS = {
 # (BOS id or None, EOS id, adds BOS, PAD id or None) as the GGUF files' metadata and the repositories say
 EXPECTED = {"llama-bpe": (128000, 128001, True, None), "llama-spm": (1, 2, True, None),
             "qwen2": (None, 151643, False, 151643), "gpt-2": (50256, 50256, False, None)}
-BYTE_LEVEL = ["llama-bpe", "qwen2", "gpt-2"]  # what raysc's GGUF export writes (llama.cpp's gpt2 model)
-PRE = {"llama-bpe": "llama-bpe", "qwen2": "qwen2", "gpt-2": "gpt-2"}
+BYTE_LEVEL = ["llama-bpe", "qwen2", "gpt-2"]  # llama.cpp's gpt2 model; llama-spm is its llama (SentencePiece) one
+PRE = {"llama-bpe": "llama-bpe", "qwen2": "qwen2", "gpt-2": "gpt-2", "llama-spm": "default"}
 DOCS = ["Hello world", "def f():\n    return 1", "Äpfel und Birnen 3333", " leading space"]
 
 
@@ -217,9 +217,12 @@ def test_hugging_face_export_carries_the_source_ids_and_files(hf_folders, tmp_pa
     assert tok("Hello").input_ids[0] == 128000  # the export's tokenizer adds BOS as the source's does
 
 
-@pytest.mark.parametrize("name", BYTE_LEVEL)
+@pytest.mark.parametrize("name", [*BYTE_LEVEL, "llama-spm"])
 def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cpp_expects(hf_folders, tmp_path,
                                                                                           name):
+    """The GGUF export's vocabulary, read by llama.cpp, tokenizes every text of llama.cpp's own test file
+    for that vocabulary into the ids llama.cpp expects; Llama 2's (SentencePiece) with scores raysc
+    derives from tokenizer.json's merge ranks."""
     import llama_cpp
 
     from raysc.export.gguf import export_gguf
@@ -231,6 +234,7 @@ def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cp
     llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
     meta = llm.metadata
     assert meta["tokenizer.ggml.pre"] == PRE[name]
+    assert meta["tokenizer.ggml.model"] == ("gpt2" if name in BYTE_LEVEL else "llama")
     assert meta["tokenizer.ggml.eos_token_id"] == str(special.eos_id)
     assert meta["tokenizer.ggml.add_bos_token"] == str(special.add_bos).lower()
     assert llm.token_eos() == special.eos_id
@@ -239,12 +243,16 @@ def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cp
     assert not wrong, wrong[:3]
 
 
-def test_gguf_export_refuses_a_sentencepiece_vocabulary_with_the_way_out(hf_folders, tmp_path):
+def test_gguf_export_refuses_a_tokenizer_it_cannot_write_with_the_way_out(hf_folders, tmp_path):
     from raysc.export.gguf import export_gguf
 
-    src = hf_folders["llama-spm"] / "tokenizer.json"
-    with pytest.raises(ValueError, match="byte fallback.*convert_hf_to_gguf.py"):
-        export_gguf(_tiny_model(32000), src, tmp_path / "spm.gguf")
+    spec = json.loads((hf_folders["gpt-2"] / "tokenizer.json").read_text(encoding="utf-8"))
+    spec["model"]["type"] = "WordPiece"
+    (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
+    with pytest.raises(ValueError, match="not 'WordPiece'.*convert_hf_to_gguf.py"):
+        export_gguf(_tiny_model(50257), tmp_path / "tokenizer.json", tmp_path / "wp.gguf",
+                    special=read_special_tokens(hf_folders["gpt-2"] / "tokenizer.json"))
+    assert not (tmp_path / "wp.gguf").exists()
 
 
 def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_session, hf_folders, make_cfg):

@@ -75,10 +75,11 @@ def check_model(cfg: Config, origin: str) -> None:
             f"{origin}: model.max_seq_len={m.max_seq_len} is shorter than train.seq_len={t.seq_len}; "
             f"raise it or set it to 0 (= train.seq_len)."
         )
-    if m.mup and (m.attention_bias or m.rope_scaling != "none"):
+    if m.mup and (m.attention_bias or m.qk_norm or m.rope_scaling != "none"):
         raise ConfigError(
             f"{origin}: model.mup = true with a public family's switches (model.attention_bias = "
-            f"{str(m.attention_bias).lower()}, model.rope_scaling = {m.rope_scaling!r}) is not supported: μP's "
+            f"{str(m.attention_bias).lower()}, model.qk_norm = {str(m.qk_norm).lower()}, model.rope_scaling = "
+            f"{m.rope_scaling!r}) is not supported: μP's "
             f"rules cover raysc's own Llama (docs/scaling.md); set model.mup = false to continue a public "
             f"checkpoint in its standard parametrisation.")
 

@@ -43,6 +43,8 @@ class ModelConfig:
     tie_embeddings: bool = opt(False, "share the input embedding with the output projection")
     attention_bias: bool = opt(False, "biases on the q, k and v projections: the Qwen2 / Qwen2.5 architecture "
                                       "(exported as Qwen2ForCausalLM); false = Llama")
+    qk_norm: bool = opt(False, "an RMSNorm over each head's queries and keys before rotary: the Qwen3 architecture "
+                               "(exported as Qwen3ForCausalLM)")
     max_seq_len: int = opt(0, "longest sequence the rotary table covers; 0 = train.seq_len", min=0)
     init_std: float = opt(0.02, "standard deviation of the weight initialisation", gt=0.0)
     mup: bool = opt(False, "maximal update parametrisation (μP, Tensor Programs V): hidden matrices get LR/m and "

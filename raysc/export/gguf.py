@@ -4,22 +4,14 @@ The ``gguf`` package (llama.cpp's own gguf-py, pure numpy) writes the file and
 quantizes Q8_0/Q4_0 blocks; what is ours is the mapping:
 
 - metadata of llama.cpp's ``llama`` architecture (``qwen2`` for a model with q/k/v
-  biases, whose rotary layout needs no permutation): sizes, GQA head counts, head
+  biases, ``qwen3`` for one with per-head q/k norms; their rotary layout needs no permutation): sizes, GQA head counts, head
   dimension, RMSNorm epsilon, RoPE base and dimension, context length; with llama3
   rope scaling, the ``rope_freqs`` tensor of per-frequency divisors that llama.cpp's
   converter writes for Llama 3.1;
-- the run's byte-level BPE ``tokenizer.json`` as llama.cpp's ``gpt2`` tokenizer
-  model: tokens in id order (padded to the embedding's size with unused
-  ``[PAD<id>]`` tokens), merges, token types (special tokens control), and the run's
-  BOS, EOS and whether BOS is added (``raysc.data.special_tokens``), the same as the
-  Hugging Face export. The pre-tokenizer name tells llama.cpp which regex splits text
-  (``pre_tokenizer_name``): ``gpt-2`` for the ``tokenizers`` ByteLevel pre-tokenizer
-  raysc trains with (tests/test_export_gguf.py checks that llama.cpp tokenizes like
-  raysc), ``llama-bpe`` for Llama 3's split, ``qwen2`` for Qwen2's. llama.cpp's own
-  converter recognises a pre-tokenizer by hashing what it does to a test text; we
-  read the split regex from tokenizer.json instead, which needs no table of hashes.
-  SentencePiece vocabularies (llama.cpp's ``llama`` model: Llama 2, Mistral) are
-  refused with the reason;
+- the run's ``tokenizer.json`` as llama.cpp's ``gpt2`` (byte-level BPE) or ``llama``
+  (SentencePiece: Llama 2, Mistral) vocabulary with the run's special tokens
+  (``raysc.export.gguf_vocab``; tests/test_export_gguf.py and tests/test_tokenizer.py
+  check that llama.cpp tokenizes as raysc and as llama.cpp's own files expect);
 - q/k projections permuted from our rotary layout ("rotate half": dimension i
   pairs with i + head_dim/2) to the interleaved pairs (2i, 2i+1) that llama.cpp's
   ``llama`` architecture rotates, the permutation llama.cpp's HF converter applies;
@@ -39,13 +31,14 @@ blocks itself (``raysc.quantize.gguf_gptq``: GPTQ's rounding on the Q4_0 grid).
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 import gguf
 import numpy as np
 import torch
 
 from raysc.data.special_tokens import SpecialTokens, special_tokens_beside
+from raysc.export.gguf_vocab import add_vocab
+from raysc.model.hf_names import model_type
 from raysc.model.llama import Llama, rope_inv_freq
 from raysc.model.mup import fold_into_weights
 
@@ -53,18 +46,11 @@ Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
 FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
               "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
-# the split regexes of public byte-level BPE tokenizers (tokenizer.json's pre_tokenizer Split pattern), by
-# llama.cpp's pre-tokenizer name; they differ in how digits group (\p{N}{1,3} against \p{N})
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-           r"\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-          r"\s*[\r\n]+|\s+(?!\S)|\s+")
-SPLIT_PRE_TOKENIZERS = {_LLAMA3: "llama-bpe", _QWEN2: "qwen2"}
-
 T = gguf.MODEL_TENSOR
 _LAYER_TENSORS = {
     "attn_norm.weight": T.ATTN_NORM, "attn.wq.weight": T.ATTN_Q, "attn.wk.weight": T.ATTN_K,
     "attn.wv.weight": T.ATTN_V, "attn.wo.weight": T.ATTN_OUT, "mlp_norm.weight": T.FFN_NORM,
+    "attn.q_norm.weight": T.ATTN_Q_NORM, "attn.k_norm.weight": T.ATTN_K_NORM,
     "mlp.w_gate.weight": T.FFN_GATE, "mlp.w_up.weight": T.FFN_UP, "mlp.w_down.weight": T.FFN_DOWN,
 }
 
@@ -87,56 +73,6 @@ def interleave_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     be weights or their quantized blocks."""
     rows = w.shape[0]
     return w.reshape(n_heads, 2, rows // n_heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
-    """tokens, token types and merges of a byte-level BPE ``tokenizer.json`` for a ``gpt2`` GGUF vocab."""
-    spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
-    model = spec.get("model") or {}
-    if model.get("type") != "BPE" or model.get("byte_fallback"):
-        kind = "SentencePiece-style BPE (byte fallback: Llama 2, Mistral)" if model.get("byte_fallback") else \
-            repr(model.get("type"))
-        raise ValueError(f"{tokenizer_json}: GGUF export handles byte-level BPE tokenizers (raysc's own, GPT-2, "
-                         f"Llama 3, Qwen2), not {kind}; export this run with `raysc export` (Hugging Face "
-                         f"format) and convert it with llama.cpp's convert_hf_to_gguf.py")
-    by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
-    control = set()
-    for added in spec.get("added_tokens", []):
-        by_id[added["id"]] = added["content"]
-        if added.get("special"):
-            control.add(added["id"])
-    if max(by_id) >= vocab_size:
-        raise ValueError(f"{tokenizer_json} has token id {max(by_id)} but the model's embedding has "
-                         f"{vocab_size} rows; export with the tokenizer the run trained with")
-    tokens, types = [], []
-    for i in range(vocab_size):
-        if i in by_id:
-            tokens.append(by_id[i])
-            types.append(gguf.TokenType.CONTROL if i in control else gguf.TokenType.NORMAL)
-        else:  # embedding rows the tokenizer never produces (a small corpus learns fewer merges)
-            tokens.append(f"[PAD{i}]")
-            types.append(gguf.TokenType.UNUSED)
-    merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
-    return {"tokens": tokens, "types": types, "merges": merges, "pre": pre_tokenizer_name(spec, tokenizer_json)}
-
-
-def pre_tokenizer_name(spec: dict, where: str | Path = "tokenizer.json") -> str:
-    """llama.cpp's name (``tokenizer.ggml.pre``) for the pre-tokenizer of ``spec`` (a tokenizer.json):
-    ``gpt-2`` for a plain ByteLevel with its own regex, else by the Split regex before a ByteLevel."""
-    pre = spec.get("pre_tokenizer") or {}
-    steps = pre.get("pretokenizers", []) if pre.get("type") == "Sequence" else [pre]
-    split = [p for p in steps if p.get("type") == "Split"]
-    level = [p for p in steps if p.get("type") == "ByteLevel"]
-    if not split and len(level) == 1 and level[0].get("use_regex", True):
-        return "gpt-2"
-    if len(split) == 1 and level:
-        pattern = split[0].get("pattern") or {}
-        name = SPLIT_PRE_TOKENIZERS.get(pattern.get("Regex", ""))
-        if name:
-            return name
-    raise ValueError(f"{where}: its pre-tokenizer ({json.dumps(pre)[:200]}) is none that raysc's GGUF export "
-                     f"knows (GPT-2's ByteLevel, Llama 3's or Qwen2's split); export with `raysc export` "
-                     f"(Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py")
 
 
 def tensor_type(name: str, shape: tuple[int, ...], qtype: str, tied: bool) -> Q:
@@ -166,8 +102,9 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
     c = model.cfg
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Qwen2 (q/k/v biases) is llama.cpp's qwen2 architecture, which rotates halves (NEOX) as raysc does
-    arch = "qwen2" if c.attention_bias else "llama"
+    # Qwen2 (q/k/v biases) and Qwen3 (q/k norms) are llama.cpp architectures that rotate halves (NEOX) as
+    # raysc does, so their q/k rows keep raysc's order
+    arch = model_type(c)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_name(name)
     w.add_file_type(FILE_TYPES[qtype])
@@ -188,19 +125,7 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
         w.add_tensor(gguf.TENSOR_NAMES[T.ROPE_FREQS] + ".weight", (base / rope_inv_freq(c)).numpy().astype(np.float32))
     w.add_layer_norm_rms_eps(c.norm_eps)
 
-    tok = tokenizer_fields(tokenizer_json, c.vocab_size)
-    special = special or special_tokens_beside(tokenizer_json)
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre(tok["pre"])
-    w.add_token_list(tok["tokens"])
-    w.add_token_types(tok["types"])
-    w.add_token_merges(tok["merges"])
-    w.add_bos_token_id(special.eos_id if special.bos_id is None else special.bos_id)
-    w.add_eos_token_id(special.eos_id)
-    if special.pad_id is not None:
-        w.add_pad_token_id(special.pad_id)
-    w.add_add_bos_token(special.add_bos)
-    w.add_add_eos_token(False)
+    add_vocab(w, tokenizer_json, c.vocab_size, special or special_tokens_beside(tokenizer_json))
 
     # a tied output matrix appears once, as embed.weight (named_parameters lists shared ones once)
     state = fold_into_weights(dict(model.named_parameters()), c)

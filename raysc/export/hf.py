@@ -1,7 +1,8 @@
-"""Export a raysc model to a Hugging Face Llama (or Qwen2) folder.
+"""Export a raysc model to a Hugging Face Llama (or Qwen2, Qwen3) folder.
 
 Writes ``model.safetensors`` (HF parameter names), ``config.json`` for
-``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with ``model.attention_bias``), ``generation_config.json`` and the tokenizer files that
+``LlamaForCausalLM`` (``Qwen2ForCausalLM`` with ``model.attention_bias``, ``Qwen3ForCausalLM`` with
+``model.qk_norm``), ``generation_config.json`` and the tokenizer files that
 ``PreTrainedTokenizerFast`` reads. The special-token ids are the run's (``raysc.data.special_tokens``):
 a public tokenizer's files are copied as they came, a raysc-trained one gets files written for it. Our rotary layout already matches HF's
 ("rotate half"), so q/k weights are copied without permutation. The name mapping lives in
@@ -17,24 +18,24 @@ import torch
 from safetensors.torch import save_file
 
 from raysc.data.special_tokens import SpecialTokens, copy_tokenizer, special_tokens_beside
-from raysc.model.hf_names import hf_name
+from raysc.model.hf_names import ARCHITECTURES, hf_name, model_type
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 
 
 def hf_config(model: Llama, dtype: str, special: SpecialTokens) -> dict:
     c = model.cfg
+    family = model_type(c)
     return {
-        # Qwen2 is Llama with q/k/v biases: transformers and vLLM load it as Qwen2ForCausalLM
-        "architectures": ["Qwen2ForCausalLM" if c.attention_bias else "LlamaForCausalLM"],
-        "model_type": "qwen2" if c.attention_bias else "llama",
+        # Qwen2 is Llama with q/k/v biases, Qwen3 with per-head q/k norms: transformers and vLLM load them as such
+        "architectures": [ARCHITECTURES[family]], "model_type": family,
         "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.hidden_ffn_dim,
         "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
         "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
         "max_position_embeddings": model.max_seq_len, "rms_norm_eps": c.norm_eps,
         "rope_theta": c.rope_theta, **rope_config(c),
         "attention_bias": c.attention_bias, "mlp_bias": False, "attention_dropout": 0.0,
-        **({"use_sliding_window": False, "sliding_window": None} if c.attention_bias else {}),
+        **({"use_sliding_window": False, "sliding_window": None} if family != "llama" else {}),
         "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std,
         "bos_token_id": _bos_id(special), "eos_token_id": special.eos_id, "use_cache": True, "torch_dtype": dtype,
     }

@@ -18,6 +18,8 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     attn = d * cfg.n_heads * hd * 2 + d * cfg.n_kv_heads * hd * 2
     if cfg.attention_bias:  # Qwen2's q/k/v biases
         attn += (cfg.n_heads + 2 * cfg.n_kv_heads) * hd
+    if cfg.qk_norm:  # Qwen3's per-head q and k norms
+        attn += 2 * hd
     mlp = 3 * d * cfg.hidden_ffn_dim
     per_layer = attn + mlp + 2 * d
     embedding = cfg.vocab_size * d

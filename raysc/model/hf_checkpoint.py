@@ -29,7 +29,7 @@ from safetensors import safe_open
 
 from raysc.config.schema import ModelConfig
 from raysc.hashing import file_sha256
-from raysc.model.hf_names import hf_name, raysc_name
+from raysc.model.hf_names import ARCHITECTURES, hf_name, raysc_name
 from raysc.model.llama import Llama
 
 WEIGHTS = "model.safetensors"
@@ -76,10 +76,6 @@ def _power_of_two(x: float) -> bool:
     return x > 0 and math.frexp(x)[0] == 0.5
 
 
-# config.json model_type -> the transformers class raysc reads and writes for it (model.attention_bias
-# picks qwen2); mistral checkpoints without a sliding window are Llama-architecture ones
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM"}
-
 # llama3 rope scaling: config.json's key -> raysc's model key
 LLAMA3_ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
                     "high_freq_factor": "rope_high_freq_factor",
@@ -102,6 +98,7 @@ def family_settings(hf: dict) -> dict:
     theta, kind, rope = _rope(hf)
     out = {"rope_theta": float(theta)} if theta is not None else {}
     out["attention_bias"] = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
+    out["qk_norm"] = hf.get("model_type") == "qwen3"
     heads = hf.get("num_attention_heads")
     if hf.get("head_dim") and heads and hf["head_dim"] != hf.get("hidden_size", 0) // heads:
         out["attn_head_dim"] = hf["head_dim"]
@@ -174,7 +171,11 @@ class HFCheckpoint:
             out.append(f"config.json: {'q/k/v biases' if biased else 'no attention biases'} ({model_type}) but "
                        f"model.attention_bias = {str(c.attention_bias).lower()}; set "
                        f"model.attention_bias={str(biased).lower()}")
-        if hf.get("use_sliding_window") or (model_type != "qwen2" and hf.get("sliding_window")):
+        qk_norm = model_type == "qwen3"  # Qwen3 always normalises q and k per head
+        if qk_norm != c.qk_norm:
+            out.append(f"config.json: {'q/k norms' if qk_norm else 'no q/k norms'} ({model_type}) but "
+                       f"model.qk_norm = {str(c.qk_norm).lower()}; set model.qk_norm={str(qk_norm).lower()}")
+        if hf.get("use_sliding_window") or (model_type not in ("qwen2", "qwen3") and hf.get("sliding_window")):
             out.append(f"config.json: sliding-window attention (sliding_window = {hf.get('sliding_window')}); "
                        f"raysc's attention is full causal attention")
         heads = hf.get("num_attention_heads")

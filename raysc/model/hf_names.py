@@ -1,5 +1,5 @@
 """Parameter names of the raysc Llama and of a Hugging Face ``LlamaForCausalLM`` (or
-``Qwen2ForCausalLM``, the same names plus q/k/v biases), both ways.
+``Qwen2ForCausalLM``, the same names plus q/k/v biases, or ``Qwen3ForCausalLM``, plus q/k norms), both ways.
 
 Export (``raysc.export.hf``) writes Hugging Face names; continued pre-training from a Hugging Face
 checkpoint (``raysc.model.hf_checkpoint``) reads them back. One table serves both directions, so the
@@ -7,6 +7,22 @@ two cannot drift apart.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from raysc.config.schema import ModelConfig
+
+# config.json model_type -> the transformers class raysc reads and writes for it (model.attention_bias
+# picks qwen2, model.qk_norm qwen3); mistral checkpoints without a sliding window are Llama-architecture ones
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "mistral": "MistralForCausalLM"}
+
+
+def model_type(cfg: "ModelConfig") -> str:
+    """config.json's model_type for a raysc ``ModelConfig``: qwen3 (q/k norms), qwen2 (q/k/v biases) or llama."""
+    return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
+
 
 LAYER_NAMES: dict[str, str] = {
     "attn_norm.weight": "input_layernorm.weight",
@@ -17,6 +33,8 @@ LAYER_NAMES: dict[str, str] = {
     "attn.wq.bias": "self_attn.q_proj.bias",  # Qwen2's (model.attention_bias)
     "attn.wk.bias": "self_attn.k_proj.bias",
     "attn.wv.bias": "self_attn.v_proj.bias",
+    "attn.q_norm.weight": "self_attn.q_norm.weight",  # Qwen3's (model.qk_norm)
+    "attn.k_norm.weight": "self_attn.k_norm.weight",
     "mlp_norm.weight": "post_attention_layernorm.weight",
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",

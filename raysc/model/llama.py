@@ -2,7 +2,8 @@
 
 Token embedding, RMSNorm, rotary position embeddings (the "rotate half" layout
 Hugging Face uses, so exported weights need no permutation), grouped-query
-attention through ``scaled_dot_product_attention`` and a SwiGLU MLP.
+attention through ``scaled_dot_product_attention`` and a SwiGLU MLP. Public families are
+switches on it: q/k/v biases (Qwen2), an RMSNorm per head on q and k (Qwen3), llama3 rope scaling.
 
 The model knows nothing about parallelism: tensor/sequence/pipeline/context
 parallel plans are applied from outside. To keep that possible:
@@ -120,13 +121,20 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        # Qwen3's qk-norm: one RMSNorm over each head's q (and k) before rotary, its weight shared by all heads
+        # (under TP each rank normalises its own heads and the weight's gradient is summed over the TP group)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if cfg.qk_norm else None
         # (q, k, v) -> attention output; context parallelism swaps in a distributed kernel
         self.core_attention: Callable[..., torch.Tensor] = causal_attention
 
     def forward(self, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
         bsz, seqlen, _ = x.shape
-        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
+        q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
+        k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope.tables(seqlen, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

@@ -47,6 +47,11 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
             "mlp.w_up": ColwiseParallel(),
             "mlp.w_down": RowwiseParallel(output_layouts=seq),
         }
+        if block.attn.q_norm is not None:
+            # Qwen3's q/k norms see the local heads (dim 2 of (batch, seq, heads, head_dim)): sharding their
+            # input over the heads makes DTensor sum the replicated weights' gradients over the TP group
+            plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
         if sequence_parallel:
             plan.update({
                 "attn_norm": SequenceParallel(),
