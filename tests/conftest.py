@@ -92,6 +92,15 @@ def ray_session():
 
 
 @pytest.fixture(scope="session")
+def hf_folders() -> dict:
+    """Hugging Face tokenizer folders of real public vocabularies (Llama 3, Llama 2, Qwen2, GPT-2), by
+    llama.cpp's names: ``llama_vocab.build_folders``."""
+    from llama_vocab import build_folders
+
+    return build_folders()
+
+
+@pytest.fixture(scope="session")
 def s3_server():
     """An S3-compatible server (moto) on 127.0.0.1 for the object-store tests; yields its endpoint."""
     import boto3

@@ -3,8 +3,9 @@ vocabulary-only GGUF files of Llama 3, Llama 2, Qwen2 and GPT-2, from the llama-
 `make dev` extracts under .cache/llama-vocab) made into Hugging Face folders as those models ship them,
 then packed, exported (Hugging Face and GGUF, read back by transformers and llama.cpp) and trained on.
 
-The folders are built by transformers from the GGUF files; their tokenizer_config.json (and the
-post-processor that adds Llama 3's BOS) are written the way each model's own repository has them. That
+The folders (tests/llama_vocab.py) are built by transformers from the GGUF files; their
+tokenizer_config.json (and the post-processors that add Llama 3's and Llama 2's BOS) are written the way
+each model's own repository has them. That
 the vocabulary is the real one is checked against llama.cpp's expected token ids (.inp/.out files);
 that the ids raysc reads are the right ones is checked against the GGUF's own metadata."""
 
@@ -15,99 +16,17 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, models, processors
+from tokenizers import Tokenizer, models
+
+from llama_vocab import BYTE_LEVEL, FOLDERS, expected_ids, gguf_file, metadata
 
 from raysc.data.special_tokens import SpecialTokenError, read_special_tokens
 
-ROOT = Path(__file__).resolve().parents[1]
-VOCAB = ROOT / ".cache" / "llama-vocab"
-
-# what each model's repository ships beside tokenizer.json (Llama 3: no add_bos_token, its post-processor
-# adds BOS; GPT-2: config.json only)
-FOLDERS = {
-    "llama-bpe": {"tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-                                            "tokenizer_class": "PreTrainedTokenizerFast"}},
-    "llama-spm": {"tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                                            "add_bos_token": True, "add_eos_token": False,
-                                            "tokenizer_class": "LlamaTokenizer"}},
-    "qwen2": {"tokenizer_config.json": {"bos_token": None, "eos_token": "<|endoftext|>",
-                                        "pad_token": "<|endoftext|>", "tokenizer_class": "Qwen2Tokenizer"},
-              "generation_config.json": {"bos_token_id": 151643, "eos_token_id": 151643}},
-    "gpt-2": {"config.json": {"bos_token_id": 50256, "eos_token_id": 50256, "model_type": "gpt2"}},
-}
 # (BOS id or None, EOS id, adds BOS, PAD id or None) as the GGUF files' metadata and the repositories say
 EXPECTED = {"llama-bpe": (128000, 128001, True, None), "llama-spm": (1, 2, True, None),
             "qwen2": (None, 151643, False, 151643), "gpt-2": (50256, 50256, False, None)}
-BYTE_LEVEL = ["llama-bpe", "qwen2", "gpt-2"]  # llama.cpp's gpt2 model; llama-spm is its llama (SentencePiece) one
 PRE = {"llama-bpe": "llama-bpe", "qwen2": "qwen2", "gpt-2": "gpt-2", "llama-spm": "default"}
 DOCS = ["Hello world", "def f():\n    return 1", "Äpfel und Birnen 3333", " leading space"]
-
-
-def _gguf(name: str) -> Path:
-    path = VOCAB / f"ggml-vocab-{name}.gguf"
-    assert path.is_file(), f"{path} is missing: `make dev` extracts llama.cpp's vocabulary files into {VOCAB}"
-    return path
-
-
-def _metadata(path: Path) -> dict[str, str]:
-    """A GGUF file's metadata as llama.cpp reads it (its C reader: gguf-py's takes seconds on 128k tokens)."""
-    import llama_cpp
-
-    llm = llama_cpp.Llama(model_path=str(path), vocab_only=True, verbose=False)
-    return {**llm.metadata, "n_vocab": str(llm.n_vocab())}
-
-
-def _expected_ids(name: str) -> list[tuple[str, list[int]]]:
-    """llama.cpp's tokenizer tests: each text of the .inp file with the ids of the .out file."""
-    texts = _gguf(name).with_suffix(".gguf.inp").read_text(encoding="utf-8").split("\n__ggml_vocab_test__\n")
-    ids = _gguf(name).with_suffix(".gguf.out").read_text(encoding="utf-8").split("\n")
-    return [(t, [int(i) for i in line.split()]) for t, line in zip(texts, ids)]
-
-
-@pytest.fixture(scope="session")
-def hf_folders() -> dict[str, Path]:
-    """A Hugging Face tokenizer folder per family: tokenizer.json from the GGUF vocabulary (transformers'
-    converter), beside the files its repository ships. Built once per transformers version under
-    .cache/llama-vocab/hf (the conversion takes about a minute on 2 cores)."""
-    import shutil
-
-    import transformers
-
-    root = VOCAB / "hf" / transformers.__version__
-    out = {}
-    for name, files in FOLDERS.items():
-        folder = root / name
-        if not (folder / "tokenizer.json").is_file():
-            tmp = root / f".{name}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            _convert(name, tmp)
-            for fname, data in files.items():
-                (tmp / fname).write_text(json.dumps(data))
-            shutil.rmtree(folder, ignore_errors=True)
-            tmp.rename(folder)
-        out[name] = folder
-    return out
-
-
-def _convert(name: str, folder: Path) -> None:
-    from transformers import AutoTokenizer
-
-    tok: Tokenizer = AutoTokenizer.from_pretrained(str(VOCAB), gguf_file=_gguf(name).name).backend_tokenizer
-    if name == "llama-bpe":  # Llama 3's tokenizer.json adds <|begin_of_text|> in its post-processor
-        tok.post_processor = processors.Sequence([
-            processors.ByteLevel(trim_offsets=False),
-            processors.TemplateProcessing(single="<|begin_of_text|> $A", pair="<|begin_of_text|> $A $B",
-                                          special_tokens=[("<|begin_of_text|>", 128000)])])
-    else:  # the converter's own template may add BOS; the repository's files say whether it does
-        tok.post_processor = processors.ByteLevel(trim_offsets=False) if name in BYTE_LEVEL else None
-    spec = json.loads(tok.to_str())
-    # the converter adds special tokens the model never had (Llama 3 gains an <|endoftext|> at 128256)
-    n = int(_metadata(_gguf(name))["n_vocab"])
-    spec["added_tokens"] = [t for t in spec["added_tokens"] if t["id"] < n]
-    if name == "llama-bpe":  # as Llama 3 ships it: a whole word in the vocabulary wins over the merges
-        spec["model"]["ignore_merges"] = True
-    (folder / "tokenizer.json").write_text(json.dumps(spec, ensure_ascii=False))
 
 
 @pytest.mark.parametrize("name", BYTE_LEVEL)
@@ -116,7 +35,7 @@ def test_the_folders_hold_the_real_vocabularies(hf_folders, name):
     ids. (Llama 2's SentencePiece vocabulary is used for its special tokens only: transformers' GGUF
     converter does not reproduce its whitespace handling, 15 of the 47 texts differ.)"""
     tok = Tokenizer.from_file(str(hf_folders[name] / "tokenizer.json"))
-    cases = [(t, want) for t, want in _expected_ids(name) if t]
+    cases = [(t, want) for t, want in expected_ids(name) if t]
     assert len(cases) >= 40
     wrong = [(t, want, tok.encode(t, add_special_tokens=False).ids) for t, want in cases
              if tok.encode(t, add_special_tokens=False).ids != want]
@@ -128,7 +47,7 @@ def test_special_tokens_come_from_the_folder_and_match_the_gguf_metadata(hf_fold
     special = read_special_tokens(hf_folders[name] / "tokenizer.json")
     bos, eos, adds, pad = EXPECTED[name]
     assert (special.bos_id, special.eos_id, special.add_bos, special.pad_id) == (bos, eos, adds, pad)
-    meta = {k.removeprefix("tokenizer.ggml."): v for k, v in _metadata(_gguf(name)).items()}
+    meta = {k.removeprefix("tokenizer.ggml."): v for k, v in metadata(gguf_file(name)).items()}
     assert str(special.eos_id) == meta["eos_token_id"]
     if special.bos_id is not None:
         assert str(special.bos_id) == meta["bos_token_id"]
@@ -238,7 +157,7 @@ def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cp
     assert meta["tokenizer.ggml.eos_token_id"] == str(special.eos_id)
     assert meta["tokenizer.ggml.add_bos_token"] == str(special.add_bos).lower()
     assert llm.token_eos() == special.eos_id
-    wrong = [(t, want) for t, want in _expected_ids(name)
+    wrong = [(t, want) for t, want in expected_ids(name)
              if t and llm.tokenize(t.encode(), add_bos=False, special=False) != want]
     assert not wrong, wrong[:3]
 

@@ -83,6 +83,7 @@ def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: i
     """vLLM's greedy continuations of ``prompts`` from the folder at ``path``, torch's from the same
     weights, and the share of tokens on which they agree up to the first difference."""
     check_runnable(path)
+    quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
     from vllm import LLM, SamplingParams
 
     prompts = prompts or PROMPTS
