@@ -9,7 +9,7 @@ from raysc.config import ConfigError, config_hash, dump_config, load_config
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("name", ["tiny", "small", "llama-1b", "llama-3.2-1b", "qwen2.5-0.5b"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "jobs" / "configs").glob("*.toml")))
 def test_example_configs_load(name):
     cfg = load_config(ROOT / "jobs" / "configs" / f"{name}.toml")
     assert cfg.run.name == name
