@@ -44,7 +44,8 @@ from raysc.preflight_gate import require_passing
 
 def check_inputs(cfg: Config) -> None:
     """Checks that need no Ray: inputs exist, a local ``model.init_from`` fits the model config, the
-    tokenizer (``data.tokenizer`` or the checkpoint's) fits the embedding and has an end-of-text token.
+    tokenizer (``data.tokenizer`` or the checkpoint's) fits the embedding, has an end-of-text token and is
+    the one a packed ``data.source`` was packed with.
     Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences)."""
     if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists():
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
@@ -52,16 +53,18 @@ def check_inputs(cfg: Config) -> None:
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")
-    tokenizer = cfg.data.tokenizer
+    tokenizer, whose = cfg.data.tokenizer, "data.tokenizer"
     if cfg.model.init_from and not is_url(cfg.model.init_from):
         from raysc.model.hf_checkpoint import check_init_from
 
         info = check_init_from(cfg.model.init_from, cfg.model)  # headers only: a mismatch stops here, before Ray
-        tokenizer = tokenizer or info["tokenizer"]
+        if not tokenizer and info["tokenizer"]:
+            tokenizer, whose = info["tokenizer"], "model.init_from's"
     if tokenizer:
-        from raysc.data.prepare import check_tokenizer
+        from raysc.data.prepare import check_packed_source, check_tokenizer
 
         check_tokenizer(cfg, tokenizer)  # fits the embedding, has an end-of-text token: before Ray
+        check_packed_source(cfg, tokenizer, whose)  # a packed data.source used this same tokenizer
 
 
 def ensure_ray() -> None:

@@ -372,3 +372,18 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
             p.copy_(params[name])
     want = ref.train_step()["loss"]  # this process's thread count, not the worker's: not to the bit
     assert abs(metrics[0]["loss"] - want) <= 1e-6 * want
+
+
+def test_a_corpus_packed_with_another_tokenizer_is_refused_before_ray(export, packed_corpus):
+    """``raysc train --init-from`` on a ``raysc pack`` directory packed with another tokenizer than the
+    checkpoint's stops in the CLI's input checks, naming both; its own tokenizer passes them."""
+    from raysc.driver import check_inputs
+
+    _, out = export
+    packed = Path(packed_corpus["packed"])
+    base = [*MODEL, "train.seq_len=64", f'model.init_from="{out}"', f'data.source="{packed}"']
+    with pytest.raises(ValueError, match=r"data.source .* was packed with another tokenizer \(tokenizer.json in it, "
+                                         r"SHA-256 \w{12}\) than the run's, '.*tokenizer.json' \(model.init_from's, "
+                                         r"SHA-256 \w{12}\); re-pack the corpus with that tokenizer"):
+        check_inputs(load_config(None, base))
+    check_inputs(load_config(None, [*base, f'data.tokenizer="{packed / packed_corpus["index"]["tokenizer"]}"']))

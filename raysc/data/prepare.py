@@ -73,6 +73,23 @@ def check_tokenizer(cfg: Config, tok_path: str | Path) -> SpecialTokens:
     return special_tokens(cfg, tok_path, tok)
 
 
+def check_packed_source(cfg: Config, tok_path: str | Path, whose: str) -> None:
+    """A local packed ``data.source`` (``raysc pack``'s output) was packed with the tokenizer at ``tok_path``
+    (``whose`` says where the run takes it from): token ids of another tokenizer would train the
+    embedding on the wrong rows without an error. A ValueError naming both tokenizers otherwise."""
+    source = cfg.data.source
+    if source == "bundled" or not (Path(source) / "index.json").is_file():  # an s3:// one: checked in prepare
+        return
+    index = read_index(source)
+    want, have = index["tokenizer_sha256"], file_sha256(Path(tok_path))
+    if want != have:
+        raise ValueError(f"data.source {source!r} was packed with another tokenizer ({index['tokenizer']} in it, "
+                         f"SHA-256 {want[:12]}) than the run's, {str(tok_path)!r} ({whose}, SHA-256 {have[:12]}); "
+                         f"re-pack the corpus with that tokenizer (`raysc pack ... --set "
+                         f"data.tokenizer='\"{tok_path}\"'`), or point data.source at the raw corpus so the run "
+                         f"tokenizes it itself")
+
+
 def special_tokens(cfg: Config, tok_path: str | Path, tok=None) -> SpecialTokens:
     """The run's special tokens: the tokenizer's (read beside it), with ``data.*_token`` overrides;
     ``tok`` is the tokenizer when the caller has it loaded already."""
