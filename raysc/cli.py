@@ -370,6 +370,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
     from raysc.cluster.connect import ClusterAddressError
+    from raysc.cluster.fit import ClusterTooSmall
     from raysc.fleet.errors import RunFailed
     from raysc.preflight_gate import PreflightRequired
     from raysc.serve.fit import ServeNotReady
@@ -385,7 +386,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     except RunFailed as e:
         print(f"error: run failed: {e}", file=sys.stderr)
         return 1
-    except (PreflightRequired, ClusterAddressError) as e:
+    except (PreflightRequired, ClusterAddressError, ClusterTooSmall) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ServeNotReady as e:

@@ -1,6 +1,8 @@
 """A wrong cluster address fails in seconds with an error that says how to find the right one
 (``raysc.cluster.connect``), as a newcomer meets it: `raysc train` with RAY_ADDRESS pointing where
-nothing listens, or at an HTTP server (the dashboard's port given for the GCS's)."""
+nothing listens, or at an HTTP server (the dashboard's port given for the GCS's). A fleet the cluster can
+never hold stops at once on a Ray the command started itself (``raysc.cluster.fit``): `raysc preflight`
+of the Llama 3.2 1B recipe (8 CPUs and a GPU per worker) on this machine's own CPUs."""
 
 from __future__ import annotations
 
@@ -15,6 +17,8 @@ from pathlib import Path
 import pytest
 
 from raysc.cluster.connect import ClusterAddressError, check_address
+from raysc.cluster.fit import ClusterTooSmall, require_fit, shortfall
+from raysc.config import load_config
 from raysc.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,3 +63,39 @@ def test_raysc_train_with_a_wrong_ray_address_fails_within_15_s(tmp_path):
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"RAY_ADDRESS={env['RAY_ADDRESS']}: nothing answers there" in run.stderr and "ray status" in run.stderr
     assert took < 15, took
+
+
+def test_a_fleet_no_node_can_hold_stops_at_once_on_a_ray_this_process_started(ray_session, monkeypatch):
+    """The rule counts whole workers per node (two 4-CPU nodes hold two 3-CPU workers, not three), stops
+    on the session's own Ray (started by this process: nothing adds nodes) naming need, have and the fix,
+    and on a joined cluster (an autoscaler may add nodes) says what it waits for instead."""
+    assert shortfall({"CPU": 3.0}, 3, [{"CPU": 4.0}, {"CPU": 4.0}]) == (
+        "3 worker(s) of 3 CPU (9 CPU in all), but the cluster's 2 node(s): 4 CPU, 4 CPU hold 2 (in all 8 CPU)")
+    assert shortfall({"CPU": 2.0}, 4, [{"CPU": 4.0}, {"CPU": 4.0}]) == ""
+    cpus = int(ray_session.cluster_resources()["CPU"])
+    fits = load_config(None, [f"parallel.cpus_per_worker={cpus}"]).parallel
+    require_fit("the run", fits, 1)  # the whole node for one worker: it fits
+    big = load_config(None, [f"parallel.cpus_per_worker={cpus + 1}"]).parallel
+    with pytest.raises(ClusterTooSmall, match=rf"the run needs 1 worker\(s\) of {cpus + 1} CPU .* hold 0 .*started its "
+                                              rf"own local Ray.*lower parallel.cpus_per_worker \(now {cpus + 1}"):
+        require_fit("the run", big, 1)
+    said = []
+    monkeypatch.setattr("raysc.cluster.fit.started_here", lambda: False)
+    require_fit("the run", big, 1, log=said.append)
+    assert len(said) == 1 and "waiting for the cluster to add nodes" in said[0]
+
+
+def test_raysc_preflight_of_a_gpu_recipe_on_this_machines_cpus_stops_within_seconds(tmp_path):
+    """A newcomer's `raysc preflight jobs/configs/llama-3.2-1b.toml` with no cluster: it starts a local Ray
+    with the machine's own CPUs and stops, before tokenizing anything, with exit 2 and the reason (it used
+    to wait out supervisor.start_timeout_s, 300 s, with Ray's autoscaler warnings)."""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    t0 = time.monotonic()
+    run = subprocess.run([RAYSC, "preflight", "jobs/configs/llama-3.2-1b.toml", "--set",
+                          f'run.dir="{tmp_path / "run"}"'], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)
+    took = time.monotonic() - t0
+    assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "needs 1 worker(s) of 8 CPU + 1 GPU" in run.stderr and "set parallel.device=cpu" in run.stderr
+    assert "data_ready" not in run.stdout
+    assert took < 30, took

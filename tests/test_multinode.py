@@ -60,7 +60,7 @@ def test_a_tp_group_that_cannot_stay_on_a_node_fails_before_step_1(cluster, cach
                  "parallel.tp_within_node=true")
     assert run.returncode != 0
     assert "parallel.tp_within_node" in run.stderr and "largest node holds 1" in run.stderr, run.stderr[-2000:]
-    assert "3 node(s) with CPUs (2 CPU, 2 CPU, 2 CPU)" in run.stderr, run.stderr
+    assert "3 node(s): 2 CPU, 2 CPU, 2 CPU" in run.stderr, run.stderr
     assert not (tmp_path / "tp4" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "tp4" / "metrics.jsonl")
 
 

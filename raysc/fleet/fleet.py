@@ -19,6 +19,7 @@ import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from raysc.cluster.fit import alive_nodes, describe_nodes, worker_bundle, workers_fit
 from raysc.config.load import config_to_dict
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunFailed
@@ -26,11 +27,6 @@ from raysc.fleet.events import EventKind
 from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.worker import TrainWorker
 from raysc.parallel.dims import rank_table
-
-
-def _workers_fit(node: dict, bundle: dict[str, float]) -> int:
-    """How many workers of ``bundle`` a node (an entry of ``ray.nodes()``) holds, by its total resources."""
-    return min(int(node["Resources"].get(r, 0) // need) for r, need in bundle.items())
 
 
 class Fleet:
@@ -83,10 +79,7 @@ class Fleet:
 
     def _bundle(self) -> dict[str, float]:
         """The resources of one worker."""
-        bundle = {"CPU": self.cfg.parallel.cpus_per_worker}
-        if self.cfg.parallel.device == "cuda":
-            bundle["GPU"] = 1
-        return bundle
+        return worker_bundle(self.cfg.parallel)
 
     def _avoid_nodes(self, bundle: dict[str, float]) -> list[str]:
         """Quarantined node ids to keep workers off, when the other alive nodes can hold the whole
@@ -94,7 +87,7 @@ class Fleet:
         if not self.quarantine:
             return []
         alive = [n for n in ray.nodes() if n.get("Alive")]
-        room = sum(_workers_fit(n, bundle) for n in alive if n["NodeID"] not in self.quarantine)
+        room = sum(workers_fit(n["Resources"], bundle) for n in alive if n["NodeID"] not in self.quarantine)
         if room < self.world:
             return []
         return sorted(set(self.quarantine) & {n["NodeID"] for n in alive})
@@ -122,7 +115,7 @@ class Fleet:
         """parallel.tp_within_node: some alive node must hold a whole TP×CP group of workers."""
         dims = self.cfg.parallel.dims
         group = dims.tp * dims.cp
-        fits = [_workers_fit(n, bundle) for n in ray.nodes() if n.get("Alive")]
+        fits = [workers_fit(n["Resources"], bundle) for n in ray.nodes() if n.get("Alive")]
         if max(fits, default=0) < group:
             raise RunFailed(
                 f"parallel.tp_within_node: a tensor×context-parallel group is {group} workers of {bundle}, but the "
@@ -133,10 +126,7 @@ class Fleet:
     @staticmethod
     def _node_sizes() -> str:
         """The alive nodes' CPU and GPU counts, for an error message."""
-        sizes = [f"{n['Resources'].get('CPU', 0):g} CPU" + (f" + {n['Resources']['GPU']:g} GPU"
-                                                              if n["Resources"].get("GPU") else "")
-                 for n in ray.nodes() if n.get("Alive") and n["Resources"].get("CPU")]
-        return f"{len(sizes)} node(s) with CPUs ({', '.join(sizes)})"
+        return describe_nodes([n for n in alive_nodes() if n.get("CPU")])
 
     def lost_nodes(self) -> dict[str, list[int]]:
         """The fleet's nodes that Ray's GCS reports dead: node id -> the ranks that were on it."""
