@@ -31,7 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import step_name
 from raysc.cluster.connect import init_ray
-from raysc.cluster.fit import require_fit
+from raysc.cluster.fit import require_fleet_fit
 from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
@@ -88,7 +88,7 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
     ensure_ray()
     # one rule for every command that trains (train, preflight's probe, parity): a fleet this Ray can never
     # hold stops here, before data or workers, instead of waiting out supervisor.start_timeout_s
-    require_fit("the run", cfg.parallel, cfg.parallel.world_size, log=print if progress else lambda _: None)
+    require_fleet_fit("the run", cfg.parallel, cfg.parallel.world_size, log=print if progress else lambda _: None)
     with StopSignals() as signals:
         return _follow(cfg, resume, progress, probe_bytes, overwrite, signals)
 

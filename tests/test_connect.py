@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from raysc.cluster.connect import ClusterAddressError, check_address
-from raysc.cluster.fit import ClusterTooSmall, require_fit, shortfall
+from raysc.cluster.fit import ClusterTooSmall, require_fleet_fit, shortfall
 from raysc.config import load_config
 from raysc.ports import free_port
 
@@ -70,18 +70,18 @@ def test_a_fleet_no_node_can_hold_stops_at_once_on_a_ray_this_process_started(ra
     on the session's own Ray (started by this process: nothing adds nodes) naming need, have and the fix,
     and on a joined cluster (an autoscaler may add nodes) says what it waits for instead."""
     assert shortfall({"CPU": 3.0}, 3, [{"CPU": 4.0}, {"CPU": 4.0}]) == (
-        "3 worker(s) of 3 CPU (9 CPU in all), but the cluster's 2 node(s): 4 CPU, 4 CPU hold 2 (in all 8 CPU)")
+        "3 actor(s) of 3 CPU (9 CPU in all), but the cluster's 2 node(s): 4 CPU, 4 CPU hold 2 (in all 8 CPU)")
     assert shortfall({"CPU": 2.0}, 4, [{"CPU": 4.0}, {"CPU": 4.0}]) == ""
     cpus = int(ray_session.cluster_resources()["CPU"])
     fits = load_config(None, [f"parallel.cpus_per_worker={cpus}"]).parallel
-    require_fit("the run", fits, 1)  # the whole node for one worker: it fits
+    require_fleet_fit("the run", fits, 1)  # the whole node for one worker: it fits
     big = load_config(None, [f"parallel.cpus_per_worker={cpus + 1}"]).parallel
-    with pytest.raises(ClusterTooSmall, match=rf"the run needs 1 worker\(s\) of {cpus + 1} CPU .* hold 0 .*started its "
+    with pytest.raises(ClusterTooSmall, match=rf"the run needs 1 actor\(s\) of {cpus + 1} CPU .* hold 0 .*started its "
                                               rf"own local Ray.*lower parallel.cpus_per_worker \(now {cpus + 1}"):
-        require_fit("the run", big, 1)
+        require_fleet_fit("the run", big, 1)
     said = []
     monkeypatch.setattr("raysc.cluster.fit.started_here", lambda: False)
-    require_fit("the run", big, 1, log=said.append)
+    require_fleet_fit("the run", big, 1, log=said.append)
     assert len(said) == 1 and "waiting for the cluster to add nodes" in said[0]
 
 
@@ -96,6 +96,6 @@ def test_raysc_preflight_of_a_gpu_recipe_on_this_machines_cpus_stops_within_seco
                          timeout=120)
     took = time.monotonic() - t0
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
-    assert "needs 1 worker(s) of 8 CPU + 1 GPU" in run.stderr and "set parallel.device=cpu" in run.stderr
+    assert "needs 1 actor(s) of 8 CPU + 1 GPU" in run.stderr and "set parallel.device=cpu" in run.stderr
     assert "data_ready" not in run.stdout
     assert took < 30, took

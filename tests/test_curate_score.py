@@ -74,9 +74,11 @@ def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile
     """A reference run trained on the bundled corpus scores a mix of its kind of text and noisy
     copies of other documents: the percentile filter drops the noisy ones with the reason
     ``perplexity``, the column equals the reference model's own score, and the report holds the
-    per-domain percentiles. A missing reference run fails before any work."""
+    per-domain percentiles. A missing reference run, or scorers on GPUs the cluster has none of, fail
+    before any work."""
     import pyarrow.parquet as pq
 
+    from raysc.cluster.fit import ClusterTooSmall
     from raysc.curate.perplexity import load_reference
     from raysc.curate.pipeline import curate
     from raysc.data.corpus import iter_documents
@@ -98,6 +100,12 @@ def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile
                        f'quality.reference_run="{tmp_path / "nope"}"')
     with pytest.raises(FileNotFoundError, match="quality.reference_run.*train a reference model"):
         curate(missing, log=lambda *_: None)
+    assert not (tmp_path / "x").exists()
+    # scorers on GPUs the session's Ray (started by this process) will never have: refused before any work
+    gpus = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "x"}"', "quality.score_gpus=1",
+                    f'quality.reference_run="{ref_cfg.run.dir}"', "quality.keep_top_percent=50")
+    with pytest.raises(ClusterTooSmall, match=r"the perplexity scoring needs 1 actor\(s\) of 1 GPU.*quality.score_gpus=0"):
+        curate(gpus, log=lambda *_: None)
     assert not (tmp_path / "x").exists()
 
     cfg = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "out"}"', "quality.enabled=false",

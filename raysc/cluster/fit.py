@@ -1,6 +1,6 @@
-"""Whether the connected Ray cluster can hold a command's workers: one rule for every command that
-places a training fleet (``raysc train``, ``raysc preflight``'s probe, ``raysc parity``, each proxy of
-``raysc mix tune``).
+"""Whether the connected Ray cluster can hold a command's actors: one rule for every command that
+places them (a training fleet: ``raysc train``, ``raysc preflight``'s probe, ``raysc parity``, each
+proxy of ``raysc mix tune``; ``raysc curate``'s perplexity scorers).
 
 A request that the alive nodes cannot hold by their *total* resources (not what is free now: a run
 may wait for another to finish) either stops at once or is waited for:
@@ -68,7 +68,7 @@ def shortfall(bundle: dict[str, float], count: int, nodes: list[dict[str, float]
     total = {r: sum(n.get(r, 0) for n in nodes) for r in bundle}
     need = ", ".join(f"{count * v:g} {r}" for r, v in bundle.items())
     have = ", ".join(f"{total[r]:g} {r}" for r in bundle)
-    return (f"{count} worker(s) of {_bundle_text(bundle)} ({need} in all), but the cluster's "
+    return (f"{count} actor(s) of {_bundle_text(bundle)} ({need} in all), but the cluster's "
             f"{describe_nodes(nodes)} hold {held} (in all {have})")
 
 
@@ -76,21 +76,26 @@ def _bundle_text(bundle: dict[str, float]) -> str:
     return " + ".join(f"{v:g} {r}" for r, v in bundle.items())
 
 
-def require_fit(what: str, par: ParallelConfig, count: int, log: Callable[[str], None] = print) -> None:
-    """Stop (``ClusterTooSmall``) when the connected cluster can never hold ``count`` workers of
-    ``par``'s size and nothing can add nodes; say what it waits for when something may."""
-    bundle = worker_bundle(par)
-    missing = shortfall(bundle, count, alive_nodes())
-    if not missing:
-        return
-    fixes = [f"lower parallel.cpus_per_worker (now {par.cpus_per_worker})"] if par.cpus_per_worker > 1 else []
+def require_fleet_fit(what: str, par: ParallelConfig, count: int, log: Callable[[str], None] = print) -> None:
+    """``require_fit`` for ``count`` training workers of ``par``'s size, with the parallel.* fixes."""
+    fixes = [f"lower parallel.cpus_per_worker (now {par.cpus_per_worker:g})"] if par.cpus_per_worker > 1 else []
     if par.device == "cuda":
         fixes.append("set parallel.device=cpu to run on CPUs")
     if count > 1:
         fixes.append(f"use a layout of fewer workers (parallel.*: now {count})")
+    require_fit(what, worker_bundle(par), count, fixes, log)
+
+
+def require_fit(what: str, bundle: dict[str, float], count: int, fixes: list[str],
+                log: Callable[[str], None] = print) -> None:
+    """Stop (``ClusterTooSmall``) when the connected cluster can never hold ``count`` actors of
+    ``bundle`` and nothing can add nodes, naming ``fixes``; say what it waits for when something may."""
+    missing = shortfall(bundle, count, alive_nodes())
+    if not missing:
+        return
     if started_here():
         raise ClusterTooSmall(f"{what} needs {missing}. This command started its own local Ray, which no "
                               f"autoscaler grows: {'; or '.join(fixes)}; or start a cluster with room and set "
                               f"RAY_ADDRESS to it (`raysc cluster local up`, `ray up cluster.yaml`).")
     log(f"[raysc] {what} needs {missing}: waiting for the cluster to add nodes (up to "
-        f"supervisor.start_timeout_s); otherwise {'; or '.join(fixes) or 'add nodes'}")
+        f"supervisor.start_timeout_s for a training fleet); otherwise {'; or '.join(fixes) or 'add nodes'}")

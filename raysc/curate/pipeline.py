@@ -34,6 +34,7 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+from raysc.cluster.fit import require_fit
 from raysc.config.schema import Config
 from raysc.curate.inputs import list_inputs
 from raysc.curate.dedup import DedupStats, dedup
@@ -71,6 +72,10 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     out_uri = cfg.curated_uri
     if cfg.quality.reference_run:
         check_reference(cfg.quality.reference_run)  # before any work, not after read and dedup
+        q = cfg.quality  # the scorer pool (raysc.curate.perplexity): raysc.cluster.fit's rule, before any work
+        require_fit("the perplexity scoring", {"GPU": q.score_gpus} if q.score_gpus else {"CPU": 1.0},
+                    q.score_actors, [f"lower quality.score_actors (now {q.score_actors})"] +
+                    (["set quality.score_gpus=0 to score on CPUs"] if q.score_gpus else []), log)
     clock = Stopwatch(log)
     _, options, files = list_inputs(cfg)
     log(f"curate: {len(files)} input file(s) from {c.input}")

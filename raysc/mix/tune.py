@@ -82,7 +82,7 @@ def mixing_domains(cfg: Config, opts: TuneOptions) -> tuple[list[str], dict[str,
 
 def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOptions,
                  log: Callable[[str], None] = print) -> dict:
-    from raysc.cluster.fit import require_fit
+    from raysc.cluster.fit import require_fleet_fit
     from raysc.driver import ensure_ray
 
     t0 = time.perf_counter()
@@ -98,7 +98,7 @@ def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOption
     out = Path(opts.out or f"{cfg.run_dir}/mix_tune")
     out.mkdir(parents=True, exist_ok=True)
     ensure_ray()
-    require_fit("each proxy run", cfg.parallel, cfg.parallel.world_size, log=log)  # raysc.cluster.fit's rule
+    require_fleet_fit("each proxy run", cfg.parallel, cfg.parallel.world_size, log=log)  # raysc.cluster.fit's rule
     concurrency = opts.concurrency or auto_concurrency(cfg)
     nat = np.array([natural[k] for k in names])
     mixtures = np.vstack([nat, proposals.dirichlet_mixtures(natural, opts.proxies - 1, opts.concentration,
