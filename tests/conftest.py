@@ -85,7 +85,11 @@ def ray_session():
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     # address="local": a new instance even when another cluster on this machine (the local multi-node
-    # cluster of test_multinode, `ray start` of ray_head) recorded itself as the one to join
+    # cluster of test_multinode, `ray start` of ray_head) recorded itself as the one to join.
+    # num_cpus=8 on 2 cores: the session's tests run 4- and 8-rank layouts side by side with Serve. It
+    # cannot hide a newcomer's failure because the README's own commands are tested on a Ray with the
+    # machine's real CPU count in their own processes: tests/test_newcomer.py (`raysc train` then
+    # `raysc serve`) and tests/test_connect.py (`raysc preflight` of a recipe that does not fit)
     ray.init(address="local", num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=True)
     yield ray
     ray.shutdown()
