@@ -17,7 +17,8 @@ Transformer Models"), recounted for raysc's Llama block — measured with
   with sequence parallelism those shrink by ``tp`` but the all-gathered linear inputs
   (``2·sbh``) stay whole, since torch saves them for the weight gradient;
 - inside it (÷ tp): q, k and v (GQA's k/v repeated to every query head), the attention output
-  and the out-projection input, ``5·sbh``; the SwiGLU gate, its SiLU, the up projection and
+  and the out-projection input, ``5·sba`` with ``a = n_heads·head_dim`` (``h`` unless
+  ``model.head_dim`` widens the heads; Qwen3's q/k norms' few saved tensors are not counted); the SwiGLU gate, its SiLU, the up projection and
   their product, ``4·sbf``. Fused attention stores no ``s×s`` scores, so Korthikanti's
   ``5as²b`` term (the one selective recomputation removes) is absent.
 - ``recompute = full`` keeps only each block's input (÷ tp under sequence parallelism); the
@@ -77,7 +78,9 @@ def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_
         outside = 4 * sbh / t * act_bytes + 2 * sbh * act_bytes + upcast / t
     else:
         outside = 6 * sbh * act_bytes + upcast
-    inside = (5 * sbh + 4 * s * b * f) / t * act_bytes
+    # q, k, v (k/v repeated to every query head), the attention output and the out-projection input are
+    # n_heads·head_dim wide: dim, unless model.head_dim says otherwise (Qwen3's heads are wider)
+    inside = (5 * s * b * m.n_heads * m.head_dim + 4 * s * b * f) / t * act_bytes
     return outside + inside + 2 * s * b * 4  # + the norms' fp32 rsqrt per token
 
 
