@@ -1,7 +1,8 @@
 """Real public tokenizers for the tests: llama.cpp's vocabulary-only GGUF files (Llama 3, Llama 2, Qwen2,
 GPT-2, from the llama-cpp-python sdist that `make dev` extracts under .cache/llama-vocab) made into Hugging
 Face folders as those models ship them (``build_folders``, the ``hf_folders`` fixture in conftest.py), and
-llama.cpp's expected token ids for each (its .inp/.out files)."""
+llama.cpp's expected token ids for each (its .inp/.out files). `make dev` runs this file to build the
+folders before the suite; the fixture builds what is missing."""
 
 from __future__ import annotations
 
@@ -95,3 +96,8 @@ def build_folders() -> dict[str, Path]:
             tmp.rename(folder)
         out[name] = folder
     return out
+
+
+if __name__ == "__main__":  # `make dev`: build the folders once, outside the timed suite
+    for name, folder in build_folders().items():
+        print(f"{name}: {folder}")
