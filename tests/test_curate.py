@@ -74,7 +74,8 @@ def test_gopher_c4_fineweb_rules_on_hand_made_documents():
 def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, make_cfg, tmp_path):
     """A JSONL file with exact and near duplicates at known similarity, distinct rewrites, and bad
     lines; a Parquet file and a text file beside it: the pipeline keeps one of each duplicate group,
-    keeps the distinct ones, counts and samples the bad input, and writes Parquet and a report."""
+    keeps the distinct ones, counts and samples the bad input (damaged gzip, zstd and Parquet files among
+    it: a reason each, never a crash), reads .jsonl.gz / .jsonl.zst, and writes Parquet and a report."""
     import json as _json
 
     import pyarrow as pa
@@ -105,6 +106,22 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     (src / "part-0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     pq.write_table(pa.table({"id": ["pq1"], "text": [prose[30]], "domain": ["prose"]}), src / "part-1.parquet")
     (src / "notes.txt").write_text(prose[31])
+    # compressed as dumps ship (Dolma, RedPajama: .jsonl.gz / .jsonl.zst), and damaged ones: a gzip and a
+    # zstd file cut in half (the download that died) and a Parquet file that is not one
+    import gzip
+
+    import zstandard
+
+    def jsonl(*docs: tuple[str, str]) -> bytes:
+        return b"".join(_json.dumps({"id": i, "text": t, "domain": "prose"}).encode() + b"\n" for i, t in docs)
+
+    (src / "part-2.jsonl.gz").write_bytes(gzip.compress(jsonl(("gz1", prose[32]))))
+    (src / "part-3.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(("zst1", prose[33]))))
+    cut = gzip.compress(jsonl(("cut-gz", prose[34])))
+    (src / "cut-4.jsonl.gz").write_bytes(cut[: len(cut) // 2])
+    cut = zstandard.ZstdCompressor().compress(jsonl(("cut-zst", prose[35])))
+    (src / "cut-5.jsonl.zst").write_bytes(cut[: len(cut) // 2])
+    (src / "broken.parquet").write_bytes(b"PAR1 not a parquet file")
 
     cfg = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "out"}"')
     report = curate(cfg, log=lambda *_: None)
@@ -117,13 +134,17 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     for orig, dup, _ in near:  # exactly one survivor per near-duplicate pair: the smallest id
         assert orig in ids and dup not in ids
     assert {f"far{i}" for i in range(9, 15)} <= ids and "pq1" in ids  # distinct rewrites and Parquet kept
+    assert {"gz1", "zst1"} <= ids and not {"cut-gz", "cut-zst"} & ids  # compressed read, damaged counted
     assert "notes.txt" in set(kept["source"]) | set(dropped.get("source", []))  # a plain-text file is a document
     assert report["removed"]["exact_duplicates"] == 1 and report["removed"]["near_duplicates"] == 8
     assert report["bad_input"]["by_reason"] == {
         "malformed JSON (Unterminated string starting at)": 1, "not UTF-8 (invalid start byte at byte 0)": 1,
-        "missing or non-string field 'text'": 1, "empty document": 1}
+        "missing or non-string field 'text'": 1, "empty document": 1,
+        "corrupt or truncated gzip file (EOFError)": 1,
+        "corrupt or truncated zstd file (a frame ends before its end mark)": 1, "corrupt or truncated Parquet file": 1}
     assert {s["where"] for s in report["bad_input"]["samples"]} == {
-        "part-0.jsonl:40", "part-0.jsonl:41", "part-0.jsonl:42", "part-0.jsonl:43"}
+        "part-0.jsonl:40", "part-0.jsonl:41", "part-0.jsonl:42", "part-0.jsonl:43", "cut-4.jsonl.gz",
+        "cut-5.jsonl.zst", "broken.parquet"}
     assert report["documents"]["kept"] == len(kept["id"]) and report["domains"]["prose"] >= 1
     assert set(dropped["q_reason"]) <= {"", *report["quality"]["dropped_by_rule"]}
     assert (tmp_path / "out" / "quality_histograms.png").stat().st_size > 1000

@@ -77,3 +77,34 @@ def test_prepare_data_from_jsonl_and_bad_input(make_cfg, tmp_path):
         list(read_documents(bad))
     with pytest.raises(FileNotFoundError, match="does not exist"):
         list(read_documents(tmp_path / "missing.jsonl"))
+
+
+def test_a_compressed_jsonl_corpus_trains_like_the_plain_one_and_a_damaged_file_stops_it(make_cfg, tmp_path):
+    """data.source as dumps ship: a directory of .jsonl, .jsonl.gz and .jsonl.zst files reads the same
+    documents as the plain files, in name order, and its corpus hash follows every file (a changed .gz
+    file is a new corpus, not a cached one); a truncated .zst file stops the run naming the file."""
+    import gzip
+
+    import zstandard
+
+    from raysc.data.prepare import file_sha256_dir
+
+    docs = [{"text": d["text"]} for d in iter_documents(0.3)]
+    lines = [json.dumps(d).encode() + b"\n" for d in docs]
+    third = len(lines) // 3
+    plain, packed = tmp_path / "plain", tmp_path / "packed"
+    plain.mkdir()
+    packed.mkdir()
+    for i, part in enumerate([lines[:third], lines[third:2 * third], lines[2 * third:]]):
+        (plain / f"part-{i}.jsonl").write_bytes(b"".join(part))
+    (packed / "part-0.jsonl").write_bytes(b"".join(lines[:third]))
+    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third:2 * third])))
+    (packed / "part-2.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[2 * third:])))
+    assert list(read_documents(packed)) == list(read_documents(plain)) == docs
+    before = file_sha256_dir(packed)
+    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third:2 * third - 1])))
+    assert file_sha256_dir(packed) != before
+    cut = zstandard.ZstdCompressor().compress(b"".join(lines[2 * third:]))
+    (packed / "part-2.jsonl.zst").write_bytes(cut[: len(cut) // 2])
+    with pytest.raises(ValueError, match=r"part-2.jsonl.zst': corrupt or truncated zstd file .*fetch it again"):
+        prepare_data(make_cfg(f'data.source="{packed}"'))

@@ -160,7 +160,8 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    source: str = opt("bundled", "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field, "
+    source: str = opt("bundled", "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field "
+                                 "(plain, .jsonl.gz or .jsonl.zst), "
                                  "or the output of `raysc pack` (a directory or URL with index.json: per-domain "
                                  "token shards fed by the mixture loader)")
     schedule: str = opt("", "domain mixture by consumed tokens, 'TOKENS:domain=weight,...; TOKENS:...' (e.g. "
@@ -263,7 +264,8 @@ class SupervisorConfig:
 @dataclass
 class CurateConfig:
     input: str = opt("bundled", "documents to curate: 'bundled' (the stdlib corpus), or a file, directory or glob "
-                                "of JSONL / Parquet / plain-text files at any fsspec URI (s3://, file://)")
+                                "of JSONL / Parquet / plain-text files, each plain or .gz / .zst, at any fsspec URI "
+                                "(s3://, file://)")
     output: str = opt("", "where the curated Parquet and the report go (any fsspec URI); empty = <run.dir>/curated")
     text_field: str = opt("text", "field holding a document's text (JSONL and Parquet)")
     id_field: str = opt("id", "field with the input's document id, kept in the output; missing = a content hash")

@@ -13,8 +13,10 @@ import numpy as np
 
 from raysc.config.schema import Config
 from raysc.curate.errors import CurateError
+from raysc.data.compressed import CODECS, read_bytes, split_codec
 
 TEXT_SUFFIXES = (".txt", ".md", ".text")
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet", *TEXT_SUFFIXES)  # each also as .gz or .zst
 _SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200b\u3000]+")
 _BLANKS = re.compile(r"\n{3,}")
 _CODE_LINE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|#include|"
@@ -36,14 +38,15 @@ def list_inputs(cfg: Config) -> tuple[str, dict, list[str]]:
     if any(ch in path for ch in "*?["):
         files = sorted(fs.glob(path))
     elif fs.isdir(path):
-        files = sorted(f for f in fs.find(path) if f.endswith((".jsonl", ".json", ".parquet", *TEXT_SUFFIXES)))
+        files = sorted(f for f in fs.find(path) if split_codec(f)[0].endswith(DATA_SUFFIXES))
     elif fs.exists(path):
         files = [path]
     else:
         raise CurateError(f"curate.input {c.input!r} does not exist; give a file, a directory or a glob "
-                          f"of .jsonl / .parquet / .txt files (or 'bundled').")
+                          f"of .jsonl / .parquet / .txt files, plain or {' / '.join(CODECS)} (or 'bundled').")
     if not files:
-        raise CurateError(f"curate.input {c.input!r} holds no .jsonl, .parquet or text files.")
+        raise CurateError(f"curate.input {c.input!r} holds no .jsonl, .json, .parquet or text files (plain or "
+                          f"{' / '.join(CODECS)}).")
     return prefix, dict(c.storage_options), [f"{prefix}{f}" for f in files]
 
 
@@ -52,17 +55,31 @@ def _bad(where: str, reason: str, sample: str) -> dict:
 
 
 def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_field: str) -> list[dict]:
-    """Every record of one input file; bad ones as rows with ``bad`` set to the reason."""
-    import fsspec
-
-    with fsspec.open(uri, "rb", **options) as f:
-        data = f.read()
-    rows: list[dict] = []
+    """Every record of one input file (``.gz`` / ``.zst`` decompressed by suffix); bad ones as rows with
+    ``bad`` set to the reason, a damaged compressed file as the records before the damage and one such row."""
+    data, damaged = read_bytes(uri, options)
     name = uri.rsplit("/", 1)[-1]
-    if uri.endswith(".parquet"):
+    kind = split_codec(uri)[0]
+    if damaged:  # the last, partial line is part of the damage
+        data = data[: data.rfind(b"\n") + 1] if kind.endswith((".jsonl", ".json")) else b""
+    rows = _parse(data, uri, name, kind, text_field, id_field, domain_field) if data or not damaged else []
+    if damaged:
+        rows.append(_bad(name, damaged, f"{len(data)} bytes read before it"))
+    return rows
+
+
+def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_field: str,
+           domain_field: str) -> list[dict]:
+    """The records of one file's (decompressed) bytes; ``kind`` is its name without a compression suffix."""
+    rows: list[dict] = []
+    if kind.endswith(".parquet"):
+        import pyarrow as pa
         import pyarrow.parquet as pq
 
-        table = pq.read_table(io.BytesIO(data))
+        try:
+            table = pq.read_table(io.BytesIO(data))
+        except (pa.ArrowInvalid, OSError) as e:
+            return [_bad(name, "corrupt or truncated Parquet file", str(e))]
         if text_field not in table.column_names:
             return [_bad(uri, f"missing field '{text_field}'", ", ".join(table.column_names))]
         cols = table.to_pydict()
@@ -75,7 +92,7 @@ def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_f
                          "text": text, "domain": str(cols.get(domain_field, [""] * (i + 1))[i] or ""),
                          "source": where, "bad": "", "sample": ""})
         return rows
-    if uri.endswith(TEXT_SUFFIXES):
+    if kind.endswith(TEXT_SUFFIXES):
         try:
             return [{"id": "", "text": data.decode("utf-8"), "domain": "", "source": name, "bad": "",
                      "sample": ""}]

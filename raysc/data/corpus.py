@@ -26,6 +26,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterator
 
+from raysc.data.compressed import read_bytes
 from raysc.hashing import file_sha256
 
 _SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
@@ -142,27 +143,34 @@ def corpus_meta(path: str | Path) -> dict:
     return {"path": str(p), "sha256": file_sha256(p)}
 
 
+JSONL_NAMES = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
+
+
 def read_documents(source: str | Path) -> Iterator[dict]:
-    """Records from a JSONL file or every ``*.jsonl`` in a directory (sorted); each needs 'text'."""
+    """Records from a JSONL file (plain, ``.gz`` or ``.zst``) or every such file in a directory (sorted);
+    each needs 'text'. Training input must be whole: a damaged compressed file raises, naming it."""
     p = Path(source)
     if p.is_dir():
-        files = sorted(p.glob("*.jsonl"))
+        files = sorted(f for pattern in JSONL_NAMES for f in p.glob(pattern))
         if not files:
-            raise FileNotFoundError(f"data.source directory {str(p)!r} holds no *.jsonl files")
+            raise FileNotFoundError(f"data.source directory {str(p)!r} holds no {', '.join(JSONL_NAMES)} files")
     elif p.is_file():
         files = [p]
     else:
         raise FileNotFoundError(
             f"data.source {str(p)!r} does not exist; use 'bundled' or a JSONL file/directory")
     for f in files:
-        with open(f, encoding="utf-8") as fh:
-            for n, line in enumerate(fh, 1):
-                if not line.strip():
-                    continue
-                try:
-                    rec = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{f}:{n}: not valid JSON ({e.msg})") from None
-                if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                    raise ValueError(f"{f}:{n}: each record needs a string field 'text'")
-                yield rec
+        data, damaged = read_bytes(str(f))
+        if damaged:
+            raise ValueError(f"data.source file {str(f)!r}: {damaged}; fetch it again, or run `raysc curate` over "
+                             f"the corpus, which counts damaged files in its report and keeps what they hold")
+        for n, line in enumerate(data.decode("utf-8").split("\n"), 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{f}:{n}: not valid JSON ({e.msg})") from None
+            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+                raise ValueError(f"{f}:{n}: each record needs a string field 'text'")
+            yield rec

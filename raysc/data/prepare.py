@@ -20,7 +20,7 @@ import numpy as np
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.data.corpus import build_bundled_corpus, corpus_meta, read_documents
+from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
 from raysc.data.packing import PackedData, build_packed, split_rows
 from raysc.data.shards import load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
@@ -160,8 +160,9 @@ def _packed_tokenizer(cfg: Config, index: dict) -> Path:
 
 
 def file_sha256_dir(path: Path) -> str:
+    """One SHA-256 over the name and content hash of every file ``read_documents`` reads in ``path``."""
     h = hashlib.sha256()
-    for f in sorted(path.glob("*.jsonl")):
+    for f in sorted(f for pattern in JSONL_NAMES for f in path.glob(pattern)):
         h.update(f.name.encode())
         h.update(file_sha256(f).encode())
     return h.hexdigest()
