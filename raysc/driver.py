@@ -36,6 +36,7 @@ from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
 from raysc.config.schema import Config
+from raysc.data import megatron
 from raysc.fleet.errors import RunStopped
 from raysc.fleet.events import EventKind
 from raysc.fleet.records import JsonlWriter
@@ -48,9 +49,11 @@ def check_inputs(cfg: Config) -> None:
     tokenizer (``data.tokenizer`` or the checkpoint's) fits the embedding, has an end-of-text token and is
     the one a packed ``data.source`` was packed with.
     Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences)."""
-    if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists():
+    if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists() \
+            and megatron.prefix_of(cfg.data.source) is None:
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
-                                f"or directory, or a `raysc pack` output directory")
+                                f"or directory, a `raysc pack` output directory or a Megatron dataset prefix "
+                                f"(PREFIX.bin + PREFIX.idx)")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")

@@ -161,8 +161,8 @@ class TrainConfig:
 @dataclass
 class DataConfig:
     source: str = opt("bundled", "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field "
-                                 "(plain, .jsonl.gz or .jsonl.zst), "
-                                 "or the output of `raysc pack` (a directory or URL with index.json: per-domain "
+                                 "(plain, .jsonl.gz or .jsonl.zst), a Megatron indexed dataset (PREFIX of "
+                                 "PREFIX.bin + PREFIX.idx, with data.tokenizer), or the output of `raysc pack` (a directory or URL with index.json: per-domain "
                                  "token shards fed by the mixture loader)")
     schedule: str = opt("", "domain mixture by consumed tokens, 'TOKENS:domain=weight,...; TOKENS:...' (e.g. "
                             "'0:prose=0.7,code=0.3; 2e6:prose=0.3,code=0.7'); needs a packed data.source; "

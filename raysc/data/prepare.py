@@ -7,7 +7,9 @@ can prove which data it saw.
 When ``data.source`` is the output of ``raysc pack`` (a directory with ``index.json``),
 the rows come per domain (``PackedData.train`` is ``{domain: rows}``) for the mixture
 loader, with that directory's tokenizer; ``data.schedule`` is checked against its domains here,
-in the supervisor (``prepare_data`` runs in its actor), before any worker starts.
+in the supervisor (``prepare_data`` runs in its actor), before any worker starts. A Megatron
+indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.megatron``) is read as already-tokenized
+documents with ``data.tokenizer`` naming its tokenizer.
 """
 
 from __future__ import annotations
@@ -21,7 +23,8 @@ import numpy as np
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
 from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
-from raysc.data.packing import PackedData, build_packed, split_rows
+from raysc.data import megatron
+from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows
 from raysc.data.shards import load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
@@ -34,6 +37,9 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     index = read_index(d.source, dict(d.storage_options)) if d.source != "bundled" else None
     if index is not None:
         return prepare_domains(cfg, index)
+    prefix = megatron.prefix_of(d.source) if d.source != "bundled" else None
+    if prefix is not None:
+        return prepare_indexed(cfg, prefix)
     if d.schedule:
         raise ValueError(f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
                          f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory")
@@ -129,6 +135,37 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
             "domains": {k: len(v) for k, v in train.items()}, "schedule": schedule,
             "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict()}
     return PackedData(train, np.concatenate(val), info), tok_path, info
+
+
+def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
+    """Rows from a Megatron indexed dataset (``PREFIX.bin``/``.idx``): its documents' tokens, each ended
+    by the tokenizer's EOS (added where the dataset was made without ``--append-eod``), joined, packed and
+    split as a plain corpus is (so the loader, resume and DP-size independence are the same)."""
+    d = cfg.data
+    if d.schedule:
+        raise ValueError(f"data.schedule mixes domains, but data.source={d.source!r} is one Megatron dataset; "
+                         f"leave data.schedule empty")
+    if not d.tokenizer:
+        raise ValueError(f"data.source {d.source!r} is a Megatron indexed dataset: token ids without their tokenizer; "
+                         f"set data.tokenizer to the tokenizer.json it was made with (or train --init-from the "
+                         f"checkpoint whose tokenizer made it)")
+    tok_path = Path(d.tokenizer)
+    special = check_tokenizer(cfg, tok_path)
+    docs = megatron.read_documents(prefix)
+    top = max((int(doc.max()) for doc in docs if len(doc)), default=-1)
+    if top >= cfg.model.vocab_size:
+        raise ValueError(f"data.source {d.source!r} holds token id {top} but model.vocab_size is "
+                         f"{cfg.model.vocab_size}: it was made with another tokenizer than {str(tok_path)!r}")
+    eos = special.eos_id
+    stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]
+                            ).astype(np.int64)
+    train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), d.val_fraction)
+    sha = hashlib.sha256(f"{file_sha256(prefix.with_suffix('.idx'))} {file_sha256(prefix.with_suffix('.bin'))}"
+                         .encode()).hexdigest()
+    info = {"corpus": {"megatron": str(prefix)}, "corpus_sha256": sha, "tokenizer": str(tok_path),
+            "tokens": int(len(stream)), "documents": len(docs), "seq_len": cfg.train.seq_len,
+            "train_sequences": int(len(train)), "val_sequences": int(len(val)), "special_tokens": special.to_dict()}
+    return PackedData(train, val, info), tok_path, info
 
 
 def natural_schedule(sequences: dict[str, int]) -> str:

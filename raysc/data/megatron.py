@@ -1,0 +1,100 @@
+"""Megatron-LM's indexed dataset (``PREFIX.bin`` + ``PREFIX.idx``), read and written.
+
+The format, as megatron-core's ``IndexedDataset`` reads it (``megatron/core/datasets/indexed_dataset.py``):
+``.bin`` holds every sequence's tokens back to back in one dtype; ``.idx`` is the header
+``MMIDIDX\\x00\\x00``, version 1 (uint64), the dtype code (uint8: uint8 1, int8 2, int16 3, int32 4,
+int64 5, float64 6, float32 7, uint16 8), the sequence count and the document-index count (uint64 each),
+then the sequences' lengths (int32), their byte offsets into ``.bin`` (int64) and the document
+indices (int64: sequence numbers where documents begin, from 0, ending with the sequence count).
+Megatron's ``preprocess_data.py`` writes one sequence per document (``--append-eod`` ends each with the
+tokenizer's end-of-document token).
+
+Ours rather than megatron-core's code: megatron-core is a training framework of its own (torch, its
+parallel state, optional Transformer Engine); raysc reads the two files with numpy memmaps and keeps
+megatron-core as the independent reader and writer its tests check against (tests/test_megatron.py).
+"""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+
+HEADER = b"MMIDIDX\x00\x00"
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+          8: np.uint16}
+CODES = {np.dtype(v): k for k, v in DTYPES.items()}
+
+
+class IndexedDatasetError(ValueError):
+    """Not a readable Megatron indexed dataset; the message names the file and what is wrong."""
+
+
+def prefix_of(path: str | Path) -> Path | None:
+    """The dataset prefix of ``path`` (``x`` for ``x``, ``x.bin`` or ``x.idx`` when ``x.idx`` exists); else None."""
+    p = Path(path)
+    if p.suffix in (".bin", ".idx"):
+        p = p.with_suffix("")
+    return p if p.with_suffix(".idx").is_file() else None
+
+
+def read_index(prefix: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
+    """(token dtype, sequence lengths, sequence byte offsets, document indices) from ``PREFIX.idx``."""
+    idx = Path(prefix).with_suffix(".idx")
+    with open(idx, "rb") as f:
+        head = f.read(34)
+    if len(head) < 34 or head[:9] != HEADER:
+        raise IndexedDatasetError(f"{idx} is not a Megatron index (its header is not MMIDIDX)")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
+    if version != 1 or code not in DTYPES:
+        raise IndexedDatasetError(f"{idx}: version {version}, dtype code {code}; raysc reads version 1 with codes "
+                                  f"{sorted(DTYPES)}")
+    buf = np.memmap(idx, mode="r", dtype=np.uint8)
+    need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
+    if len(buf) < need:
+        raise IndexedDatasetError(f"{idx} is truncated: {len(buf)} bytes for {n_seq} sequences and {n_doc} "
+                                  f"document indices ({need} needed)")
+    lengths = np.frombuffer(buf, np.int32, n_seq, 34)
+    pointers = np.frombuffer(buf, np.int64, n_seq, 34 + lengths.nbytes)
+    documents = np.frombuffer(buf, np.int64, n_doc, 34 + lengths.nbytes + pointers.nbytes)
+    return np.dtype(DTYPES[code]), lengths, pointers, documents
+
+
+def read_documents(prefix: str | Path) -> list[np.ndarray]:
+    """Each document's tokens (its sequences joined), in order, from ``PREFIX.bin``/``.idx``."""
+    dtype, lengths, pointers, documents = read_index(prefix)
+    bin_path = Path(prefix).with_suffix(".bin")
+    data = np.memmap(bin_path, mode="r", dtype=dtype)
+    end = int(pointers[-1] // dtype.itemsize + lengths[-1]) if len(lengths) else 0
+    if end > len(data):
+        raise IndexedDatasetError(f"{bin_path} is truncated: {len(data)} tokens, its index needs {end}")
+    starts = pointers // dtype.itemsize
+    out = []
+    for a, b in zip(documents[:-1], documents[1:]):
+        parts = [data[starts[i]:starts[i] + lengths[i]] for i in range(a, b)]
+        out.append(np.concatenate(parts) if parts else np.zeros(0, dtype))
+    return out
+
+
+def write_indexed(prefix: str | Path, documents: list[np.ndarray], dtype: np.dtype) -> None:
+    """Write ``documents`` (one sequence each, as ``preprocess_data.py`` does) as ``PREFIX.bin``/``.idx``."""
+    dtype = np.dtype(dtype)
+    if dtype not in CODES:
+        raise ValueError(f"Megatron's index has no code for {dtype}")
+    prefix = Path(prefix)
+    lengths = np.array([len(d) for d in documents], dtype=np.int32)
+    pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * dtype.itemsize
+    with open(prefix.with_suffix(".bin"), "wb") as f:
+        for d in documents:
+            f.write(np.asarray(d, dtype=dtype).tobytes())
+    with open(prefix.with_suffix(".idx"), "wb") as f:
+        f.write(HEADER + struct.pack("<QBQQ", 1, CODES[dtype], len(lengths), len(lengths) + 1))
+        f.write(lengths.tobytes())
+        f.write(pointers.tobytes())
+        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """The smallest dtype Megatron's preprocessing would pick for ids below ``vocab_size``."""
+    return np.dtype(np.uint16 if vocab_size <= 65536 else np.int32)

@@ -1,0 +1,87 @@
+"""Megatron indexed datasets (``PREFIX.bin`` + ``PREFIX.idx``) both ways, against an independent reader and
+writer, megatron-core's own ``IndexedDataset`` / ``IndexedDatasetBuilder``: raysc reads what megatron-core
+writes (documents of several sequences, with and without ``--append-eod``'s end token) token for token,
+megatron-core reads what raysc writes, and ``data.source`` = a prefix trains on it with the tokenizer's
+EOS after every document exactly once; damaged files and a dataset of another tokenizer are refused by
+name."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from raysc.data import megatron
+from raysc.data.prepare import prepare_data
+
+VOCAB = 512
+EOS = 0  # raysc's own tokenizer ends documents with id 0
+
+
+def _documents(seed: int, n: int, eod: bool) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    docs = [rng.integers(1, VOCAB, size=int(rng.integers(5, 200))) for _ in range(n)]
+    return [np.append(d, EOS) if eod else d for d in docs]
+
+
+def test_raysc_reads_what_megatron_core_writes(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    docs = _documents(0, 40, eod=True)
+    prefix = tmp_path / "mc_text_document"
+    builder = IndexedDatasetBuilder(str(prefix.with_suffix(".bin")), dtype=np.uint16)
+    for d in docs:  # a document as two sequences (Megatron's sentence splitting), then as one
+        half = len(d) // 2
+        builder.add_document(d.astype(np.int64), [half, len(d) - half])
+    builder.finalize(str(prefix.with_suffix(".idx")))
+    dtype, lengths, _, documents = megatron.read_index(prefix)
+    assert dtype == np.uint16 and len(lengths) == 80 and documents.tolist() == list(range(0, 81, 2))
+    got = megatron.read_documents(prefix)
+    assert len(got) == len(docs) and all(np.array_equal(a, b) for a, b in zip(got, docs))
+
+
+def test_megatron_core_reads_what_raysc_writes(tmp_path):
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for dtype in (np.uint16, np.int32):
+        docs = _documents(1, 30, eod=False)
+        prefix = tmp_path / f"raysc_{np.dtype(dtype).name}"
+        megatron.write_indexed(prefix, docs, dtype)
+        theirs = IndexedDataset(str(prefix))
+        assert len(theirs) == len(docs) and theirs.index.dtype == dtype
+        assert theirs.document_indices.tolist() == list(range(len(docs) + 1))
+        assert all(np.array_equal(theirs[i], d) for i, d in enumerate(docs))
+
+
+def test_a_megatron_dataset_trains_with_one_eos_per_document_and_bad_ones_are_refused(make_cfg, tmp_path):
+    from raysc.data.tokenizer import train_tokenizer
+
+    tok = tmp_path / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, VOCAB).save(str(tok))
+    # half the documents end with EOS already (--append-eod), half do not: each gets exactly one
+    docs = [d if i % 2 else np.append(d, EOS) for i, d in enumerate(_documents(2, 60, eod=False))]
+    prefix = tmp_path / "corpus_text_document"
+    megatron.write_indexed(prefix, docs, np.uint16)
+    for source in (prefix, prefix.with_suffix(".bin"), prefix.with_suffix(".idx")):
+        packed, tok_path, info = prepare_data(make_cfg(f'data.source="{source}"', f'data.tokenizer="{tok}"'))
+        assert info["documents"] == 60 and tok_path == tok
+    stream = np.concatenate([d if len(d) and d[-1] == EOS else np.append(d, EOS) for d in docs])
+    rows = np.concatenate([packed.train, packed.val])
+    assert int((stream == EOS).sum()) == 60 and info["tokens"] == len(stream)
+    seq = packed.seq_len
+    assert sorted(map(tuple, rows)) == sorted(tuple(stream[i * seq:i * seq + seq + 1])
+                                              for i in range((len(stream) - 1) // seq))
+    with pytest.raises(ValueError, match="Megatron indexed dataset: token ids without their tokenizer; set "
+                                         "data.tokenizer"):
+        prepare_data(make_cfg(f'data.source="{prefix}"'))
+    big = tmp_path / "big"
+    megatron.write_indexed(big, [np.array([5, VOCAB + 7, 0])], np.uint16)
+    with pytest.raises(ValueError, match=f"holds token id {VOCAB + 7} but model.vocab_size is {VOCAB}"):
+        prepare_data(make_cfg(f'data.source="{big}"', f'data.tokenizer="{tok}"'))
+    cut = tmp_path / "cut"
+    megatron.write_indexed(cut, docs, np.uint16)
+    cut.with_suffix(".bin").write_bytes(cut.with_suffix(".bin").read_bytes()[:100])
+    with pytest.raises(megatron.IndexedDatasetError, match=r"cut.bin is truncated: 50 tokens"):
+        prepare_data(make_cfg(f'data.source="{cut}"', f'data.tokenizer="{tok}"'))
+    cut.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00" + b"\x01" * 25)
+    with pytest.raises(megatron.IndexedDatasetError, match=r"cut.idx: version"):
+        megatron.read_documents(cut)
