@@ -206,9 +206,12 @@ def cmd_pack(args: argparse.Namespace) -> int:
     special = special_tokens(cfg, tokenizer) if tokenizer else None  # data.eos_token / bos_token / add_bos
     index = pack_curated(curated, tokenizer, cfg.model.vocab_size, cfg.train.seq_len, out,
                          dict(cfg.curate.storage_options), sample_mb=cfg.data.tokenizer_sample_mb,
-                         seed=cfg.train.seed, special=special)
+                         seed=cfg.train.seed, special=special, fmt=args.format)
     print(json.dumps({d: {k: v for k, v in m.items() if k != "shards"} for d, m in index["domains"].items()}),
           flush=True)
+    if args.format == "megatron":  # Megatron-LM / NeMo: --data-path [weight] prefix ...
+        print("Megatron --data-path: " + " ".join(f"{out.rstrip('/')}/{p}" for m in index["domains"].values()
+                                                   for p in m["shards"]), flush=True)
     print(f"train on it with: --set data.source=\"{out}\" [--set data.schedule=\"0:...\"]", flush=True)
     return 0
 
@@ -316,6 +319,9 @@ COMMANDS = (
         arg("--tokenizer", help="an existing tokenizer.json (default data.tokenizer, else a BPE of "
                                 "model.vocab_size trained on data.tokenizer_sample_mb of the documents)"),
         arg("--out", help="where the shards and index.json go (default <curate.output>/packed)"),
+        arg("--format", choices=["raysc", "megatron"], default="raysc",
+            help="raysc: rows of train.seq_len + 1 tokens; megatron: Megatron-LM indexed datasets (.bin/.idx, a "
+                 "document per sequence) that Megatron-LM and NeMo read and raysc trains on too"),
         SET)),
     Command("plan", "rank every parallel layout of a config on a cluster (memory, tokens/s); --profile "
                     "measures the top ones", cmd_plan, (_plan_arguments, SET)),

@@ -85,3 +85,32 @@ def test_a_megatron_dataset_trains_with_one_eos_per_document_and_bad_ones_are_re
     cut.with_suffix(".idx").write_bytes(b"MMIDIDX\x00\x00" + b"\x01" * 25)
     with pytest.raises(megatron.IndexedDatasetError, match=r"cut.idx: version"):
         megatron.read_documents(cut)
+
+
+def test_raysc_pack_format_megatron_is_read_by_megatron_core_and_trains_in_raysc(packed_corpus, make_cfg):
+    """`raysc pack --format megatron` on the curated corpus: each domain's part files are Megatron
+    datasets that megatron-core reads, a document per sequence ending with the tokenizer's EOS, holding
+    the same tokens as the raysc-format shards of the same documents (those drop each block's tail);
+    `data.source` = the output trains through the mixture loader's domains."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from raysc.curate.pack import pack_curated
+
+    root, index = packed_corpus["root"], packed_corpus["index"]
+    out = root / "megatron"
+    meg = pack_curated(str(root / "cur"), str(root / "packed" / "tokenizer.json"), VOCAB, 64, str(out),
+                       log=lambda *_: None, fmt="megatron")
+    assert meg["format"] == "megatron-indexed-v1" and set(meg["domains"]) == set(index["domains"])
+    for name, d in meg["domains"].items():
+        assert d["documents"] == index["domains"][name]["documents"]
+        docs = [np.array(doc) for p in d["shards"] for doc in IndexedDataset(str(out / p))]  # copies: its mmap closes
+        assert len(docs) == d["documents"] and all(doc[-1] == EOS and EOS not in doc[:-1] for doc in docs)
+        for shard in index["domains"][name]["shards"]:  # raysc's shard-<h>.npy and megatron's part-<h>: same block
+            rows = np.load(root / "packed" / shard)
+            stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])
+            part = shard.replace("shard-", "part-").removesuffix(".npy")
+            theirs = np.concatenate([np.array(doc) for doc in IndexedDataset(str(out / part))])
+            assert np.array_equal(theirs[:len(stream)], stream)
+    packed, _, info = prepare_data(make_cfg(f'data.source="{out}"'))
+    assert set(packed.train) == set(meg["domains"]) and info["documents"] == sum(
+        d["documents"] for d in meg["domains"].values())

@@ -8,7 +8,10 @@ token, as in ``raysc.data.packing``; a batch's tail shorter than a row is droppe
 counted) and written by the task itself as ``<out>/<domain>/shard-<hash>.npy``, with the
 token offsets where its documents start in ``shard-<hash>.starts.npy``. Only metadata comes
 back to the driver, which writes ``index.json``: per domain its shards, sequences, tokens,
-documents and dropped tail tokens, plus ``seq_len`` and the tokenizer. The tokenizer is copied
+documents and dropped tail tokens, plus ``seq_len`` and the tokenizer. ``--format megatron`` writes each
+task's documents per domain as a Megatron indexed dataset instead (``<domain>/part-<hash>.bin/.idx``, a
+document per sequence, nothing dropped), which Megatron-LM and NeMo read as ``--data-path`` prefixes and
+raysc reads back through the same ``index.json``. The tokenizer is copied
 into the output as ``tokenizer.json`` (trained on a seeded sample of the curated documents when
 none is given), so a packed directory is self-contained: ``data.source = <it>`` trains on it
 (``raysc.data.shards`` reads it). Tasks get the tokenizer as its JSON text, not a path, so they run on any node.
@@ -22,7 +25,9 @@ import json
 
 import numpy as np
 
+from raysc.data import megatron
 from raysc.data.packing import encode_corpus
+from raysc.data.shards import MEGATRON
 from raysc.data.special_tokens import RAYSC, SpecialTokens
 from raysc.data.tokenizer import load_tokenizer, sample_texts, train_tokenizer
 
@@ -39,8 +44,10 @@ def _tokenizer(tokenizer_json: str):
 
 
 def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_json: str, vocab_size: int,
-               seq_len: int, out_uri: str, options: dict, special: dict | None = None) -> list[dict]:
-    """Encode, join and pack one block of documents; write its shards; return their metadata."""
+               seq_len: int, out_uri: str, options: dict, special: dict | None = None,
+               fmt: str = "raysc") -> list[dict]:
+    """Encode, join and pack one block of documents; write its shards (``fmt`` megatron: one Megatron
+    indexed dataset per domain, a document per sequence); return their metadata."""
     import fsspec
 
     tok = _tokenizer(tokenizer_json)
@@ -51,6 +58,16 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_j
         pick = [i for i, d in enumerate(domains) if d == domain]
         doc_texts = [texts[i] for i in pick]
         stream = encode_corpus(doc_texts, tok, vocab_size, marks)
+        name = hashlib.sha1("\0".join(ids[i] for i in pick).encode()).hexdigest()[:16]
+        if fmt == "megatron":
+            documents = np.split(stream, np.flatnonzero(stream == marks.eos_id)[:-1] + 1)  # each ends with EOS
+            data, index = megatron.encode_indexed(documents, megatron.token_dtype(vocab_size))
+            fs.makedirs(f"{root}/{domain}", exist_ok=True)
+            fs.pipe_file(f"{root}/{domain}/part-{name}.bin", data)
+            fs.pipe_file(f"{root}/{domain}/part-{name}.idx", index)
+            out.append({"domain": domain, "file": f"{domain}/part-{name}", "sequences": len(documents),
+                        "tokens": int(len(stream)), "documents": len(pick), "dropped_tokens": 0})
+            continue
         n_rows = (len(stream) - 1) // seq_len
         if n_rows < 1:
             out.append({"domain": domain, "file": "", "sequences": 0, "tokens": 0, "documents": len(pick),
@@ -61,7 +78,6 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_j
         ends = np.flatnonzero(stream == marks.eos_id)
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
         starts = starts[starts < used]
-        name = hashlib.sha1("\0".join(ids[i] for i in pick).encode()).hexdigest()[:16]
         fs.makedirs(f"{root}/{domain}", exist_ok=True)
         for suffix, array in (("", rows), (".starts", starts)):
             buf = io.BytesIO()
@@ -88,8 +104,9 @@ def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: fl
 
 def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, seq_len: int, out_uri: str,
                  options: dict | None = None, log=print, sample_mb: float = 4.0, seed: int = 0,
-                 special: SpecialTokens | None = None) -> dict:
-    """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index.
+                 special: SpecialTokens | None = None, fmt: str = "raysc") -> dict:
+    """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index. ``fmt``:
+    ``raysc`` (rows of ``seq_len + 1``) or ``megatron`` (Megatron indexed datasets, cut into rows when read).
 
     ``tokenizer_path`` None trains one (``vocab_size``) on ``sample_mb`` of the documents. ``special``:
     the special tokens to pack with (default: the tokenizer's own, ``read_special_tokens``)."""
@@ -118,7 +135,9 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
         tokenizer_json = _sample_tokenizer(f"{root}/documents", arrow_fs, vocab_size, sample_mb, seed)
     docs = ray.data.read_parquet(f"{root}/documents", filesystem=arrow_fs).select_columns(["id", "text", "domain"])
     special = special or RAYSC
-    args = (tokenizer_json, vocab_size, seq_len, out_uri.rstrip("/"), options, special.to_dict())
+    if fmt not in ("raysc", "megatron"):
+        raise ValueError(f"pack format {fmt!r} is not one of raysc, megatron")
+    args = (tokenizer_json, vocab_size, seq_len, out_uri.rstrip("/"), options, special.to_dict(), fmt)
 
     def block(batch: dict) -> dict:
         meta = pack_block(list(batch["id"]), list(batch["text"]), list(batch["domain"]), *args)
@@ -127,7 +146,7 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
 
     rows = sorted(docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(),
                   key=lambda r: (r["domain"], r["file"]))
-    index: dict = {"format": "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len,
+    index: dict = {"format": MEGATRON if fmt == "megatron" else "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len,
                    "eos": special.eos, "special_tokens": special.to_dict(), "tokenizer": "tokenizer.json",
                    "tokenizer_source": tokenizer_path or "trained by raysc pack",
                    "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(), "domains": {}}

@@ -61,8 +61,17 @@ def read_index(prefix: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np
     return np.dtype(DTYPES[code]), lengths, pointers, documents
 
 
-def read_documents(prefix: str | Path) -> list[np.ndarray]:
-    """Each document's tokens (its sequences joined), in order, from ``PREFIX.bin``/``.idx``."""
+def read_documents(prefix: str | Path, fs=None) -> list[np.ndarray]:
+    """Each document's tokens (its sequences joined), in order, from ``PREFIX.bin``/``.idx`` (on local disk,
+    or on the fsspec filesystem ``fs``, read whole)."""
+    if fs is not None:
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:  # the two files, local for the memmaps
+            local = Path(tmp) / "d"
+            for suffix in (".idx", ".bin"):
+                local.with_suffix(suffix).write_bytes(fs.cat_file(f"{prefix}{suffix}"))
+            return [np.array(d) for d in read_documents(local)]
     dtype, lengths, pointers, documents = read_index(prefix)
     bin_path = Path(prefix).with_suffix(".bin")
     data = np.memmap(bin_path, mode="r", dtype=dtype)
@@ -77,22 +86,24 @@ def read_documents(prefix: str | Path) -> list[np.ndarray]:
     return out
 
 
-def write_indexed(prefix: str | Path, documents: list[np.ndarray], dtype: np.dtype) -> None:
-    """Write ``documents`` (one sequence each, as ``preprocess_data.py`` does) as ``PREFIX.bin``/``.idx``."""
+def encode_indexed(documents: list[np.ndarray], dtype: np.dtype) -> tuple[bytes, bytes]:
+    """The ``.bin`` and ``.idx`` bytes of ``documents``, one sequence each (as ``preprocess_data.py`` writes)."""
     dtype = np.dtype(dtype)
     if dtype not in CODES:
         raise ValueError(f"Megatron's index has no code for {dtype}")
-    prefix = Path(prefix)
     lengths = np.array([len(d) for d in documents], dtype=np.int32)
     pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * dtype.itemsize
-    with open(prefix.with_suffix(".bin"), "wb") as f:
-        for d in documents:
-            f.write(np.asarray(d, dtype=dtype).tobytes())
-    with open(prefix.with_suffix(".idx"), "wb") as f:
-        f.write(HEADER + struct.pack("<QBQQ", 1, CODES[dtype], len(lengths), len(lengths) + 1))
-        f.write(lengths.tobytes())
-        f.write(pointers.tobytes())
-        f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
+    data = b"".join(np.asarray(d, dtype=dtype).tobytes() for d in documents)
+    index = b"".join([HEADER, struct.pack("<QBQQ", 1, CODES[dtype], len(lengths), len(lengths) + 1),
+                      lengths.tobytes(), pointers.tobytes(), np.arange(len(lengths) + 1, dtype=np.int64).tobytes()])
+    return data, index
+
+
+def write_indexed(prefix: str | Path, documents: list[np.ndarray], dtype: np.dtype) -> None:
+    """Write ``documents`` as ``PREFIX.bin`` and ``PREFIX.idx`` on local disk."""
+    data, index = encode_indexed(documents, dtype)
+    Path(prefix).with_suffix(".bin").write_bytes(data)
+    Path(prefix).with_suffix(".idx").write_bytes(index)
 
 
 def token_dtype(vocab_size: int) -> np.dtype:

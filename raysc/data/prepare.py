@@ -25,7 +25,7 @@ from raysc.config.syntax import parse_schedule
 from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
 from raysc.data import megatron
 from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows
-from raysc.data.shards import load_domains, read_index
+from raysc.data.shards import MEGATRON, load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
 from raysc.hashing import file_sha256
@@ -107,7 +107,7 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
     """Per-domain rows from a ``raysc pack`` directory, each domain split into train/val rows."""
     d = cfg.data
     options = dict(d.storage_options)
-    if index.get("seq_len") != cfg.train.seq_len:
+    if index.get("format") != MEGATRON and index.get("seq_len") != cfg.train.seq_len:
         raise ValueError(f"{d.source} was packed with seq_len {index.get('seq_len')} but train.seq_len is "
                          f"{cfg.train.seq_len}; set train.seq_len={index.get('seq_len')} or re-run `raysc pack` "
                          f"with --set train.seq_len={cfg.train.seq_len}")
@@ -116,7 +116,7 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
     if vocab > cfg.model.vocab_size:
         raise ValueError(f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
                          f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}")
-    domains = load_domains(d.source, options)
+    domains = load_domains(d.source, options, seq_len=cfg.train.seq_len)
     missing = sorted(set(index["domains"]) - set(domains))
     if missing:
         raise ValueError(f"domain(s) {missing} of {d.source} have no sequences (too few tokens for one row of "

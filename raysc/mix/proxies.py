@@ -51,7 +51,8 @@ def heldout_rows(cfg: Config, max_rows: int) -> dict[str, torch.Tensor]:
     # training holds out every k-th row of a domain, so its first max_rows held-out rows lie in the
     # first k * max_rows rows: only the shards holding those are read
     every = val_every(cfg.data.val_fraction)
-    for name, rows in load_domains(cfg.data.source, dict(cfg.data.storage_options), every * max_rows).items():
+    for name, rows in load_domains(cfg.data.source, dict(cfg.data.storage_options), every * max_rows,
+                                   seq_len=cfg.train.seq_len).items():
         val = split_rows(rows, cfg.data.val_fraction)[1][:max_rows]
         if len(val) == 0:
             raise ValueError(f"domain {name!r} has no held-out rows ({len(rows)} rows, data.val_fraction="
