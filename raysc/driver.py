@@ -52,8 +52,8 @@ def check_inputs(cfg: Config) -> None:
     if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists() \
             and megatron.prefix_of(cfg.data.source) is None:
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
-                                f"or directory, a `raysc pack` output directory or a Megatron dataset prefix "
-                                f"(PREFIX.bin + PREFIX.idx)")
+                                f"or directory, a `raysc pack` output directory, a Megatron dataset prefix "
+                                f"(PREFIX.bin + PREFIX.idx) or .npy token files")
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
         raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
                                 f"leave it empty to train one on the corpus")

@@ -3,7 +3,7 @@ writer, megatron-core's own ``IndexedDataset`` / ``IndexedDatasetBuilder``: rays
 writes (documents of several sequences, with and without ``--append-eod``'s end token) token for token,
 megatron-core reads what raysc writes, and ``data.source`` = a prefix trains on it with the tokenizer's
 EOS after every document exactly once; damaged files and a dataset of another tokenizer are refused by
-name."""
+name. OLMo / Dolma token files (raw or numpy-format ``.npy``) train the same way."""
 
 from __future__ import annotations
 
@@ -114,3 +114,35 @@ def test_raysc_pack_format_megatron_is_read_by_megatron_core_and_trains_in_raysc
     packed, _, info = prepare_data(make_cfg(f'data.source="{out}"'))
     assert set(packed.train) == set(meg["domains"]) and info["documents"] == sum(
         d["documents"] for d in meg["domains"].values())
+
+
+def test_olmo_style_token_files_train_raw_or_with_numpy_headers(make_cfg, tmp_path):
+    """OLMo / Dolma token files: raw uint16 memmaps (no header: the dtype from the vocabulary size, OLMo's
+    rule) and numpy-format uint32 files in one directory, read in name order, documents separated by EOS;
+    a raw file of another dtype and ids past the vocabulary are refused by name."""
+    from raysc.data.tokenizer import train_tokenizer
+
+    tok = tmp_path / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, VOCAB).save(str(tok))
+    docs = _documents(3, 40, eod=True)
+    stream = np.concatenate(docs)
+    half = len(stream) // 2
+    src = tmp_path / "olmo"
+    src.mkdir()
+    np.memmap(src / "part-0-00000.npy", mode="w+", dtype=np.uint16, shape=(half,))[:] = stream[:half]
+    np.save(src / "part-1-00000.npy", stream[half:].astype(np.uint32))
+    packed, _, info = prepare_data(make_cfg(f'data.source="{src}"', f'data.tokenizer="{tok}"'))
+    assert info["tokens"] == len(stream) and info["documents"] == 40
+    seq = packed.seq_len
+    rows = np.concatenate([packed.train, packed.val])
+    assert sorted(map(tuple, rows)) == sorted(tuple(stream[i * seq:i * seq + seq + 1])
+                                              for i in range((len(stream) - 1) // seq))
+    odd = tmp_path / "odd.npy"
+    odd.write_bytes(b"\x01\x02\x03")
+    with pytest.raises(ValueError, match="odd.npy has 3 bytes, not a whole number of uint16 ids.*data.token_dtype"):
+        prepare_data(make_cfg(f'data.source="{odd}"', f'data.tokenizer="{tok}"'))
+    wide = tmp_path / "wide.npy"
+    np.memmap(wide, mode="w+", dtype=np.uint32, shape=(4,))[:] = [7, 70000, 3, 0]
+    with pytest.raises(ValueError, match=f"holds token id 70000 but model.vocab_size is {VOCAB}.*another "
+                                         f"data.token_dtype"):
+        prepare_data(make_cfg(f'data.source="{wide}"', f'data.tokenizer="{tok}"', "data.token_dtype=uint32"))

@@ -162,7 +162,8 @@ class TrainConfig:
 class DataConfig:
     source: str = opt("bundled", "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field "
                                  "(plain, .jsonl.gz or .jsonl.zst), a Megatron indexed dataset (PREFIX of "
-                                 "PREFIX.bin + PREFIX.idx, with data.tokenizer), or the output of `raysc pack` (a directory or URL with index.json: per-domain "
+                                 "PREFIX.bin + PREFIX.idx, with data.tokenizer), OLMo-style token files (.npy, "
+                                 "a file or directory, with data.tokenizer), or the output of `raysc pack` (a directory or URL with index.json: per-domain "
                                  "token shards fed by the mixture loader)")
     schedule: str = opt("", "domain mixture by consumed tokens, 'TOKENS:domain=weight,...; TOKENS:...' (e.g. "
                             "'0:prose=0.7,code=0.3; 2e6:prose=0.3,code=0.7'); needs a packed data.source; "
@@ -171,6 +172,9 @@ class DataConfig:
                         max=64)
     storage_options: dict = opt_dict("fsspec options for reading data.source when it is an object-store URL")
     tokenizer: str = opt("", "path to an existing tokenizer.json; empty = train a byte-level BPE on the corpus")
+    token_dtype: str = opt("auto", "dtype of raw token files in data.source (OLMo / Dolma .npy memmaps have no "
+                                   "header): auto = uint16 up to 65,536 tokens, else uint32 (OLMo's rule)",
+                           choices=["auto", "uint16", "uint32"])
     eos_token: str = opt("", "the token that ends every document (and stops generation); empty = the tokenizer's "
                              "own, read from its folder (special_tokens_map.json, tokenizer_config.json, config.json)")
     bos_token: str = opt("", "the token that begins a document; empty = the tokenizer's own, if it has one")

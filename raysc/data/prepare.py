@@ -8,8 +8,9 @@ When ``data.source`` is the output of ``raysc pack`` (a directory with ``index.j
 the rows come per domain (``PackedData.train`` is ``{domain: rows}``) for the mixture
 loader, with that directory's tokenizer; ``data.schedule`` is checked against its domains here,
 in the supervisor (``prepare_data`` runs in its actor), before any worker starts. A Megatron
-indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.megatron``) is read as already-tokenized
-documents with ``data.tokenizer`` naming its tokenizer.
+indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.megatron``) and OLMo-style token files
+(``.npy``, ``raysc.data.token_arrays``) are read as already-tokenized documents with ``data.tokenizer``
+naming their tokenizer.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import numpy as np
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
 from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
-from raysc.data import megatron
+from raysc.data import megatron, token_arrays
 from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows
 from raysc.data.shards import MEGATRON, load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
@@ -40,6 +41,9 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     prefix = megatron.prefix_of(d.source) if d.source != "bundled" else None
     if prefix is not None:
         return prepare_indexed(cfg, prefix)
+    arrays = token_arrays.token_files(d.source) if d.source != "bundled" else None
+    if arrays:
+        return prepare_token_arrays(cfg, arrays)
     if d.schedule:
         raise ValueError(f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
                          f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory")
@@ -139,32 +143,53 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
 
 def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
     """Rows from a Megatron indexed dataset (``PREFIX.bin``/``.idx``): its documents' tokens, each ended
-    by the tokenizer's EOS (added where the dataset was made without ``--append-eod``), joined, packed and
-    split as a plain corpus is (so the loader, resume and DP-size independence are the same)."""
-    d = cfg.data
-    if d.schedule:
-        raise ValueError(f"data.schedule mixes domains, but data.source={d.source!r} is one Megatron dataset; "
-                         f"leave data.schedule empty")
-    if not d.tokenizer:
-        raise ValueError(f"data.source {d.source!r} is a Megatron indexed dataset: token ids without their tokenizer; "
-                         f"set data.tokenizer to the tokenizer.json it was made with (or train --init-from the "
-                         f"checkpoint whose tokenizer made it)")
-    tok_path = Path(d.tokenizer)
-    special = check_tokenizer(cfg, tok_path)
+    by the tokenizer's EOS (added where the dataset was made without ``--append-eod``), joined."""
+    special, tok_path = _token_source_tokenizer(cfg, "a Megatron indexed dataset")
     docs = megatron.read_documents(prefix)
-    top = max((int(doc.max()) for doc in docs if len(doc)), default=-1)
-    if top >= cfg.model.vocab_size:
-        raise ValueError(f"data.source {d.source!r} holds token id {top} but model.vocab_size is "
-                         f"{cfg.model.vocab_size}: it was made with another tokenizer than {str(tok_path)!r}")
     eos = special.eos_id
     stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]
                             ).astype(np.int64)
-    train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), d.val_fraction)
-    sha = hashlib.sha256(f"{file_sha256(prefix.with_suffix('.idx'))} {file_sha256(prefix.with_suffix('.bin'))}"
-                         .encode()).hexdigest()
-    info = {"corpus": {"megatron": str(prefix)}, "corpus_sha256": sha, "tokenizer": str(tok_path),
-            "tokens": int(len(stream)), "documents": len(docs), "seq_len": cfg.train.seq_len,
-            "train_sequences": int(len(train)), "val_sequences": int(len(val)), "special_tokens": special.to_dict()}
+    files = [prefix.with_suffix(".idx"), prefix.with_suffix(".bin")]
+    return _token_stream_rows(cfg, stream, len(docs), {"megatron": str(prefix)}, files, special, tok_path)
+
+
+def prepare_token_arrays(cfg: Config, files: list[Path]) -> tuple[PackedData, Path, dict]:
+    """Rows from OLMo / Dolma-style token files (``raysc.data.token_arrays``): their ids in name order,
+    documents already separated by the tokenizer's EOS."""
+    special, tok_path = _token_source_tokenizer(cfg, "a token array (.npy)")
+    dtype = token_arrays.token_dtype(cfg.data.token_dtype, cfg.model.vocab_size)
+    stream = np.concatenate([token_arrays.read_tokens(f, dtype) for f in files]).astype(np.int64)
+    docs = int((stream == special.eos_id).sum())
+    return _token_stream_rows(cfg, stream, docs, {"token_files": [str(f) for f in files]}, files, special, tok_path)
+
+
+def _token_source_tokenizer(cfg: Config, what: str) -> tuple[SpecialTokens, Path]:
+    """The tokenizer an already-tokenized ``data.source`` names (it carries none), checked."""
+    d = cfg.data
+    if d.schedule:
+        raise ValueError(f"data.schedule mixes domains, but data.source={d.source!r} is {what}, one domain; "
+                         f"leave data.schedule empty (or `raysc pack` per-domain shards)")
+    if not d.tokenizer:
+        raise ValueError(f"data.source {d.source!r} is {what}: token ids without their tokenizer; set "
+                         f"data.tokenizer to the tokenizer.json it was made with (or train --init-from the "
+                         f"checkpoint whose tokenizer made it)")
+    return check_tokenizer(cfg, Path(d.tokenizer)), Path(d.tokenizer)
+
+
+def _token_stream_rows(cfg: Config, stream: np.ndarray, documents: int, corpus: dict, files: list[Path],
+                       special: SpecialTokens, tok_path: Path) -> tuple[PackedData, Path, dict]:
+    """An already-tokenized corpus packed and split as a plain one is (the same loader, exact resume and
+    DP-size independence); ids past the embedding are another tokenizer's and refused."""
+    top = int(stream.max()) if len(stream) else -1
+    if top >= cfg.model.vocab_size:
+        raise ValueError(f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is "
+                         f"{cfg.model.vocab_size}: it was made with another tokenizer than {str(tok_path)!r} "
+                         f"(or, for raw token files, another data.token_dtype)")
+    train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), cfg.data.val_fraction)
+    sha = hashlib.sha256(" ".join(f"{f.name}:{file_sha256(f)}" for f in files).encode()).hexdigest()
+    info = {"corpus": corpus, "corpus_sha256": sha, "tokenizer": str(tok_path), "tokens": int(len(stream)),
+            "documents": documents, "seq_len": cfg.train.seq_len, "train_sequences": int(len(train)),
+            "val_sequences": int(len(val)), "special_tokens": special.to_dict()}
     return PackedData(train, val, info), tok_path, info
 
 
