@@ -143,6 +143,6 @@ def test_olmo_style_token_files_train_raw_or_with_numpy_headers(make_cfg, tmp_pa
         prepare_data(make_cfg(f'data.source="{odd}"', f'data.tokenizer="{tok}"'))
     wide = tmp_path / "wide.npy"
     np.memmap(wide, mode="w+", dtype=np.uint32, shape=(4,))[:] = [7, 70000, 3, 0]
-    with pytest.raises(ValueError, match=f"holds token id 70000 but model.vocab_size is {VOCAB}.*another "
+    with pytest.raises(ValueError, match=f"wide.npy holds token id 70000 but model.vocab_size is {VOCAB}.*set "
                                          f"data.token_dtype"):
         prepare_data(make_cfg(f'data.source="{wide}"', f'data.tokenizer="{tok}"', "data.token_dtype=uint32"))

@@ -38,7 +38,11 @@ def _decompress_errors() -> tuple[type[BaseException], ...]:
 def _zstd_frames(blob: bytes) -> tuple[bytes, str]:
     """Every zstd frame of ``blob`` decompressed; and '' or why decoding stopped (a frame cut short or
     not zstd)."""
-    import zstandard
+    try:
+        import zstandard
+    except ImportError:
+        raise ImportError("reading .zst files needs the zstandard package (a raysc dependency): "
+                          "pip install 'zstandard>=0.22,<1'") from None
 
     out: list[bytes] = []
     while blob:

@@ -158,7 +158,13 @@ def prepare_token_arrays(cfg: Config, files: list[Path]) -> tuple[PackedData, Pa
     documents already separated by the tokenizer's EOS."""
     special, tok_path = _token_source_tokenizer(cfg, "a token array (.npy)")
     dtype = token_arrays.token_dtype(cfg.data.token_dtype, cfg.model.vocab_size)
-    stream = np.concatenate([token_arrays.read_tokens(f, dtype) for f in files]).astype(np.int64)
+    arrays = [token_arrays.read_tokens(f, dtype) for f in files]
+    for f, ids in zip(files, arrays):  # the file of another tokenizer (or dtype), by name
+        if len(ids) and int(ids.max()) >= cfg.model.vocab_size:
+            raise ValueError(f"{f} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
+                             f"it was made with another tokenizer than {cfg.data.tokenizer!r}, or is not "
+                             f"{dtype} (set data.token_dtype)")
+    stream = np.concatenate(arrays).astype(np.int64)
     docs = int((stream == special.eos_id).sum())
     return _token_stream_rows(cfg, stream, docs, {"token_files": [str(f) for f in files]}, files, special, tok_path)
 
