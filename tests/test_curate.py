@@ -275,3 +275,51 @@ def test_preflight_data_item_reads_the_curation_report(packed_corpus, make_cfg):
     assert set(item.evidence["removed_share"]) >= {"exact_duplicates", "near_duplicates", "quality"}
     assert check_data(make_cfg(src, 'data.schedule="0:prose=0.5,math=0.5"')).status == "fail"
     assert check_data(make_cfg()).status == "warn"
+
+
+def test_fineweb_parquet_and_a_dolma_jsonl_zst_go_through_curate_pack_and_train(ray_session, make_cfg, tmp_path):
+    """Corpora as they are stored: FineWeb-style Parquet (text, id, url, dump, language_score, token_count)
+    and a Dolma-style .jsonl.zst (its own id and url field names) are curated keeping each document's own
+    id and URL, packed, and trained on."""
+    import json as _json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+
+    from raysc.curate.pack import pack_curated
+    from raysc.curate.pipeline import curate
+    from raysc.data.corpus import iter_documents
+    from raysc.data.prepare import prepare_data
+    from raysc.train.trainer import Trainer
+
+    docs = [d["text"] for d in iter_documents(1.0) if len(d["text"].split()) > 150][:40]
+    src = tmp_path / "in"
+    src.mkdir()
+    web = [{"text": t, "id": f"<urn:uuid:{i:08x}>", "url": f"https://example.org/{i}", "dump": "CC-MAIN-2024-10",
+            "language_score": 0.9, "token_count": len(t.split())} for i, t in enumerate(docs[:30])]
+    pq.write_table(pa.Table.from_pylist(web), src / "000_00000.parquet")
+    dolma = [{"doc_id": f"dolma-{i}", "text": t, "source_url": f"https://dolma.example/{i}"}
+             for i, t in enumerate(docs[30:])]
+    blob = "".join(_json.dumps(r) + "\n" for r in dolma).encode()
+    (src / "dolma-0000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(blob))
+
+    out = tmp_path / "out"
+    report = curate(make_cfg(f'curate.input="{src}"', f'curate.output="{out}"', "quality.enabled=false"),
+                    log=lambda *_: None)
+    kept = pq.read_table(out / "documents").to_pydict()
+    assert report["documents"]["kept"] == len(kept["id"]) == 40 and report["bad_input"]["by_reason"] == {}
+    urls = dict(zip(kept["id"], kept["url"]))
+    assert all(urls[w["id"]] == w["url"] for w in web)  # FineWeb's own ids and URLs, not content hashes
+    # the Dolma file names its fields differently: curate.id_field / url_field pick them
+    report = curate(make_cfg(f'curate.input="{src}/dolma-0000.jsonl.zst"', f'curate.output="{tmp_path / "d"}"',
+                             "quality.enabled=false", 'curate.id_field="doc_id"', 'curate.url_field="source_url"'),
+                    log=lambda *_: None)
+    kept = pq.read_table(tmp_path / "d" / "documents").to_pydict()
+    assert sorted(zip(kept["id"], kept["url"])) == sorted((r["doc_id"], r["source_url"]) for r in dolma)
+    index = pack_curated(str(out), None, 512, 64, str(out / "packed"), log=lambda *_: None, sample_mb=0.5)
+    assert sum(d["documents"] for d in index["domains"].values()) == 40
+    cfg = make_cfg(f'data.source="{out / "packed"}"')
+    packed = prepare_data(cfg)[0]
+    trainer = Trainer(cfg, packed.train, packed.val, measure_peak=False)
+    assert np.isfinite(trainer.train_step()["loss"])

@@ -274,6 +274,8 @@ class CurateConfig:
     text_field: str = opt("text", "field holding a document's text (JSONL and Parquet)")
     id_field: str = opt("id", "field with the input's document id, kept in the output; missing = a content hash")
     domain_field: str = opt("domain", "field naming the document's domain; missing = tagged by rules (code/prose)")
+    url_field: str = opt("url", "field with the document's source URL (FineWeb's url), kept in the output and the "
+                                "dropped documents; missing = ''")
     storage_options: dict = opt_dict("fsspec options for input and output, e.g. {endpoint_url = \"http://...\"}")
     bad_samples: int = opt(20, "bad input records sampled into the report", min=0)
 

@@ -51,10 +51,17 @@ def list_inputs(cfg: Config) -> tuple[str, dict, list[str]]:
 
 
 def _bad(where: str, reason: str, sample: str) -> dict:
-    return {"id": "", "text": "", "domain": "", "source": where, "bad": reason, "sample": sample[:200]}
+    return {"id": "", "text": "", "domain": "", "url": "", "source": where, "bad": reason, "sample": sample[:200]}
 
 
-def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_field: str) -> list[dict]:
+def _row(doc_id, text: str, domain, url, where: str) -> dict:
+    """A parsed document; the input's id and URL kept as strings ('' when the input has none)."""
+    return {"id": "" if doc_id is None else str(doc_id), "text": text, "domain": str(domain or ""),
+            "url": "" if url is None else str(url), "source": where, "bad": "", "sample": ""}
+
+
+def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_field: str,
+               url_field: str = "url") -> list[dict]:
     """Every record of one input file (``.gz`` / ``.zst`` decompressed by suffix); bad ones as rows with
     ``bad`` set to the reason, a damaged compressed file as the records before the damage and one such row."""
     data, damaged = read_bytes(uri, options)
@@ -62,14 +69,15 @@ def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_f
     kind = split_codec(uri)[0]
     if damaged:  # the last, partial line is part of the damage
         data = data[: data.rfind(b"\n") + 1] if kind.endswith((".jsonl", ".json")) else b""
-    rows = _parse(data, uri, name, kind, text_field, id_field, domain_field) if data or not damaged else []
+    fields = (text_field, id_field, domain_field, url_field)
+    rows = _parse(data, uri, name, kind, *fields) if data or not damaged else []
     if damaged:
         rows.append(_bad(name, damaged, f"{len(data)} bytes read before it"))
     return rows
 
 
-def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_field: str,
-           domain_field: str) -> list[dict]:
+def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_field: str, domain_field: str,
+           url_field: str) -> list[dict]:
     """The records of one file's (decompressed) bytes; ``kind`` is its name without a compression suffix."""
     rows: list[dict] = []
     if kind.endswith(".parquet"):
@@ -88,14 +96,13 @@ def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_fiel
             if not isinstance(text, str):
                 rows.append(_bad(where, f"field '{text_field}' is not a string", repr(text)))
                 continue
-            rows.append({"id": str(cols[id_field][i]) if id_field in cols and cols[id_field][i] is not None else "",
-                         "text": text, "domain": str(cols.get(domain_field, [""] * (i + 1))[i] or ""),
-                         "source": where, "bad": "", "sample": ""})
+            rows.append(_row(cols[id_field][i] if id_field in cols else None, text,
+                             cols[domain_field][i] if domain_field in cols else "",
+                             cols[url_field][i] if url_field in cols else None, where))
         return rows
     if kind.endswith(TEXT_SUFFIXES):
         try:
-            return [{"id": "", "text": data.decode("utf-8"), "domain": "", "source": name, "bad": "",
-                     "sample": ""}]
+            return [_row(None, data.decode("utf-8"), "", None, name)]
         except UnicodeDecodeError as e:
             return [_bad(name, f"not UTF-8 ({e.reason} at byte {e.start})", data[:200].decode("utf-8", "replace"))]
     for n, line in enumerate(data.split(b"\n"), 1):
@@ -113,8 +120,8 @@ def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_fiel
         if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
             rows.append(_bad(where, f"missing or non-string field '{text_field}'", line.decode("utf-8", "replace")))
             continue
-        rows.append({"id": str(rec.get(id_field) or ""), "text": rec[text_field],
-                     "domain": str(rec.get(domain_field) or ""), "source": where, "bad": "", "sample": ""})
+        rows.append(_row(rec.get(id_field) or None, rec[text_field], rec.get(domain_field), rec.get(url_field),
+                         where))
     return rows
 
 
