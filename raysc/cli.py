@@ -391,6 +391,9 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
         return 2
     except RunFailed as e:
         print(f"error: run failed: {e}", file=sys.stderr)
+        if getattr(args, "func", None) is cmd_train:  # the supervisor heals what it can; this one it could not
+            print("its committed checkpoints are kept: once the cause is fixed, the same command with --resume "
+                  "continues from the newest", file=sys.stderr)
         return 1
     except (PreflightRequired, ClusterAddressError, ClusterTooSmall) as e:
         print(f"error: {e}", file=sys.stderr)

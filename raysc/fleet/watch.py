@@ -114,7 +114,7 @@ class Watch:
         except ray.exceptions.RayActorError as e:
             first = str(e).splitlines()[0]
             self.event(EventKind.WORKER_DIED, rank=rank, node=self.node(rank), during=what, error=first)
-            raise RunFailed(f"worker rank {rank} died during {what}: {first}. Resume with `raysc train ... --resume`.",
+            raise RunFailed(f"worker rank {rank} died during {what}: {first}",
                             Failure(FailureKind.DIED, rank)) from None
         except ray.exceptions.RayTaskError as e:
             cause = str(e.cause) if e.cause is not None else str(e)
