@@ -34,7 +34,10 @@ def _same(got: dict[int, dict], ref: dict[int, dict], steps: range) -> None:
     assert sorted(got) == list(steps)
     for s in steps:
         assert got[s]["loss"] == pytest.approx(ref[s]["loss"], rel=1e-4), s
-        assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=1e-4), s
+        # the grad norm amplifies reduction order: after 4 steps under tp=2 its step-11 value is 1.07e-4 off the
+        # single-process run's (deterministic here, the same at the commit before session 15 with today's
+        # install); a checkpoint resharded wrongly is off by far more than 2e-4 from the first step on
+        assert got[s]["grad_norm"] == pytest.approx(ref[s]["grad_norm"], rel=2e-4), s
 
 
 @pytest.mark.parametrize("before,after", [("tp=2", ""), ("pp=2", ""), ("", "pp=2"), ("tp=2,pp=2", "dp_shard=4")])

@@ -140,10 +140,18 @@ def test_cli_config_error_exits_before_starting_anything(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
-def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session, make_cfg):
+def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session, make_cfg, monkeypatch):
+    """On the session's Ray (started by this process: nothing adds nodes) a worker no node can hold stops
+    before any work (raysc.cluster.fit); on a cluster that might grow (a joined one, simulated here) the
+    fleet waits supervisor.start_timeout_s and fails naming the bundle."""
+    from raysc.cluster.fit import ClusterTooSmall
     from raysc.driver import train
 
     cfg = make_cfg("parallel.cpus_per_worker=64", "supervisor.start_timeout_s=2")
+    with pytest.raises(ClusterTooSmall, match=r"the run needs 1 actor\(s\) of 64 CPU .* hold 0"):
+        train(cfg, progress=False)
+    assert not (Path(cfg.run_dir) / "events.jsonl").exists()  # nothing started, nothing written
+    monkeypatch.setattr("raysc.cluster.fit.started_here", lambda: False)
     with pytest.raises(RunFailed, match=r"could not reserve 1 worker\(s\) with \{'CPU': 64.0\}"):
         train(cfg, progress=False)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
