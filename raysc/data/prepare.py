@@ -150,6 +150,7 @@ def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
     stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]
                             ).astype(np.int64)
     files = [prefix.with_suffix(".idx"), prefix.with_suffix(".bin")]
+    _refuse_foreign_ids(cfg, files[1], stream, "")
     return _token_stream_rows(cfg, stream, len(docs), {"megatron": str(prefix)}, files, special, tok_path)
 
 
@@ -160,10 +161,7 @@ def prepare_token_arrays(cfg: Config, files: list[Path]) -> tuple[PackedData, Pa
     dtype = token_arrays.token_dtype(cfg.data.token_dtype, cfg.model.vocab_size)
     arrays = [token_arrays.read_tokens(f, dtype) for f in files]
     for f, ids in zip(files, arrays):  # the file of another tokenizer (or dtype), by name
-        if len(ids) and int(ids.max()) >= cfg.model.vocab_size:
-            raise ValueError(f"{f} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
-                             f"it was made with another tokenizer than {cfg.data.tokenizer!r}, or is not "
-                             f"{dtype} (set data.token_dtype)")
+        _refuse_foreign_ids(cfg, f, ids, f", or is not {dtype} (set data.token_dtype)")
     stream = np.concatenate(arrays).astype(np.int64)
     docs = int((stream == special.eos_id).sum())
     return _token_stream_rows(cfg, stream, docs, {"token_files": [str(f) for f in files]}, files, special, tok_path)
@@ -182,15 +180,17 @@ def _token_source_tokenizer(cfg: Config, what: str) -> tuple[SpecialTokens, Path
     return check_tokenizer(cfg, Path(d.tokenizer)), Path(d.tokenizer)
 
 
+def _refuse_foreign_ids(cfg: Config, where: Path, ids: np.ndarray, why_else: str) -> None:
+    """Ids past the embedding are another tokenizer's: refused, naming the file (``why_else``: another cause)."""
+    if len(ids) and int(ids.max()) >= cfg.model.vocab_size:
+        raise ValueError(f"{where} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
+                         f"it was made with another tokenizer than {cfg.data.tokenizer!r}{why_else}")
+
+
 def _token_stream_rows(cfg: Config, stream: np.ndarray, documents: int, corpus: dict, files: list[Path],
                        special: SpecialTokens, tok_path: Path) -> tuple[PackedData, Path, dict]:
     """An already-tokenized corpus packed and split as a plain one is (the same loader, exact resume and
-    DP-size independence); ids past the embedding are another tokenizer's and refused."""
-    top = int(stream.max()) if len(stream) else -1
-    if top >= cfg.model.vocab_size:
-        raise ValueError(f"data.source {cfg.data.source!r} holds token id {top} but model.vocab_size is "
-                         f"{cfg.model.vocab_size}: it was made with another tokenizer than {str(tok_path)!r} "
-                         f"(or, for raw token files, another data.token_dtype)")
+    DP-size independence); the callers have refused ids past the embedding."""
     train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), cfg.data.val_fraction)
     sha = hashlib.sha256(" ".join(f"{f.name}:{file_sha256(f)}" for f in files).encode()).hexdigest()
     info = {"corpus": corpus, "corpus_sha256": sha, "tokenizer": str(tok_path), "tokens": int(len(stream)),
