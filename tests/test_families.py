@@ -24,7 +24,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from raysc.config import load_config
 from raysc.data.special_tokens import read_special_tokens
@@ -35,6 +34,7 @@ from raysc.ports import free_port
 from raysc.train.trainer import Trainer
 
 from greedy_check import forced_mismatches
+from forked import run_forked
 
 HERE = Path(__file__).resolve().parent
 SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
@@ -132,8 +132,7 @@ def _rank(rank: int, port: int, cases: dict[str, tuple[str, float]]) -> None:
 def test_each_family_imports_with_transformers_logits_under_fsdp_and_tp(families):
     assert {n: f["step0_equal"] for n, f in families.items()} == {n: True for n in FAMILIES}
     cases = {n: (str(f["source"]), f["first_loss"]) for n, f in families.items()}
-    # forked, not spawned: four fresh interpreters importing torch cost more than the checks
-    mp.start_processes(_rank, args=(free_port(), cases), nprocs=4, start_method="fork")
+    run_forked(_rank, (free_port(), cases), nprocs=4)
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))

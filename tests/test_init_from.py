@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -30,6 +29,7 @@ from raysc.ports import free_port
 from raysc.train.trainer import Trainer
 
 from conftest import TINY
+from forked import run_forked
 
 MODEL = [o for o in TINY if o.startswith("model.")] + ["train.seq_len=32", "train.global_batch=8", "train.seed=3"]
 MUP = ["model.mup=true", "model.mup_base_width=32"]  # m = 2, sqrt(head_dim 16) = 4: unfolding is exact
@@ -101,8 +101,7 @@ def _rank(rank: int, port: int, out: str, params: dict[str, torch.Tensor], ref_l
 def test_round_trip_under_fsdp_tp_and_pp(export):
     params, out = export
     _, ref_loss = _first_loss(MODEL, params)
-    # forked, not spawned: four fresh interpreters importing torch cost more than the checks
-    mp.start_processes(_rank, args=(free_port(), str(out), params, ref_loss), nprocs=4, start_method="fork")
+    run_forked(_rank, (free_port(), str(out), params, ref_loss), nprocs=4)
 
 
 def test_transformers_checkpoint_gives_transformers_logits(tmp_path):

@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from raysc.config import load_config
@@ -21,6 +20,8 @@ from raysc.parallel.parallelize import build_model_shard
 from raysc.parity import layout_overrides
 from raysc.ports import free_port
 from raysc.train.trainer import Trainer
+
+from forked import run_forked
 
 # vocabulary 270: uneven FSDP shards (68/67 over 2 ranks of a TP half, 68,68,68,66 over 4)
 MODEL = ["model.vocab_size=270", "model.dim=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -93,8 +94,7 @@ def _rank(rank: int, port: int) -> None:
 
 
 def test_every_rank_materialises_exactly_its_slice_of_the_one_process_model():
-    # forked, not spawned: four fresh interpreters importing torch cost more than the checks
-    mp.start_processes(_rank, args=(free_port(),), nprocs=4, start_method="fork")
+    run_forked(_rank, (free_port(),), nprocs=4)
 
 
 @pytest.mark.parametrize("extra", [[], ["model.tie_embeddings=true"], ["model.mup=true", "model.mup_base_width=24"]])

@@ -22,6 +22,8 @@ from raysc.parallel.dims import rank_table
 from raysc.fleet.records import read_jsonl
 from raysc.parity import ensure_reference, layout_overrides, run_parity
 
+from forked import run_forked
+
 # a 4-layer model so that pp=2 with 2 virtual stages has a layer per stage
 PARITY = [
     "model.vocab_size=512", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
@@ -168,8 +170,6 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     within 1e-4 of one process's, and rank 0 built what the layout implies."""
     import json
 
-    import torch.multiprocessing as mp
-
     from raysc.config import load_config
     from raysc.data.prepare import prepare_data
     from raysc.ports import free_port
@@ -182,9 +182,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     for extra in {tuple(e) for _, e in cases}:
         prepare_data(load_config(None, [*overrides, *extra, f"train.steps={STEPS}"]))  # tokenize once, here
     out = tmp_path / "results.json"
-    # forked, not spawned: fresh interpreters importing torch cost more than the steps (test_materialise)
-    mp.start_processes(_layout_rank, args=(world, free_port(), cases, overrides, str(out)), nprocs=world,
-                       start_method="fork")
+    run_forked(_layout_rank, (world, free_port(), cases, overrides, str(out)), nprocs=world)
     results = json.loads(out.read_text())
     assert len(results) == len(cases)
     for name, r in results.items():

@@ -15,6 +15,8 @@ from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import bubble_fraction, estimate_step
 from raysc.plan.search import heuristic_layout, plan
 
+from forked import run_forked
+
 # published shapes; GPU counts: GPT-3 175B as Narayanan et al. 2021 (Megatron-LM, SC21) size its
 # end-to-end estimate (1,024 A100 80 GB), Llama 3 405B as Meta did (16,384 H100, 16M-token batches of
 # 8K sequences); Llama 3 70B's count is not published: 2,048 H100 assumed. GPT-3's vocabulary is
@@ -181,15 +183,13 @@ def test_memory_estimate_within_25_percent_of_measured_peak_on_cpu(make_cfg, tmp
     (``PeakMemory``: glibc heap minus the process's own, see raysc.train.memory); each rank's measured
     peak is within 25% of the estimate. (The same measurement through the fleet, ``raysc plan --profile``
     running the layout with Ray: test_cli_plan_ranks_writes_the_fragment_and_profiles.)"""
-    import torch.multiprocessing as mp
-
     from raysc.data.prepare import prepare_data
     from raysc.plan.profile import calibrate
     from raysc.ports import free_port
 
     cfg = make_cfg(*CPU_MODEL)
     rows = prepare_data(cfg)[0].train
-    mp.start_processes(_measure_rank, args=(free_port(), cfg, rows, str(tmp_path)), nprocs=2, start_method="fork")
+    run_forked(_measure_rank, (free_port(), cfg, rows, str(tmp_path)), nprocs=2)
     measured = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     gb = cfg.train.global_batch_sequences
     results = []

@@ -26,6 +26,8 @@ from raysc.scaling.probe import at_width
 from raysc.scaling.transfer import format_sweep, lr_sweep
 from raysc.train.optim import build_optimizer
 
+from forked import run_forked
+
 SMALL = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 
@@ -287,10 +289,8 @@ def test_lr_transfer_mup_keeps_the_best_lr_sp_does_not(tiny_rows, tmp_path):
     over two seeds). Under μP (base width 32) the best LR stays within one grid step; under SP it
     moves further (SP with Adam wants the LR to fall about like 1/width). SP and μP sweep in two
     forked processes of one thread each, one per core."""
-    import torch.multiprocessing as mp
-
     cfg, rows = tiny_rows
-    mp.start_processes(_sweep, args=(cfg, rows, str(tmp_path)), nprocs=2, start_method="fork")
+    run_forked(_sweep, (cfg, rows, str(tmp_path)), nprocs=2)
     # JSON keys are strings: back to widths and learning rates
     sp, mu = ({**r, "loss": {int(w): {float(lr): v for lr, v in by.items()} for w, by in r["loss"].items()},
                "best_lr": {int(w): lr for w, lr in r["best_lr"].items()}}

@@ -33,6 +33,8 @@ from raysc.ports import free_port
 from raysc.train.memory import StartupPeak
 from raysc.train.trainer import Trainer
 
+from forked import run_forked
+
 # 30 blocks of 3.2M parameters (dim 512) and a 4096-token vocabulary: 99.1M parameters, no block or
 # root module big enough that FSDP's gathered copies matter; 16 tokens × 4 sequences keep the step short
 MODEL = ["model.vocab_size=4096", "model.dim=512", "model.n_layers=30", "model.n_heads=8", "model.n_kv_heads=8",
@@ -65,8 +67,7 @@ def test_no_rank_holds_the_model_from_start_to_the_end_of_the_first_step():
     model_bytes = 4 * param_count(load_config(None, MODEL).model)["total"]
     assert 95e6 < model_bytes / 4 < 105e6
     results = mp.Manager().dict()
-    # forked, not spawned: four fresh interpreters importing torch cost more than the check
-    mp.start_processes(_rank, args=(free_port(), results), nprocs=4, start_method="fork")
+    run_forked(_rank, (free_port(), results), nprocs=4)
     assert len(results) == 8 and all(np.isfinite(v[2]) for v in results.values())
     print({f"{layout} rank {r}": f"build {b / 1e6:.0f} MB ({b / model_bytes:.2f}x), first step {s / 1e6:.0f} MB "
            f"({s / model_bytes:.2f}x)" for (layout, r), (b, s, _) in sorted(results.items())})
