@@ -80,3 +80,33 @@ def test_no_rank_holds_the_model_from_start_to_the_end_of_the_first_step():
             assert built < BUILD_BOUND * model_bytes, f"{layout} rank {rank} built its shard at {built / 1e6:.0f} MB"
             assert 0.75 < built / est["startup"]["total"] < 1.25, (layout, rank, built, est["startup"])
             assert step < 1.25 * est["peak"], f"{layout} rank {rank}: {step / 1e6:.0f} MB in its first step"
+
+
+def test_memory_readings_stay_within_their_cpu_budget_on_a_fragmented_heap():
+    """mallinfo2 walks every free chunk: on a fragmented heap one reading costs milliseconds, and the
+    forward hooks ask for one at every module's end. The sampler spaces its readings by their cost,
+    so they take at most 5% of a core (``_Sampler.BUDGET``; breaking it, BUDGET = 1.0, makes the
+    readings take the whole loop and fails this)."""
+    import random
+    import time
+
+    from raysc.train.memory import _libc_in_use, _Sampler
+
+    rng = random.Random(0)
+    held = [bytes(rng.randint(600, 5000)) for _ in range(400_000)]
+    for i in range(0, len(held), 2):
+        held[i] = None  # 200,000 free chunks between live ones
+    try:
+        sampler = _Sampler(_libc_in_use())
+        cost = sampler.reading_s
+        assert cost > 1e-3, f"the heap is not fragmented enough to test anything: one reading took {cost * 1e3:.2f} ms"
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < 3.0:
+            sampler.sample()  # as the forward hooks do, as often as they can
+        wall, spent = time.perf_counter() - t0, sampler.reading_s - cost
+        sampler.stop()
+        # one reading of slack: the loop's first may come at once
+        assert spent < 0.05 * wall + 1.5 * cost, (sampler.readings, spent, wall, cost)
+        assert sampler.readings >= 3 and sampler.peak > 0
+    finally:
+        del held
