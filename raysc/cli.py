@@ -134,7 +134,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"{st['run_dir']}: {st['state']}, step {st['step']}/{st['total_steps']}, loss {st['loss']}, "
           f"{(st['tokens_per_s'] or 0):.0f} tokens/s, goodput {gp}")
     print(f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
-          f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, wall {st['wall_s']} s")
+          f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, running {st['wall_s']} s over "
+          f"{st['sessions']} session(s)")
     print("recent: " + "; ".join(st["last_events"]))
     if st.get("serving"):
         sv = st["serving"]

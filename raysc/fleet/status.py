@@ -2,7 +2,9 @@
 
 Goodput = time spent in optimizer steps that count toward the final model / wall time. A step
 counts when its last occurrence in ``metrics.jsonl`` is the one kept (steps re-run after a restart
-or a resume replace earlier attempts, whose time was lost) and its update was not skipped.
+or a resume replace earlier attempts, whose time was lost) and its update was not skipped. Wall time
+is the time the run was running: from each ``run_start`` (the first command, each ``--resume``) to
+that session's last record; the hours between a stopped run and its resume are not the run's.
 """
 
 from __future__ import annotations
@@ -23,19 +25,29 @@ def goodput(metrics: list[dict], wall_s: float) -> float | None:
     return min(1.0, useful / wall_s)
 
 
+def running_s(events: list[dict], metrics: list[dict]) -> float:
+    """Seconds the run was running: the sum, over its sessions (each begun by a ``run_start``
+    event), of the time from that start to the session's last event or metrics record."""
+    starts = [e["time"] for e in events if e["kind"] == EventKind.RUN_START] or [events[0]["time"]]
+    times = sorted([e["time"] for e in events] + [m["time"] for m in metrics if "time" in m])
+    total = 0.0
+    for i, t0 in enumerate(starts):
+        t_next = starts[i + 1] if i + 1 < len(starts) else float("inf")
+        inside = [t for t in times if t0 <= t < t_next]
+        total += (max(inside) - t0) if inside else 0.0
+    return total
+
+
 def run_status(run_dir: str | Path) -> dict:
     rd = Path(run_dir)
     if not (rd / "events.jsonl").is_file():
         raise FileNotFoundError(f"{rd} has no events.jsonl: not a raysc run directory")
     events = read_jsonl(rd / "events.jsonl")
     metrics = read_jsonl(rd / "metrics.jsonl")
-    starts = [e for e in events if e["kind"] == EventKind.RUN_START]
-    t0 = starts[0]["time"] if starts else events[0]["time"]
     last_event = events[-1]
     state = {EventKind.RUN_END: "finished", EventKind.RUN_FAILED: "failed",
              EventKind.RUN_STOPPED: "stopped"}.get(last_event["kind"], "running")
-    t1 = last_event["time"] if state != "running" else max(last_event["time"], metrics[-1]["time"]
-                                                          if metrics else last_event["time"])
+    wall = running_s(events, metrics)
     last = metrics[-1] if metrics else {}
     total = None
     if (rd / "config.toml").is_file():
@@ -51,7 +63,8 @@ def run_status(run_dir: str | Path) -> dict:
         "skipped_updates": sum(1 for e in events if e["kind"] == EventKind.UPDATE_SKIPPED),
         "failed_saves": sum(1 for e in events if e["kind"] == EventKind.CHECKPOINT_SAVE_FAILED),
         "last_checkpoint": saved[-1]["step"] if saved else None,
-        "wall_s": round(t1 - t0, 2), "goodput": goodput(metrics, t1 - t0),
+        "wall_s": round(wall, 2), "goodput": goodput(metrics, wall),
+        "sessions": max(1, sum(1 for e in events if e["kind"] == EventKind.RUN_START)),
         "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],
         "serving": read_serving(rd),
     }

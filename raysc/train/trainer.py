@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -91,7 +92,8 @@ class Trainer:
             self.schedule = None
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops) if measure_peak else 0.0
+        self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops,
+                                            Path(cfg.data.cache_dir) / "cpu_peak.json") if measure_peak else 0.0
         self.world_size = self.dims.world_size
         self.step = 0
         self.tokens = 0
