@@ -137,6 +137,10 @@ def cmd_status(args: argparse.Namespace) -> int:
           f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, running {st['wall_s']} s over "
           f"{st['sessions']} session(s)")
     print("recent: " + "; ".join(st["last_events"]))
+    if st.get("trackers"):
+        print("trackers: " + "; ".join(f"{name} {t.get('state')}" + (f" (run {t['run_id']})" if t.get("run_id") else "")
+                                       + (f": {t['error']}" if t.get("state") != "ok" and t.get("error") else "")
+                                       for name, t in st["trackers"].items()))
     if st.get("serving"):
         sv = st["serving"]
         print(f"serving: {sv['model_id']} at {sv['url']} (step {sv['step']}, app {sv['app']}, replicas {sv['replicas']})")

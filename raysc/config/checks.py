@@ -188,9 +188,26 @@ def check_precision(cfg: Config, origin: str) -> None:
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
 
 
+TRACKER_PACKAGES = {"tensorboard": ("track.tensorboard", "tensorboard"),
+                    "mlflow": ("track.mlflow_uri", "mlflow"), "wandb": ("track.wandb_project", "wandb")}
+
+
+def check_track(cfg: Config, origin: str) -> None:
+    """[track]: each tracker asked for is importable here (they are optional: raysc[track])."""
+    import importlib.util
+
+    tr = cfg.track
+    asked = {"tensorboard": tr.tensorboard, "mlflow": bool(tr.mlflow_uri), "wandb": bool(tr.wandb_project)}
+    for module, on in asked.items():
+        if on and importlib.util.find_spec(module) is None:
+            key, package = TRACKER_PACKAGES[module]
+            raise ConfigError(f"{origin}: {key} is set but the {package!r} package is not installed; "
+                              f"`pip install 'raysc[track]'` (or `pip install {package}`), or unset {key}.")
+
+
 SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
     check_data, check_dedup, check_quality, check_model, check_checkpoint, check_batch, check_layout,
-    check_supervisor, check_precision)
+    check_supervisor, check_precision, check_track)
 
 
 def validate(cfg: Config, origin: str = "config") -> None:

@@ -179,7 +179,9 @@ def dump_config(cfg: Config) -> str:
 
 def config_hash(cfg: Config) -> str:
     """Identity of a run's configuration. Fault-injection drills (``supervisor.inject``, which a
-    restart consumes as faults fire) do not change what is trained, so they are left out."""
+    restart consumes as faults fire) and the trackers it logs to (``[track]``) do not change what
+    is trained, so they are left out."""
     clean = copy.deepcopy(cfg)
     clean.supervisor.inject = ""
+    clean.track = type(cfg.track)()
     return hashlib.sha256(dump_config(clean).encode()).hexdigest()[:16]

@@ -64,6 +64,7 @@ class CheckpointCoordinator:
         self.failed_in_row = 0  # failed saves since the last commit (checkpoint.max_failed_saves)
         self.failed_saves = 0
         self.run_id = ""  # recorded in run.json and every manifest (``claim``)
+        self.trackers: dict[str, str] = {}  # the [track] trackers' run ids, in every manifest
         self.replacing: list[int] = []  # another run's steps, deleted once this run commits (--overwrite)
 
     # ---- whose checkpoints these are ----
@@ -94,6 +95,21 @@ class CheckpointCoordinator:
             self.run_id = recorded or newest or uuid.uuid4().hex[:12]
         (run_dir / RUN_FILE).write_text(json.dumps({"run_id": self.run_id, "checkpoint_uri": self.cfg.checkpoint_uri}))
         return self.run_id
+
+    def tracker_ids(self, resume: bool | str) -> dict[str, str]:
+        """The trackers' run ids in the manifest of the checkpoint ``resume`` names (the newest
+        committed one for ``True``); empty when there is none."""
+        if isinstance(resume, str):
+            root, step = parse_resume_from(resume)
+            store = self.store if root.rstrip("/") == self.cfg.checkpoint_uri.rstrip("/") else \
+                CheckpointStore.for_config(self.cfg, root)
+        else:
+            store, steps = self.store, self.store.steps()
+            if not steps:
+                return {}
+            step = steps[-1]
+        ids = (store.read_manifest(step) or {}).get("trackers") or {}
+        return {k: v for k, v in ids.items() if isinstance(v, str)}
 
     def _owners(self, steps: list[int]) -> dict[int, str | None]:
         return {s: (self.store.read_manifest(s) or {}).get("run_id") for s in steps}
@@ -247,7 +263,7 @@ class CheckpointCoordinator:
         files = [f for r in results for f in r["files"]]
         par = self.cfg.parallel
         meta = {
-            "run_id": self.run_id, "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
+            "run_id": self.run_id, "trackers": dict(self.trackers), "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
             "layout": {**par.dims.as_dict(), "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
             "loader": job["loader"], "detectors": {"spike": job["detector"]},
             "state": {"model": "DCP key 'model' in .metadata + __*.distcp",

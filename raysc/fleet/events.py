@@ -39,6 +39,12 @@ class EventKind(str, Enum):
     RUN_STOPPED = "run_stopped", "the run stopped on request after saving (aborted: the stop was cut short)"
     DASHBOARD_METRICS_UNAVAILABLE = ("dashboard_metrics_unavailable",
                                      "Ray's metrics could not be set up; the jsonl files are still written")
+    TRACKING = "tracking", "a tracker ([track]) opened the run: its name, the tracker's run id, whether it is new"
+    TRACKER_DEGRADED = "tracker_degraded", ("a tracker refused or did not answer; training goes on, its records "
+                                            "are buffered and retried")
+    TRACKER_RECOVERED = "tracker_recovered", "a degraded tracker took the buffered records (seconds down, rows dropped)"
+    TRACKER_UNDELIVERED = "tracker_undelivered", ("the run ended before a tracker took its last records "
+                                                  "(metrics.jsonl and events.jsonl have them)")
     # training signals
     UPDATE_SKIPPED = "update_skipped", "the spike/NaN detector skipped an optimizer update"
     DATA_EPOCH = "data_epoch", "a data domain ran out and started a new seeded permutation"

@@ -38,6 +38,24 @@ def running_s(events: list[dict], metrics: list[dict]) -> float:
     return total
 
 
+def tracker_states(events: list[dict]) -> dict[str, dict]:
+    """Each [track] tracker's run id and state (ok, degraded since a time with its error, or
+    undelivered at the run's end), from the run's events."""
+    out: dict[str, dict] = {}
+    for e in events:
+        kind, name = e["kind"], e.get("tracker")
+        if kind == EventKind.TRACKING:
+            out[name] = {"run_id": e["run_id"], "state": "ok"}
+        elif kind == EventKind.TRACKER_DEGRADED:
+            out.setdefault(name, {}).update(state="degraded", since=e["time"], error=e.get("error"))
+        elif kind == EventKind.TRACKER_RECOVERED:
+            out.setdefault(name, {}).update(state="ok", recovered_after_s=e.get("down_s"))
+            out[name].pop("since", None)
+        elif kind == EventKind.TRACKER_UNDELIVERED:
+            out.setdefault(name, {}).update(state="undelivered", pending=e.get("pending"), error=e.get("error"))
+    return out
+
+
 def run_status(run_dir: str | Path) -> dict:
     rd = Path(run_dir)
     if not (rd / "events.jsonl").is_file():
@@ -67,4 +85,5 @@ def run_status(run_dir: str | Path) -> dict:
         "sessions": max(1, sum(1 for e in events if e["kind"] == EventKind.RUN_START)),
         "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],
         "serving": read_serving(rd),
+        "trackers": tracker_states(events),
     }

@@ -38,6 +38,7 @@ from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.fleet.watch import Watch, typed_failure
 from raysc.model.flops import param_count
+from raysc.track.run_tracker import RunTracker, read_track_ids
 
 
 @ray.remote(num_cpus=0, max_concurrency=8)
@@ -65,13 +66,17 @@ class Supervisor:
         self._last: dict | None = None  # rank 0's newest chunk result (its last step's metrics)
         self._trained_on: list | None = None  # the workers of the last chunk (a new fleet warms up first)
         self._warmup_step: int | None = None  # the step a new fleet is warming up on
+        self.tracker: RunTracker | None = None  # the [track] trackers, once the run has its id
 
     # ---- called by workers and the driver while run() is busy ----
     def report(self, batch: list[dict]) -> None:
         """Per-step metrics from rank 0, a batch at a time (see ``TrainWorker.train``)."""
         self.stats.ingest(batch)
         self.records.metrics_batch(batch)
-        self.records.health(self.stats.health())
+        health = self.stats.health()
+        self.records.health(health)
+        if self.tracker is not None:
+            self.tracker.metrics(batch, health)
         for m in batch:
             if m.get("skipped"):
                 self._event(EventKind.UPDATE_SKIPPED, step=m["step"], action="skip", **m["skipped"])
@@ -132,6 +137,8 @@ class Supervisor:
         rec = self.records.event(kind, **fields)
         with self._lock:
             self._events.append(rec)  # the driver prints them, in order with its own output
+        if self.tracker is not None:
+            self.tracker.event(rec)
         return rec
 
     def _set_phase(self, phase: str) -> None:
@@ -142,8 +149,11 @@ class Supervisor:
         self.stats.t_start = time.time()
         self._event(EventKind.RUN_START, run_dir=str(self.run_dir), config_hash=config_hash(self.cfg),
                     params=param_count(self.cfg.model)["total"], resume=bool(self.resume))
+        status = "FAILED"
         try:
-            return self._run()
+            summary = self._run()
+            status = "KILLED" if self._stop else "FINISHED"
+            return summary
         except (RunFailed, ray.exceptions.RayError) as e:
             err = typed_failure(e, self._event)
             if self.ckpt is not None:
@@ -153,6 +163,8 @@ class Supervisor:
         finally:
             self._phase = "stopped"
             self.fleet.release()
+            if self.tracker is not None:
+                self.tracker.close(status)
             self.records.close()
 
     def _run(self) -> dict:
@@ -200,6 +212,7 @@ class Supervisor:
         # before anything in the run directory is written: a refused run leaves the other run's files alone
         self.ckpt.claim(self.resume, self.overwrite, self.run_dir)
         (self.run_dir / "config.toml").write_text(dump_config(self.cfg))
+        self._track()
         if self.cfg.model.init_from:
             self._init_from()
         self._phase = "preparing data"
@@ -212,6 +225,16 @@ class Supervisor:
             "tokens", "documents", "train_sequences", "val_sequences", "corpus_sha256", "domains", "schedule")
             if k in data_info})
         return {"train": ray.put(packed.train), "val": ray.put(packed.val)}
+
+    def _track(self) -> None:
+        """Open the [track] trackers: a resumed run continues the tracker runs recorded in the run
+        directory (or, resumed into a new one, in the checkpoint's manifest); a fresh run starts new."""
+        if not (self.cfg.track.tensorboard or self.cfg.track.mlflow_uri or self.cfg.track.wandb_project):
+            return
+        ids = (read_track_ids(self.run_dir) or self.ckpt.tracker_ids(self.resume)) if self.resume else {}
+        self.tracker = RunTracker(self.cfg, self.run_dir, self._event, ids)
+        self.ckpt.trackers = self.tracker.ids
+        self.tracker.start(self.ckpt.run_id, config_hash(self.cfg))
 
     def _init_from(self) -> None:
         """Check ``model.init_from`` against the config before any worker starts, take its tokenizer when

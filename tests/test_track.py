@@ -1,0 +1,180 @@
+"""[track] on a real run: TensorBoard event files, an MLflow tracking server (``mlflow server`` with a
+sqlite store, started and stopped by the test) and W&B in offline mode, all three at once. A worker
+killed mid-run makes the supervisor restart from a checkpoint and re-run steps; the MLflow server is
+stopped while the run trains and started again later: the run never waits for it, the buffered
+steps reach it, and every tracker ends up with exactly one value per step, equal to the run's own
+``metrics.jsonl``. ``--resume`` continues the same tracker runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from raysc.fleet.records import read_jsonl
+from raysc.ports import free_port
+from raysc.track.run_tracker import read_track_ids
+
+
+class MlflowServer:
+    """``mlflow server`` on 127.0.0.1 with a sqlite store in ``root``; stop() and start() again."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.port = root, free_port()
+        self.uri = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        mlflow = str(Path(sys.executable).parent / "mlflow")
+        self.proc = subprocess.Popen(
+            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--host", "127.0.0.1",
+             "--port", str(self.port), "--workers", "1", "--default-artifact-root", str(self.root / "artifacts")],
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+
+    def wait_up(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                if requests.get(f"{self.uri}/health", timeout=2).status_code == 200:
+                    return
+            except requests.RequestException:
+                pass
+            assert time.monotonic() < deadline and self.proc.poll() is None, \
+                (self.root / "server.log").read_text()[-3000:]
+            time.sleep(0.3)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+
+
+@pytest.fixture
+def mlflow_server(tmp_path):
+    server = MlflowServer(tmp_path)
+    server.start()
+    yield server
+    server.stop()
+
+
+def _wandb_rows(run_dir: Path, run_id: str) -> list[dict]:
+    """History rows of the offline W&B run ``run_id`` (every session's file), read from its
+    ``.wandb`` files: W&B's LevelDB-style log (7-byte header, 32 KiB blocks of CRC/length/type
+    records) of ``wandb_internal_pb2.Record`` protobufs."""
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted(run_dir.glob(f"wandb/offline-run-*-{run_id}/run-{run_id}.wandb")):
+        data = path.read_bytes()
+        assert data[:4] == b":W&B"
+        pos, frag, chunks = 7, b"", []
+        while pos + 7 <= len(data):
+            left = 32768 - pos % 32768
+            crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            if left < 7 or (length == 0 and kind == 0):
+                pos += left
+                continue
+            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            frag = chunk if kind in (1, 2) else frag + chunk
+            if kind in (1, 4):
+                chunks.append(frag)
+        for chunk in chunks:
+            rec = wandb_internal_pb2.Record()
+            rec.ParseFromString(chunk)
+            if rec.WhichOneof("record_type") == "history":
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in rec.history.item})
+    return rows
+
+
+def _last_per_step(run_dir: Path, key: str) -> dict[int, float]:
+    return {m["step"]: m[key] for m in read_jsonl(run_dir / "metrics.jsonl")}
+
+
+def test_three_trackers_survive_a_restart_a_tracker_outage_and_a_resume(ray_session, make_cfg, mlflow_server):
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from raysc.driver import train
+    from raysc.track.mlflow_sink import history
+
+    track = ["track.tensorboard=true", f'track.mlflow_uri="{mlflow_server.uri}"', 'track.wandb_project="raysc-test"',
+             'track.wandb_mode="offline"', "track.retry_max_s=1",
+             # the server restarted below takes ~20 s to answer on this machine: the run's end waits for it
+             "track.close_timeout_s=180"]
+    cfg = make_cfg("train.steps=16", "checkpoint.every_steps=4", 'supervisor.inject="kill@7:0"',
+                   "supervisor.restart_backoff_s=0.1", *track)
+    run_dir = Path(cfg.run_dir)
+    mlflow_server.wait_up()
+
+    def outage():  # stop the server once the run is past its restart, start it again at once
+        deadline = time.monotonic() + 240
+        while not [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "recovered"]:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.1)
+        mlflow_server.stop()
+        mlflow_server.start()
+
+    chaos = threading.Thread(target=outage, daemon=True)
+    chaos.start()
+    summary = train(cfg, progress=False)
+    chaos.join(timeout=60)
+    assert summary["restarts"] == 1
+    events = read_jsonl(run_dir / "events.jsonl")
+    kinds = [(e["kind"], e.get("tracker")) for e in events if e["kind"].startswith("track")]
+    assert ("tracker_degraded", "mlflow") in kinds and ("tracker_recovered", "mlflow") in kinds, kinds
+    assert not [k for k in kinds if k[0] == "tracker_undelivered"], kinds
+    assert {t for k, t in kinds if k == "tracking"} == {"tensorboard", "mlflow", "wandb"}
+    ids = read_track_ids(run_dir)
+    losses = _last_per_step(run_dir, "loss")
+    assert sorted(losses) == list(range(1, 17))
+
+    # MLflow: one value per step (the re-run's), the rollback marked, config and identity in
+    client = MlflowClient(mlflow_server.uri)
+    run = client.get_run(ids["mlflow"])
+    assert history(client, ids["mlflow"], "train/loss") == pytest.approx(losses, rel=1e-6)
+    assert history(client, ids["mlflow"], "checkpoint/bytes").keys() == {4, 8, 12, 16}
+    assert run.data.params["model.dim"] == "64" and run.data.params["train.steps"] == "16"
+    assert run.data.tags["raysc.run_id"] == json.loads((run_dir / "run.json").read_text())["run_id"]
+    assert run.data.tags["raysc.corpus_sha256"] and any(k.startswith("rollback.") for k in run.data.tags)
+    assert run.info.status == "FINISHED"
+
+    # TensorBoard: the purge on restart leaves the re-run steps only
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    tb = {e.step: e.value for e in acc.Scalars("train/loss")}
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 17))
+    assert tb == pytest.approx(losses, rel=1e-6)
+
+    # W&B offline: train/step is the x-axis; the newest row of each step is the re-run's
+    rows = [r for r in _wandb_rows(run_dir, ids["wandb"]) if "train/loss" in r]
+    assert {r["train/step"]: r["train/loss"] for r in rows} == pytest.approx(losses, rel=1e-6)
+
+    # --resume continues the same tracker runs; the manifest carries their ids
+    more = make_cfg("train.steps=20", "checkpoint.every_steps=4", "supervisor.restart_backoff_s=0.1", *track)
+    train(more, resume=True, progress=False)
+    assert read_track_ids(run_dir) == ids
+    from raysc.checkpoint.store import CheckpointStore
+
+    assert CheckpointStore.for_config(more).read_manifest(20)["trackers"] == ids
+    losses = _last_per_step(run_dir, "loss")
+    assert history(client, ids["mlflow"], "train/loss") == pytest.approx(losses, rel=1e-6)
+    assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
+    acc = EventAccumulator(str(run_dir / "tensorboard"))
+    acc.Reload()
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+    rows = [r for r in _wandb_rows(run_dir, ids["wandb"]) if "train/loss" in r]
+    assert sorted({r["train/step"] for r in rows}) == list(range(1, 21))
