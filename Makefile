@@ -42,8 +42,15 @@ $(VOCAB)/hf/.built: $(VOCAB)/.extracted $(VENV)/.dev-installed tests/llama_vocab
 	$(BIN)/python tests/llama_vocab.py
 	touch $@
 
+# Debian's prometheus for tests/test_grafana.py (the shipped Grafana board against a real scrape)
+$(VENV)/.prometheus: | $(BIN)/python
+	@command -v prometheus >/dev/null || { [ "$$(id -u)" = 0 ] && apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } || \
+		{ echo "make dev: tests/test_grafana.py needs Prometheus: sudo apt-get install prometheus"; exit 1; }
+	touch $@
+
 install: $(VENV)/.installed
-dev: $(VENV)/.dev-installed $(VOCAB)/.extracted $(VOCAB)/hf/.built
+dev: $(VENV)/.dev-installed $(VOCAB)/.extracted $(VOCAB)/hf/.built $(VENV)/.prometheus
 
 run: install
 	$(BIN)/raysc demo

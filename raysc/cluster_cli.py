@@ -28,7 +28,9 @@ def _show(st, what: str, as_json: bool) -> None:
     print(f"{what}: {len(st.nodes)} worker node(s) + a head without CPUs\n"
           f"  drivers:   RAY_ADDRESS={st.address} raysc train CONFIG   (or ray.init(address=\"{st.address}\"))\n"
           + (f"  jobs:      ray job submit --address {st.dashboard} -- raysc train CONFIG\n"
-             f"  dashboard: {st.dashboard}\n" if st.dashboard else "")
+             f"  dashboard: {st.dashboard}\n"
+             f"  metrics:   Prometheus file_sd {st.temp_dir}/prom_metrics_service_discovery.json "
+             f"(jobs/prometheus.yml; Grafana board jobs/grafana/raysc_dashboard.json)\n" if st.dashboard else "")
           + f"  stop it:   raysc cluster local down", flush=True)
 
 

@@ -129,7 +129,8 @@ def s3_options(endpoint: str) -> str:
 def ray_head():
     """A separate local cluster started with `ray start --head` (job server included), as users run
     one; yields its dashboard address (for `ray job`, `ray.util.state`), its GCS address (RAY_ADDRESS
-    for drivers) and the environment to run Ray commands in. Stopped, with everything it started,
+    for drivers), the environment to run Ray commands in and its temp dir (Prometheus's service
+    discovery file). Stopped, with everything it started,
     at the end of the session."""
     import shutil
     import signal
@@ -146,6 +147,8 @@ def ray_head():
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_DEDUP_LOGS"] = "0"
     env["RAY_AUTH_MODE"] = "disabled"  # a loopback-only test cluster: no token to distribute
+    # metrics reach the node's exporter every second, not every 10 s (tests/test_grafana.py scrapes them)
+    env["RAY_metrics_report_interval_ms"] = "1000"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
     ports = {"port": free_port(), "dashboard-port": free_port(), "ray-client-server-port": free_port(),
              "dashboard-agent-listen-port": free_port(), "dashboard-agent-grpc-port": free_port(),
@@ -162,7 +165,7 @@ def ray_head():
                              capture_output=True).returncode != 0:
             assert time.monotonic() < deadline and head.poll() is None, "the head's job server did not start"
             time.sleep(0.5)
-        yield {"address": address, "gcs": f"127.0.0.1:{ports['port']}", "env": env, "ray": ray_bin}
+        yield {"address": address, "gcs": f"127.0.0.1:{ports['port']}", "env": env, "ray": ray_bin, "temp": temp}
     finally:
         os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
         try:

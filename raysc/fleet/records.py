@@ -29,6 +29,7 @@ HEALTH_METRICS = {
     "sdc_checks": "passing replica fingerprint comparisons",
     "sdc_mismatches": "replica fingerprint comparisons that found corrupted parameters",
     "goodput": "time in steps that count toward the final model / wall time so far",
+    "checkpoint_lag_steps": "steps trained since the newest durable checkpoint (what a failure now would cost)",
 }
 
 

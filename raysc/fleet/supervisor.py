@@ -74,6 +74,8 @@ class Supervisor:
         self.stats.ingest(batch)
         self.records.metrics_batch(batch)
         health = self.stats.health()
+        durable = self.ckpt.durable_step if self.ckpt is not None else None
+        health["checkpoint_lag_steps"] = batch[-1]["step"] - (durable or 0)
         self.records.health(health)
         if self.tracker is not None:
             self.tracker.metrics(batch, health)
