@@ -1,9 +1,10 @@
-"""[track] on a real run: TensorBoard event files, an MLflow tracking server (``mlflow server`` with a
-sqlite store, started and stopped by the test) and W&B in offline mode, all three at once. A worker
-killed mid-run makes the supervisor restart from a checkpoint and re-run steps; the MLflow server is
-stopped while the run trains and started again later: the run never waits for it, the buffered
-steps reach it, and every tracker ends up with exactly one value per step, equal to the run's own
-``metrics.jsonl``. ``--resume`` continues the same tracker runs."""
+"""[track] on a real run: TensorBoard event files (also copied to the project's S3 server and read
+back from there by TensorBoard itself), an MLflow tracking server (``mlflow server`` with a sqlite
+store, started and stopped by the test) and W&B in offline mode, all three at once. A worker killed
+mid-run makes the supervisor restart from a checkpoint and re-run steps, and three loss spikes make
+it roll back; the MLflow server is stopped while the run trains and started again later: the run
+never waits for it, the buffered steps reach it, and every tracker ends up with exactly one value per
+step, equal to the run's own ``metrics.jsonl``. ``--resume`` continues the same tracker runs."""
 
 from __future__ import annotations
 
@@ -103,19 +104,24 @@ def _last_per_step(run_dir: Path, key: str) -> dict[int, float]:
     return {m["step"]: m[key] for m in read_jsonl(run_dir / "metrics.jsonl")}
 
 
-def test_three_trackers_survive_a_restart_a_tracker_outage_and_a_resume(ray_session, make_cfg, mlflow_server):
+def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resume(
+        ray_session, make_cfg, mlflow_server, s3_server, monkeypatch):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     from raysc.driver import train
     from raysc.track.mlflow_sink import history
 
+    s3_server["client"].create_bucket(Bucket="raysc-tb")
     track = ["track.tensorboard=true", f'track.mlflow_uri="{mlflow_server.uri}"', 'track.wandb_project="raysc-test"',
-             'track.wandb_mode="offline"', "track.retry_max_s=1",
+             'track.wandb_mode="offline"', "track.retry_max_s=1", 'track.tensorboard_uri="s3://raysc-tb/runs/tiny"',
+             f'track.storage_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
+             f'secret = "testing-secret", region_name = "us-east-1"}}',
              # the server restarted below takes ~20 s to answer on this machine: the run's end waits for it
              "track.close_timeout_s=180"]
-    cfg = make_cfg("train.steps=16", "checkpoint.every_steps=4", 'supervisor.inject="kill@7:0"',
-                   "supervisor.restart_backoff_s=0.1", *track)
+    spikes = ['supervisor.spike_policy="rollback"', "supervisor.spike_patience=3", "supervisor.spike_min_history=4"]
+    cfg = make_cfg("train.steps=20", "checkpoint.every_steps=4", *spikes, "supervisor.restart_backoff_s=0.1",
+                   'supervisor.inject="kill@7:0,spike@14,spike@15,spike@16"', *track)
     run_dir = Path(cfg.run_dir)
     mlflow_server.wait_up()
 
@@ -132,7 +138,7 @@ def test_three_trackers_survive_a_restart_a_tracker_outage_and_a_resume(ray_sess
     chaos.start()
     summary = train(cfg, progress=False)
     chaos.join(timeout=60)
-    assert summary["restarts"] == 1
+    assert summary["restarts"] == 1 and summary["rollbacks"] == 1
     events = read_jsonl(run_dir / "events.jsonl")
     kinds = [(e["kind"], e.get("tracker")) for e in events if e["kind"].startswith("track")]
     assert ("tracker_degraded", "mlflow") in kinds and ("tracker_recovered", "mlflow") in kinds, kinds
@@ -140,41 +146,55 @@ def test_three_trackers_survive_a_restart_a_tracker_outage_and_a_resume(ray_sess
     assert {t for k, t in kinds if k == "tracking"} == {"tensorboard", "mlflow", "wandb"}
     ids = read_track_ids(run_dir)
     losses = _last_per_step(run_dir, "loss")
-    assert sorted(losses) == list(range(1, 17))
+    assert sorted(losses) == list(range(1, 21))
 
     # MLflow: one value per step (the re-run's), the rollback marked, config and identity in
     client = MlflowClient(mlflow_server.uri)
     run = client.get_run(ids["mlflow"])
     assert history(client, ids["mlflow"], "train/loss") == pytest.approx(losses, rel=1e-6)
-    assert history(client, ids["mlflow"], "checkpoint/bytes").keys() == {4, 8, 12, 16}
-    assert run.data.params["model.dim"] == "64" and run.data.params["train.steps"] == "16"
+    assert {4, 8, 12, 16, 20} <= history(client, ids["mlflow"], "checkpoint/bytes").keys()
+    assert run.data.params["model.dim"] == "64" and run.data.params["train.steps"] == "20"
+    assert run.data.params["track.storage_options"] == json.dumps({"endpoint_url": s3_server["endpoint"], "key": "***",
+                                                                   "secret": "***", "region_name": "us-east-1"})
     assert run.data.tags["raysc.run_id"] == json.loads((run_dir / "run.json").read_text())["run_id"]
-    assert run.data.tags["raysc.corpus_sha256"] and any(k.startswith("rollback.") for k in run.data.tags)
+    assert run.data.tags["raysc.corpus_sha256"]
+    assert len([k for k in run.data.tags if k.startswith("rollback.")]) == 2  # the restart and the spike rollback
     assert run.info.status == "FINISHED"
 
     # TensorBoard: the purge on restart leaves the re-run steps only
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
     tb = {e.step: e.value for e in acc.Scalars("train/loss")}
-    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 17))
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
     assert tb == pytest.approx(losses, rel=1e-6)
+    # ... and TensorBoard reading the copy in the object store (its own S3 reader, which takes the
+    # endpoint from S3_ENDPOINT when tensorboard is first imported: set on the reader itself here)
+    from tensorboard.compat.tensorflow_stub.io import gfile
+
+    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
+                 "AWS_REGION": "us-east-1"}.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setattr(gfile.get_filesystem("s3://raysc-tb"), "_s3_endpoint", s3_server["endpoint"])
+    remote = EventAccumulator("s3://raysc-tb/runs/tiny")
+    remote.Reload()
+    assert {e.step: e.value for e in remote.Scalars("train/loss")} == pytest.approx(losses, rel=1e-6)
 
     # W&B offline: train/step is the x-axis; the newest row of each step is the re-run's
     rows = [r for r in _wandb_rows(run_dir, ids["wandb"]) if "train/loss" in r]
     assert {r["train/step"]: r["train/loss"] for r in rows} == pytest.approx(losses, rel=1e-6)
 
     # --resume continues the same tracker runs; the manifest carries their ids
-    more = make_cfg("train.steps=20", "checkpoint.every_steps=4", "supervisor.restart_backoff_s=0.1", *track)
+    more = make_cfg("train.steps=24", "checkpoint.every_steps=4", *spikes, "supervisor.restart_backoff_s=0.1", *track)
     train(more, resume=True, progress=False)
     assert read_track_ids(run_dir) == ids
     from raysc.checkpoint.store import CheckpointStore
 
-    assert CheckpointStore.for_config(more).read_manifest(20)["trackers"] == ids
+    assert CheckpointStore.for_config(more).read_manifest(24)["trackers"] == ids
     losses = _last_per_step(run_dir, "loss")
     assert history(client, ids["mlflow"], "train/loss") == pytest.approx(losses, rel=1e-6)
     assert client.get_run(ids["mlflow"]).info.status == "FINISHED"
     acc = EventAccumulator(str(run_dir / "tensorboard"))
     acc.Reload()
-    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 21))
+    assert [e.step for e in acc.Scalars("train/loss")] == list(range(1, 25))
     rows = [r for r in _wandb_rows(run_dir, ids["wandb"]) if "train/loss" in r]
-    assert sorted({r["train/step"] for r in rows}) == list(range(1, 21))
+    assert {r["train/step"]: r["train/loss"] for r in rows} == pytest.approx(losses, rel=1e-6)

@@ -344,6 +344,11 @@ class QualityConfig:
 @dataclass
 class TrackConfig:
     tensorboard: bool = opt(False, "write TensorBoard event files under <run dir>/tensorboard (pip install raysc[track])")
+    tensorboard_uri: str = opt("", "also copy the event files there (any fsspec URL, e.g. s3://bucket/runs/NAME/tb) "
+                                    "every sync_s and at the end, for `tensorboard --logdir` on a shared store")
+    storage_options: dict = opt_dict("fsspec options for tensorboard_uri (endpoint_url, region_name ...); "
+                                     "credentials come from the environment (AWS_ACCESS_KEY_ID ...)")
+    sync_s: float = opt(30.0, "seconds between copies of the event files to tensorboard_uri", gt=0.0)
     mlflow_uri: str = opt("", "log to MLflow: a tracking server (http://host:5000) or a local store "
                               "(sqlite:///mlflow.db, file:///path); empty = off")
     mlflow_experiment: str = opt("raysc", "MLflow experiment the run is logged under (created if missing)")

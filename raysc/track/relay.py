@@ -98,10 +98,18 @@ class Relay:
     def close(self, status: str, timeout_s: float) -> bool:
         """Deliver what is queued within ``timeout_s`` (then give up on it), and close the tracker's
         run with ``status``; whether everything was delivered."""
+        self.begin_close(status)
+        return self.wait_closed(timeout_s)
+
+    def begin_close(self, status: str) -> None:
+        """Queue the close of the tracker's run (several relays then close side by side)."""
         with self._cv:
             self._closing = True
             self._q.append(("close", (status,)))
             self._cv.notify()
+
+    def wait_closed(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the close; give up on what is left after that."""
         self._thread.join(timeout_s)
         if not self._closed:
             with self._cv:
@@ -182,6 +190,6 @@ class Relay:
         st = self.state
         if not st.healthy:
             down = time.monotonic() - (st.down_since or time.monotonic())
-            st.healthy, st.down_since = True, None
+            st.healthy, st.down_since, st.last_error = True, None, ""
             self.report("tracker_recovered", {"tracker": st.name, "down_s": round(down, 2), "failures": st.failures,
                                               "dropped": st.dropped})

@@ -73,7 +73,7 @@ def build_sinks(cfg: Config, run_dir: Path) -> list:
     if tr.tensorboard:
         from raysc.track.tb_sink import TensorBoardSink
 
-        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+        sinks.append(TensorBoardSink(run_dir / "tensorboard", tr.tensorboard_uri, tr.storage_options))
     if tr.mlflow_uri:
         from raysc.track.mlflow_sink import MlflowSink
 
@@ -95,6 +95,7 @@ class RunTracker:
         self._lock = threading.Lock()
         self._max_step = 0  # newest step logged in this session
         self._rewound_at: int | None = None
+        self._synced = time.monotonic()  # last time the mirrored trackers (tensorboard_uri) were asked to copy
         self.relays = [Relay(s, cfg.track.buffer, cfg.track.retry_max_s, self._report, ids.get(s.name), self._opened)
                        for s in (build_sinks(cfg, self.run_dir) if sinks is None else sinks)]
 
@@ -139,7 +140,14 @@ class RunTracker:
         rows[-1][2].update({f"health/{k}": float(v) for k, v in health.items() if v is not None})
         with self._lock:
             self._max_step = max(self._max_step, batch[-1]["step"])
+            sync = time.monotonic() - self._synced >= self.cfg.track.sync_s
+            if sync:
+                self._synced = time.monotonic()
         self._call("metrics", rows)
+        if sync:
+            for r in self.relays:
+                if hasattr(r.sink, "sync"):
+                    r.call("sync")
 
     def event(self, rec: dict) -> None:
         if not self.relays:
@@ -174,7 +182,9 @@ class RunTracker:
         """End the trackers' runs (FINISHED, FAILED, KILLED), waiting up to track.close_timeout_s
         (for all of them together) for what is queued; whether each got everything."""
         end = time.monotonic() + self.cfg.track.close_timeout_s
-        done = {r.sink.name: r.close(status, max(0.0, end - time.monotonic())) for r in self.relays}
+        for r in self.relays:
+            r.begin_close(status)
+        done = {r.sink.name: r.wait_closed(max(0.0, end - time.monotonic())) for r in self.relays}
         for name, ok in done.items():
             if not ok:
                 st = next(r.state for r in self.relays if r.sink.name == name)

@@ -4,6 +4,11 @@ A rewind (a rollback, a restart or ``--resume`` from an earlier checkpoint) reop
 ``purge_step``: TensorBoard's readers then drop every event at or after that step logged before it,
 so the re-run steps replace the discarded ones. A fresh run in a directory that holds another run's
 event files purges from step 0 (nothing of the old run shows under the new one).
+
+With ``track.tensorboard_uri`` the event files are also copied to a shared store (any fsspec URL),
+so ``tensorboard --logdir s3://...`` shows a cluster run from anywhere: ``sync`` copies the files
+that grew since the last copy (TensorBoard's writer appends, and object stores have no append, so
+a grown file is put whole; scalar event files stay small).
 """
 
 from __future__ import annotations
@@ -14,9 +19,13 @@ from pathlib import Path
 class TensorBoardSink:
     name = "tensorboard"
 
-    def __init__(self, log_dir: Path) -> None:
+    def __init__(self, log_dir: Path, mirror: str = "", storage_options: dict | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.mirror = mirror.rstrip("/")
+        self.storage_options = dict(storage_options or {})
         self._writer = None
+        self._copied: dict[str, int] = {}  # file -> size when last copied to the mirror
+        self._store = None
 
     def _open_writer(self, purge_step: int | None) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -51,7 +60,25 @@ class TensorBoardSink:
         self._writer.add_text("events/rewind", f"steps after {step} re-run: {why}", step + 1)
         self._writer.flush()
 
+    def sync(self) -> None:
+        """Copy every event file that grew since the last copy to ``mirror`` (if set)."""
+        if not self.mirror:
+            return
+        from raysc.checkpoint.storage import Storage  # the options as checkpoint.storage_options takes them
+
+        if self._writer is not None:
+            self._writer.flush()
+        if self._store is None:
+            self._store = Storage(self.mirror, self.storage_options)
+        for f in sorted(p for p in self.log_dir.rglob("*") if p.is_file()):
+            rel, size = f.relative_to(self.log_dir).as_posix(), f.stat().st_size
+            if self._copied.get(rel) != size:
+                self._store.fs.put_file(str(f), f"{self._store.root}/{rel}")
+                self._copied[rel] = size
+
     def close(self, status: str = "FINISHED") -> None:
+        """Close the writer and make the last copy (a retried close only copies again)."""
         if self._writer is not None:
             self._writer.close()
             self._writer = None
+        self.sync()
