@@ -309,6 +309,9 @@ def test_fineweb_parquet_and_a_dolma_jsonl_zst_go_through_curate_pack_and_train(
                     log=lambda *_: None)
     kept = pq.read_table(out / "documents").to_pydict()
     assert report["documents"]["kept"] == len(kept["id"]) == 40 and report["bad_input"]["by_reason"] == {}
+    # no rule asked for: no measurement made (the report says so), no q_* column written
+    assert report["quality"]["histograms"] == {} and "no measurement computed" in report["quality"]["skipped"]
+    assert not [c for c in kept if c.startswith("q_")]
     urls = dict(zip(kept["id"], kept["url"]))
     assert all(urls[w["id"]] == w["url"] for w in web)  # FineWeb's own ids and URLs, not content hashes
     # the Dolma file names its fields differently: curate.id_field / url_field pick them

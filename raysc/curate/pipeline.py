@@ -18,7 +18,8 @@ returns the next one with its stats):
    a keep/drop verdict with the failing rule (``raysc.curate.quality``); with
    ``quality.reference_run``, first each document's perplexity under a reference model by a pool of
    scorer actors, its head/middle/tail bucket per domain and an optional percentile filter
-   (``raysc.curate.perplexity``, CCNet's recipe);
+   (``raysc.curate.perplexity``, CCNet's recipe); with ``quality.enabled = false`` and no reference,
+   nothing is measured (the report says so under ``quality.skipped``);
 4. write (``stages.write_documents``, ``output``): Parquet of the kept documents
    (``documents/``), of the dropped ones with their reason (``dropped/``), and ``report.json`` +
    PNG charts.
@@ -112,7 +113,8 @@ def build_report(cfg: Config, out_uri: str, files: int, read: ReadStats, near: D
                        "shuffles": near.shuffles, "num_perm": d.num_perm,
                        "bands": d.bands, "rows": d.rows, "shingle": d.shingle},
         "quality": {"enabled": quality.enabled, "dropped_by_rule": quality.dropped_by_rule,
-                    "histograms": quality.histograms, "perplexity": quality.perplexity},
+                    "histograms": quality.histograms, "perplexity": quality.perplexity,
+                    **({"skipped": quality.note} if quality.note else {})},
         "domains": written.domains, "kept_bytes": written.kept_bytes, "seconds": clock.laps,
         "seconds_total": clock.total(), "stages": clock.table,
     }

@@ -82,6 +82,11 @@ class QualityStats:
     dropped_by_rule: dict[str, int]
     histograms: dict[str, dict]
     perplexity: dict | None = None  # the reference model and the per-domain percentiles, when scored
+    note: str = ""  # why nothing was measured, when nothing was
+
+
+QUALITY_SKIPPED = ("quality.enabled = false and no quality.reference_run: no measurement computed, no q_* "
+                   "columns, no histograms (set quality.enabled = true to measure, and filter)")
 
 
 def judge_batch(batch: dict, rules: QualityRules, enabled: bool, ppl_limits: dict | None = None) -> dict:
@@ -107,6 +112,8 @@ def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[s
     rules = QualityRules.from_config(q)
     if not count:
         return docs, None, QualityStats(q.enabled, {}, {})
+    if not q.enabled and not q.reference_run:  # no rule and no score asked for: measure nothing
+        return docs, None, QualityStats(False, {}, {}, note=QUALITY_SKIPPED)
     limits, scored_by = None, None
     if q.reference_run:
         docs, ref = score_documents(docs, q, log)
