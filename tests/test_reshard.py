@@ -1,4 +1,9 @@
-"""Reshard on load: a checkpoint written under one layout resumes under another with the same loss."""
+"""Reshard on load: a checkpoint written under one layout resumes under another with the same loss.
+
+Every run here trains on a Megatron indexed dataset written by megatron-core's own
+``IndexedDatasetBuilder`` (the bundled corpus, tokenized, one ``--append-eod`` end token per
+document): so a corpus tokenized for Megatron trains in raysc and resumes exactly at a new DP size
+(``test_dp_shard_2_to_4_to_1``) and under every other change of layout here."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ def reshard_env(ray_session, tmp_path_factory, cache_dir):
     work = tmp_path_factory.mktemp("reshard")
     base = [*PARITY, f'data.cache_dir="{cache_dir}"', f"train.steps={STEPS}", "checkpoint.every_steps=4",
             "checkpoint.keep_last=5"]
+    base += _megatron_corpus(load_config(None, base), work / "megatron")
 
     def run(name: str, layout: str, resume: str | bool = False) -> dict[int, dict]:
         cfg = load_config(None, [*base, *layout_overrides(layout), f'run.dir="{work / name}"'])
@@ -28,6 +34,28 @@ def reshard_env(ray_session, tmp_path_factory, cache_dir):
 
     reference = run("reference", "")
     return work, run, reference
+
+
+def _megatron_corpus(cfg, root) -> list[str]:
+    """The bundled corpus as megatron-core writes it (``IndexedDatasetBuilder``, uint16, the
+    tokenizer's EOS after each document); the ``data.*`` settings that train on it."""
+    import numpy as np
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    from raysc.data.corpus import build_bundled_corpus, read_documents
+    from raysc.data.prepare import prepare_data, special_tokens
+    from raysc.data.tokenizer import load_tokenizer
+
+    _, tok_path, _ = prepare_data(cfg)  # raysc's tokenizer of the bundled corpus
+    tok, eos = load_tokenizer(tok_path), special_tokens(cfg, tok_path).eos_id
+    root.mkdir(parents=True)
+    prefix = root / "bundled_text_document"
+    builder = IndexedDatasetBuilder(str(prefix.with_suffix(".bin")), dtype=np.uint16)
+    for doc in read_documents(build_bundled_corpus(cfg.data.cache_dir, cfg.data.max_corpus_mb)):
+        ids = np.array(tok.encode(doc["text"]).ids + [eos], dtype=np.int64)
+        builder.add_document(ids, [len(ids)])
+    builder.finalize(str(prefix.with_suffix(".idx")))
+    return [f'data.source="{prefix}"', f'data.tokenizer="{tok_path}"']
 
 
 def _same(got: dict[int, dict], ref: dict[int, dict], steps: range) -> None:
@@ -62,3 +90,7 @@ def test_dp_shard_2_to_4_to_1(reshard_env):
     events = read_jsonl(work / "dp1" / "events.jsonl")
     resumed = [e for e in events if e["kind"] == "resumed"][0]
     assert resumed["from_layout"]["dp_shard"] == 4 and resumed["step"] == 8
+    from raysc.data import megatron  # ... on the megatron-core corpus, every document of it
+
+    ready = [e for e in events if e["kind"] == "data_ready"][0]
+    assert ready["documents"] == len(megatron.read_documents(work / "megatron" / "bundled_text_document"))

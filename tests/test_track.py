@@ -195,6 +195,11 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     assert ("tracker_degraded", "mlflow") in kinds and ("tracker_recovered", "mlflow") in kinds, kinds
     assert not [k for k in kinds if k[0] == "tracker_undelivered"], kinds
     assert read_track_ids(run_dir) == ids
+    from raysc.fleet.status import run_status
+
+    # raysc status: each tracker, its run id, and that it caught up after the outage
+    assert {k: (t["state"], t["run_id"]) for k, t in run_status(run_dir)["trackers"].items()} == \
+        {k: ("ok", v) for k, v in ids.items()}
     from raysc.checkpoint.store import CheckpointStore
 
     assert CheckpointStore.for_config(more).read_manifest(24)["trackers"] == ids
