@@ -87,8 +87,10 @@ class Relay:
     # ---- called by the supervisor: never blocks on the tracker ----
     def call(self, op: str, *args: Any) -> None:
         with self._cv:
-            if op == "metrics" and self._q and self._q[-1][0] == "metrics":
-                self._q[-1] = ("metrics", (self._q[-1][1][0] + args[0],))  # one batch for the tracker
+            # one batch for the tracker: merged into the last queued call, never into the first, which
+            # the relay's thread may be sending already (rows added to it then would be lost)
+            if op == "metrics" and len(self._q) > 1 and self._q[-1][0] == "metrics":
+                self._q[-1] = ("metrics", (self._q[-1][1][0] + args[0],))
             else:
                 self._q.append((op, args))
             self._shed()
@@ -122,9 +124,12 @@ class Relay:
         return sum(len(args[0]) for op, args in self._q if op == "metrics")
 
     def _shed(self) -> None:
-        """Drop the oldest metric rows while more than ``buffer`` calls' worth wait."""
+        """Drop the oldest metric rows while more than ``buffer`` rows wait (never from the first
+        call, which the relay's thread may be sending)."""
         while self._rows() > self.buffer:
-            i = next(i for i, (op, _) in enumerate(self._q) if op == "metrics")
+            i = next((i for i, (op, _) in enumerate(self._q) if op == "metrics" and i > 0), None)
+            if i is None:
+                return
             rows = self._q[i][1][0]
             over = self._rows() - self.buffer
             if len(rows) <= over:
