@@ -37,10 +37,12 @@ class MlflowServer:
 
     def start(self) -> None:
         mlflow = str(Path(sys.executable).parent / "mlflow")
+        # no job runner (MLflow's GenAI evaluation jobs, a pool of huey consumers): a tracking server only
+        env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.proc = subprocess.Popen(
             [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--host", "127.0.0.1",
              "--port", str(self.port), "--workers", "1", "--default-artifact-root", str(self.root / "artifacts")],
-            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True)
+            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
 
     def wait_up(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
