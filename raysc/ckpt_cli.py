@@ -20,14 +20,38 @@ def cmd_ckpt_now(args: argparse.Namespace) -> int:
     return 0
 
 
+class StoreUnreadable(RuntimeError):
+    """The checkpoint location could not be listed (unreachable endpoint, credentials, permissions)."""
+
+
 def _ckpt_store(args: argparse.Namespace):
+    """The store ``args.uri`` names; a run directory (its ``config.toml``) stands for its own
+    ``checkpoint.uri`` and storage options, as the other commands that take a run take it."""
+    from pathlib import Path
+
+    from raysc.checkpoint.signing import Signer
     from raysc.checkpoint.storage import parse_storage_options
     from raysc.checkpoint.store import CheckpointStore
 
-    from raysc.checkpoint.signing import Signer
+    uri, options = args.uri, parse_storage_options(args.storage_options or "")
+    if (Path(uri) / "config.toml").is_file():
+        from raysc.config.load import load_config
 
+        cfg = load_config(Path(uri) / "config.toml")
+        uri, options = cfg.checkpoint_uri, options or dict(cfg.checkpoint.storage_options)
+        print(f"{args.uri} is a run directory: its checkpoints are at {uri}", file=sys.stderr)
     # RAYSC_CHECKPOINT_KEY (and _PREVIOUS_KEYS) verify signatures; without them signatures are shown, not checked
-    return CheckpointStore(args.uri, parse_storage_options(args.storage_options or ""), signer=Signer.resolve())
+    return CheckpointStore(uri, options, signer=Signer.resolve())
+
+
+def _steps(store, uri: str) -> list[int]:
+    """The committed steps, or ``StoreUnreadable`` naming the location and what to check."""
+    try:
+        return store.steps()
+    except Exception as e:  # botocore / fsspec errors of every kind: one line for the user, not a traceback
+        raise StoreUnreadable(f"cannot list checkpoints under {uri}: {type(e).__name__}: {e}. Check the endpoint "
+                              f"(--storage-options '{{\"endpoint_url\": ...}}' or AWS_ENDPOINT_URL) and the "
+                              f"credentials (AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY)") from None
 
 
 def cmd_ckpt_list(args: argparse.Namespace) -> int:
@@ -35,7 +59,7 @@ def cmd_ckpt_list(args: argparse.Namespace) -> int:
 
     store = _ckpt_store(args)
     rows = []
-    for step in store.steps():
+    for step in _steps(store, args.uri):
         m = store.read_manifest(step) or {}
         reason = store.verify(step, checksums=args.checksums)
         layout = m.get("layout", {})
@@ -60,7 +84,7 @@ def cmd_ckpt_list(args: argparse.Namespace) -> int:
 
 def cmd_ckpt_verify(args: argparse.Namespace) -> int:
     store = _ckpt_store(args)
-    steps = [args.step] if args.step is not None else store.steps()
+    steps = [args.step] if args.step is not None else _steps(store, args.uri)
     if not steps:
         print(f"error: no committed checkpoints under {args.uri}", file=sys.stderr)
         return 1
@@ -77,7 +101,7 @@ def cmd_ckpt_convert(args: argparse.Namespace) -> int:
     from raysc.checkpoint.convert import convert_step
 
     store = _ckpt_store(args)
-    steps = [args.step] if args.step is not None else store.steps()
+    steps = [args.step] if args.step is not None else _steps(store, args.uri)
     for step in steps:
         written = convert_step(store, step)
         print(f"step {step}: " + (f"converted ({', '.join(written)})" if written else "already current"))

@@ -329,6 +329,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     stopped run prints); default ``raysc train CONFIG --set ...``."""
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
+    from raysc.ckpt_cli import StoreUnreadable
     from raysc.cluster.connect import ClusterAddressError
     from raysc.cluster.fit import ClusterTooSmall
     from raysc.fleet.errors import RunFailed
@@ -349,7 +350,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
             print("its committed checkpoints are kept: once the cause is fixed, the same command with --resume "
                   "continues from the newest", file=sys.stderr)
         return 1
-    except (PreflightRequired, ClusterAddressError, ClusterTooSmall) as e:
+    except (PreflightRequired, ClusterAddressError, ClusterTooSmall, StoreUnreadable) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     except ServeNotReady as e:

@@ -25,7 +25,8 @@ def _show(st, what: str, as_json: bool) -> None:
 
         print(json.dumps(asdict(st)), flush=True)
         return
-    print(f"{what}: {len(st.nodes)} worker node(s) + a head without CPUs\n"
+    print(f"{what}: {len(st.nodes)} worker node(s) started + a head without CPUs (a node lost since is still "
+          f"counted; `ray status` lists those alive)\n"
           f"  drivers:   RAY_ADDRESS={st.address} raysc train CONFIG   (or ray.init(address=\"{st.address}\"))\n"
           + (f"  jobs:      ray job submit --address {st.dashboard} -- raysc train CONFIG\n"
              f"  dashboard: {st.dashboard}\n"

@@ -33,6 +33,7 @@ from raysc.checkpoint.storage import step_name
 from raysc.cluster.connect import init_ray
 from raysc.cluster.fit import require_fleet_fit
 from raysc.checkpoint.store import CheckpointStore
+from raysc.config.checks import check_track
 from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
 from raysc.config.schema import Config
@@ -48,7 +49,9 @@ def check_inputs(cfg: Config) -> None:
     """Checks that need no Ray: inputs exist, a local ``model.init_from`` fits the model config, the
     tokenizer (``data.tokenizer`` or the checkpoint's) fits the embedding, has an end-of-text token and is
     the one a packed ``data.source`` was packed with.
-    Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences)."""
+    Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences;
+    ``ConfigError`` for a [track] tracker whose package is not installed)."""
+    check_track(cfg, "config")
     if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists() \
             and megatron.prefix_of(cfg.data.source) is None:
         raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
@@ -83,6 +86,7 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
     ``RunStopped`` after SIGINT / SIGTERM). ``probe_bytes`` > 0 adds the pre-flight probe's
     measurements (``summary["probe"]``)."""
     cfg = absolutize(cfg)
+    check_track(cfg, "config")  # (also in check_inputs) for a job's own train() call: before Ray
     # the key from RAYSC_CHECKPOINT_KEY travels to the actors inside the config (within the cluster's
     # trust boundary); every file written to disk shows it as '***'. A short key is refused here.
     cfg.checkpoint.signing_key = Signer.resolve(cfg.checkpoint.signing_key).key

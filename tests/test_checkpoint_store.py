@@ -108,3 +108,33 @@ def test_staging_checksums_the_bytes_dcp_wrote_and_catches_later_corruption(tmp_
     shard.write_bytes(bytes(data[:-5]))  # truncated on local disk
     with pytest.raises(OSError, match="staging corrupted"):
         store.upload(2, tmp_path / "s", names, digests, retries=0)
+
+
+def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cannot_be_read(tmp_path, capsys,
+                                                                                             monkeypatch):
+    """`raysc ckpt list RUN_DIR` lists the run's own checkpoint.uri (a README walk passed the run directory
+    and got "no committed checkpoints"); an unreachable endpoint is one line and exit 2, not a traceback."""
+    from raysc.cli import main
+    from raysc.config import load_config
+    from raysc.config.load import dump_config
+    from raysc.ports import free_port
+
+    run = tmp_path / "run"
+    run.mkdir()
+    cfg = load_config(None, [f'run.dir="{run}"', f'checkpoint.uri="{tmp_path / "store"}"'])
+    (run / "config.toml").write_text(dump_config(cfg))
+    store = CheckpointStore(str(tmp_path / "store"))
+    store.storage.write_bytes(f"{store.prefix(5)}/a.bin", b"x")
+    store.commit(5, [{"path": "a.bin", "size": 1, "sha256": __import__("hashlib").sha256(b"x").hexdigest()}], {})
+    assert main(["ckpt", "list", str(run), "--json"]) == 0
+    out, err = capsys.readouterr()
+    assert [r["step"] for r in json.loads(out)] == [5] and "is a run directory" in err
+    port = free_port()
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")  # credentials there, the endpoint not
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    options = json.dumps({"endpoint_url": f"http://127.0.0.1:{port}",
+                          "config_kwargs": {"retries": {"max_attempts": 1}}})
+    assert main(["ckpt", "list", "s3://bucket/run", "--storage-options", options]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot list checkpoints under s3://bucket/run: ") and err.count("\n") == 1, err
+    assert f"127.0.0.1:{port}" in err and "AWS_ENDPOINT_URL" in err

@@ -96,6 +96,8 @@ def test_plan_steps_and_scale_cli(capsys):
     assert set(p["loss"]) == {"hoffmann2022", "besiroglu2024"}
     text = chinchilla.format_plan(p)
     assert "70B" in text and "350,000" in text and "besiroglu2024" in text
+    # a shape just under a unit reads in the next one (`raysc scale --params 1e9` printed "1e+03M")
+    assert [chinchilla._si(x) for x in (999.6e6, 999.4e6, 1234, 12)] == ["1B", "999M", "1.23K", "12"]
 
     assert main(["scale", "--compute", "5.9e23", "--global-batch-tokens", "4M", "--json",
                  "--set", "model.vocab_size=32000"]) == 0

@@ -1,7 +1,8 @@
 """The tracker relay (``raysc.track.relay``) without a cluster: a tracker that is down, slow or
 refusing never blocks the caller, gets every call in order once it answers, and a full buffer
 drops the oldest metrics (counted), never the run's opening or a rewind. And naming a tracker
-whose package is missing is a config error with the install command."""
+whose package is missing stops `raysc train` before Ray with the install command, while the run's
+config still loads where the trackers are not installed (status, export, serve)."""
 
 from __future__ import annotations
 
@@ -116,15 +117,20 @@ def test_close_gives_up_on_a_tracker_that_stays_down():
     assert time.perf_counter() - t0 < 3.5 and relay.state.pending == 2
 
 
-def test_a_tracker_that_is_not_installed_is_a_config_error_with_the_install_command(monkeypatch):
+def test_a_tracker_that_is_not_installed_stops_training_before_ray_but_not_reading_the_run(monkeypatch, tmp_path):
     import importlib.util
 
     from raysc.config import load_config
     from raysc.config.checks import ConfigError
+    from raysc.config.load import dump_config
+    from raysc.driver import check_inputs
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
+    cfg = load_config(None, ['track.mlflow_uri="sqlite:///x.db"'])  # a run's config still loads (status, export)
     with pytest.raises(ConfigError, match=r"track.mlflow_uri is set but the 'mlflow' package is not installed; "
                                           r"`pip install 'raysc\[track\]'`"):
-        load_config(None, ['track.mlflow_uri="sqlite:///x.db"'])
-    load_config(None, ["track.tensorboard=true"])  # installed: accepted
+        check_inputs(cfg)  # what `raysc train` runs before it starts Ray
+    (tmp_path / "config.toml").write_text(dump_config(cfg))
+    load_config(tmp_path / "config.toml")
+    check_inputs(load_config(None, ["track.tensorboard=true"]))  # installed: accepted

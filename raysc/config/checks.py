@@ -193,7 +193,9 @@ TRACKER_PACKAGES = {"tensorboard": ("track.tensorboard", "tensorboard"),
 
 
 def check_track(cfg: Config, origin: str) -> None:
-    """[track]: each tracker asked for is importable here (they are optional: raysc[track])."""
+    """[track]: each tracker asked for is importable here (they are optional: raysc[track]). Not one
+    of the ``SECTION_CHECKS``: a run's config names its trackers, and reading the run (export, status,
+    serve) on a machine without them must still work; the training driver calls it before Ray."""
     import importlib.util
 
     tr = cfg.track
@@ -207,7 +209,7 @@ def check_track(cfg: Config, origin: str) -> None:
 
 SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
     check_data, check_dedup, check_quality, check_model, check_checkpoint, check_batch, check_layout,
-    check_supervisor, check_precision, check_track)
+    check_supervisor, check_precision)
 
 
 def validate(cfg: Config, origin: str = "config") -> None:

@@ -131,7 +131,8 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
         tokenizer_json = tok.to_str()
         special = special or read_special_tokens(tokenizer_path, tok=tok)
     else:
-        log(f"pack: training a {vocab_size}-token BPE tokenizer on {sample_mb} MB of the curated documents")
+        log(f"pack: training a {vocab_size}-token BPE tokenizer on the curated documents "
+            f"(at most {sample_mb} MB of them)")
         tokenizer_json = _sample_tokenizer(f"{root}/documents", arrow_fs, vocab_size, sample_mb, seed)
     docs = ray.data.read_parquet(f"{root}/documents", filesystem=arrow_fs).select_columns(["id", "text", "domain"])
     special = special or RAYSC

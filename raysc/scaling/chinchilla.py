@@ -194,6 +194,8 @@ def plan(params: float | None = None, compute: float | None = None, tokens: floa
 
 
 def _si(x: float) -> str:
+    """``x`` with a unit, rounded to 3 significant digits before the unit is picked (999.6e6 -> 1B)."""
+    x = float(f"{x:.3g}")
     for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if abs(x) >= scale:
             return f"{x / scale:.3g}{unit}"
