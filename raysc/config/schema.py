@@ -1,9 +1,10 @@
 """Typed configuration sections for a raysc run.
 
-Every key a user can set lives here (the ``[serve]`` section in ``serve_schema.py``), declared
-with ``options.opt``: its default, the values it allows and a one-line help text (``metadata``). ``raysc.config.load`` checks TOML files and
-``--set`` overrides against these declarations; the key names are the public
-contract of raysc, so rename nothing without a migration note in docs/config.md.
+Every key a user can set lives here (the ``[serve]`` section in ``serve_schema.py``, ``[track]`` in
+``track_schema.py``), declared with ``options.opt``: its default, the values it allows and a one-line
+help text (``metadata``). ``raysc.config.load`` checks TOML files and ``--set`` overrides against these
+declarations; the key names are the public contract of raysc, so rename nothing without a migration
+note in docs/config.md.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from raysc.config.dims import PP_SCHEDULES, ParallelDims
 from raysc.config.faults import KINDS as FAULT_KINDS
 from raysc.config.options import opt, opt_dict
 from raysc.config.serve_schema import ServeConfig
+from raysc.config.track_schema import TrackConfig
 
 
 @dataclass
@@ -339,30 +341,6 @@ class QualityConfig:
                                      "(needs quality.reference_run)", min=0.0)
     score_actors: int = opt(1, "perplexity scorer actors, one reference model each (a Ray Data actor pool)", min=1)
     score_gpus: float = opt(0.0, "GPUs per scorer actor; 0 = score on CPU", min=0.0)
-
-
-@dataclass
-class TrackConfig:
-    tensorboard: bool = opt(False, "write TensorBoard event files under <run dir>/tensorboard (pip install raysc[track])")
-    tensorboard_uri: str = opt("", "also copy the event files there (any fsspec URL, e.g. s3://bucket/runs/NAME/tb) "
-                                    "every sync_s and at the end, for `tensorboard --logdir` on a shared store")
-    storage_options: dict = opt_dict("fsspec options for tensorboard_uri (endpoint_url, region_name ...); "
-                                     "credentials come from the environment (AWS_ACCESS_KEY_ID ...)")
-    sync_s: float = opt(30.0, "seconds between copies of the event files to tensorboard_uri", gt=0.0)
-    mlflow_uri: str = opt("", "log to MLflow: a tracking server (http://host:5000) or a local store "
-                              "(sqlite:///mlflow.db, file:///path); empty = off")
-    mlflow_experiment: str = opt("raysc", "MLflow experiment the run is logged under (created if missing)")
-    run_name: str = opt("", "the run's name in MLflow and W&B; empty = run.name")
-    wandb_project: str = opt("", "log to Weights & Biases under this project; empty = off")
-    wandb_entity: str = opt("", "W&B team or user; empty = the API key's default")
-    wandb_mode: str = opt("online", "online (needs WANDB_API_KEY and the network) or offline (files under "
-                                    "<run dir>/wandb, `wandb sync` them later)", choices=["online", "offline"])
-    buffer: int = opt(100000, "records held per tracker while it is down or slow; the oldest metrics go first "
-                              "when it fills (counted in the tracker_degraded event)", min=100)
-    retry_max_s: float = opt(60.0, "longest wait between retries of a tracker that refuses or is down", gt=0.0)
-    close_timeout_s: float = opt(30.0, "at the run's end, the longest wait for a tracker to take what is still "
-                                       "queued (then a tracker_undelivered event; the jsonl files have it all)",
-                                 min=0.0)
 
 
 @dataclass
