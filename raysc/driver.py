@@ -38,7 +38,7 @@ from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
 from raysc.config.schema import Config
 from raysc.data import megatron
-from raysc.fleet.errors import RunStopped
+from raysc.fleet.errors import RunFailed, RunStopped
 from raysc.fleet.events import EventKind
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
@@ -194,7 +194,7 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
                     raise RunStopped(summary["stopped"], summary["step"], summary["checkpoint"], summary=summary)
                 return summary
     except ray.exceptions.RayTaskError as e:
-        raise (e.cause if e.cause is not None else e) from None
+        raise _remote_cause(e) from None
     except _Abort as e:
         if sup is not None:
             ray.kill(sup)  # its workers, spares and placement group are owned by it and die with it
@@ -204,6 +204,17 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
             bar.close()
         if sup is not None:
             ray.kill(sup)
+
+
+def _remote_cause(e: ray.exceptions.RayTaskError) -> BaseException:
+    """What the supervisor raised: a ``RunFailed`` says all there is to say; anything else is a defect,
+    shown with the supervisor's own traceback (the driver's frames alone name no line of ours)."""
+    cause = e.cause
+    if cause is None:
+        return e
+    if not isinstance(cause, RunFailed):
+        cause.add_note(str(e).rstrip())  # Ray's account: the actor, its pid and node, its traceback
+    return cause
 
 
 def _aborted(cfg: Config, abort: _Abort, step: int | None) -> RunStopped:

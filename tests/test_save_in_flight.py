@@ -18,11 +18,18 @@ from raysc.fleet.watch import Watch
 class _Uploader:
     """A worker's checkpoint calls: an upload that is done (``files``) or still running."""
 
-    def __init__(self, rank: int, done: bool) -> None:
+    def __init__(self, rank: int, done: bool, busy_answers: int = 0) -> None:
         self.rank, self.done = rank, done
+        self.busy_answers = busy_answers  # the first calls answer "still uploading", then as ``done`` says
 
     def save_pending(self) -> bool:
+        if self.busy_answers:
+            self.busy_answers -= 1
+            return True
         return not self.done
+
+    def save_start(self, step: int) -> dict:
+        return {"loader": {}, "detector": {}, "held_s": 0.0}
 
     def save_wait(self) -> dict:
         return {"rank": self.rank, "ok": True, "files": [], "retries": []}
@@ -92,3 +99,41 @@ def test_a_rank_dead_after_its_upload_left_a_receipt_and_the_save_is_committed(r
     _kill(workers[1])
     ckpt.salvage(timeout_s=2.0)
     assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4] and ckpt.store.steps() == [4]
+
+
+def test_a_save_that_commits_while_the_next_save_waits_for_it(ray_session, make_cfg):
+    """The next checkpoint step comes while step 4 is uploading: ``save(8)`` asks every rank whether
+    step 4 is still uploading (yes), and while it waits for the answers the watch's poll sees the upload
+    done and commits step 4. The save then found no save in flight to name: it raised TypeError
+    ('NoneType' object is not subscriptable) out of the supervisor and ended the run (a CI chaos drill,
+    2026-12-04). Now step 4 is committed once and step 8 starts."""
+    workers = [_Uploader.remote(r, done=True, busy_answers=2) for r in range(2)]  # 1: _coordinator's, 2: save's
+    ckpt, events = _coordinator(make_cfg(), workers)
+    ckpt.save(8, tokens=0)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4] and ckpt.store.steps() == [4]
+    assert ckpt.inflight is not None and ckpt.inflight["step"] == 8
+
+
+@ray.remote(num_cpus=0)
+def _supervisor_defect(failure: bool) -> None:
+    if failure:
+        raise RunFailed("no room for the fleet")
+    return None["step"]  # a defect of ours, as the one above was
+
+
+def test_a_supervisor_defect_reaches_the_user_with_the_line_that_raised_it(ray_session):
+    """The driver re-raises what the supervisor actor raised. That TypeError came with the driver's
+    frames only, naming no line of the supervisor's; now a defect carries the actor's traceback (a
+    RunFailed, whose message is the whole story, does not)."""
+    from raysc.driver import _remote_cause
+
+    def raised(failure: bool) -> BaseException:
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(_supervisor_defect.remote(failure))
+        return _remote_cause(err.value)
+
+    defect = raised(False)
+    assert isinstance(defect, TypeError)
+    assert 'test_save_in_flight.py", line' in "\n".join(defect.__notes__) and 'None["step"]' in defect.__notes__[0]
+    expected = raised(True)
+    assert isinstance(expected, RunFailed) and not getattr(expected, "__notes__", None)

@@ -155,8 +155,9 @@ class CheckpointCoordinator:
     def save(self, step: int, tokens: int) -> None:
         """Start saving ``step`` (waiting first for the save in flight, if any)."""
         if self.inflight is not None:
+            waiting_for = self.inflight["step"]  # the watch's poll may commit it while the status is asked
             if any(self.wait([w.save_pending.remote() for w in self.workers], "checkpoint status")):
-                self.event(EventKind.CHECKPOINT_SAVE_DELAYED, step=step, waiting_for=self.inflight["step"])
+                self.event(EventKind.CHECKPOINT_SAVE_DELAYED, step=step, waiting_for=waiting_for)
             self.finish()
         if not self.store.discard_uncommitted(step):
             owner = (self.store.read_manifest(step) or {}).get("run_id")

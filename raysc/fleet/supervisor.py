@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import ray
@@ -162,6 +163,12 @@ class Supervisor:
                 self.ckpt.salvage()
             self._event(EventKind.RUN_FAILED, error=str(err))
             raise err from None
+        except Exception as e:  # a defect of raysc's own: recorded with where it happened, saves kept
+            if self.ckpt is not None:
+                self.ckpt.salvage()
+            self._event(EventKind.RUN_FAILED, error=f"{type(e).__name__}: {e}",
+                        traceback=traceback.format_exc(limit=-8))
+            raise
         finally:
             self._phase = "stopped"
             self.fleet.release()
