@@ -110,8 +110,23 @@ def served(ray_session, s3_server, tmp_path_factory, cache_dir):
             os.environ[k] = v
 
 
+def _vllm_processes() -> list[str]:
+    """The titles vLLM gives its processes ("VLLM::EngineCore", "VLLM::Worker...") on this machine."""
+    import psutil
+
+    titles = []
+    for p in psutil.process_iter(["cmdline"]):
+        cmd = p.info["cmdline"] or []
+        if cmd and cmd[0].startswith("VLLM::"):
+            titles.append(cmd[0].split()[0])
+    return sorted(titles)
+
+
 def test_openai_client_completions_chat_streaming_models_and_usage(served):
     c, dep = served["client"], served["dep"]
+    # the one-rank CPU model runs in vLLM's engine-core process: no worker process of its own to start
+    # (raysc.serve.one_process; Ray Serve LLM's default adds a VLLM::Worker under the EngineCore)
+    assert _vllm_processes() == ["VLLM::EngineCore"], _vllm_processes()
     assert [m.id for m in c.models.list().data] == [dep.model_id] == ["tiny"]
     assert dep.model.remote and dep.model.path == served["export"].path  # raysc serve s3://...
     # vLLM serves exactly the trained model (step 20, mirrored from S3): greedy, token for token (up to ties)

@@ -136,6 +136,11 @@ def test_serve_settings_map_onto_vllm_engine_arguments():
     assert kw["max_num_seqs"] == 7 and kw["max_model_len"] == 96 and kw["dtype"] == "bfloat16"
     assert kw["enforce_eager"] is True and "block_size" not in kw  # CPU build: eager, vLLM's block size
     assert d["runtime_env"]["env_vars"]["VLLM_CPU_KVCACHE_SPACE"] == "3"  # whole GiB, rounded up
+    # one CPU rank: Ray Serve LLM's engine-class hook names ours (the model in vLLM's engine-core process)
+    assert d["runtime_env"]["env_vars"]["RAYLLM_VLLM_ENGINE_CLS"] == "raysc.serve.one_process:OneProcessEngine"
+    from ray.llm._internal.serve.constants import RAYLLM_VLLM_ENGINE_CLS_ENV
+
+    assert RAYLLM_VLLM_ENGINE_CLS_ENV == "RAYLLM_VLLM_ENGINE_CLS"  # the hook is still Ray's
     assert d["deployment_config"]["autoscaling_config"]["max_replicas"] == 3
     gpu = llm_config_dict(ServedModel("s3://b/x"), ServeConfig(gpus_per_replica=1, tensor_parallel_size=2), "m")
     assert gpu["model_loading_config"]["model_source"] == {"bucket_uri": "s3://b/x"}

@@ -14,6 +14,11 @@ from raysc.config.schema import ServeConfig
 from raysc.serve.source import ServedModel
 
 
+# Ray Serve LLM's hook for the engine class a replica builds: ours runs a one-rank CPU model in vLLM's
+# engine-core process, not a worker process of its own (raysc.serve.one_process)
+ONE_PROCESS = {"RAYLLM_VLLM_ENGINE_CLS": "raysc.serve.one_process:OneProcessEngine"}
+
+
 class ServeConfigError(ValueError):
     """A ``serve.*`` setting (or combination) the engine cannot run; the message names the fix."""
 
@@ -119,6 +124,8 @@ def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
     if on_cpu(cfg):
         # vLLM's CPU backend sizes its KV cache from this variable, in whole GiB
         out["runtime_env"] = {"env_vars": {"VLLM_CPU_KVCACHE_SPACE": str(max(1, math.ceil(cfg.kv_cache_gb)))}}
+        if ranks == 1:  # the model in vLLM's engine-core process, not a worker process of its own
+            out["runtime_env"]["env_vars"].update(ONE_PROCESS)
     if env:  # set in each node's download task (not the runtime_env: Ray logs that, credentials included)
         out["callback_config"] = {"callback_class": "raysc.serve.replica_setup:StoreSettings",
                                   "callback_kwargs": {"env": dict(env)}}
