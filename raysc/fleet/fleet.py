@@ -44,6 +44,7 @@ class Fleet:
         # the peak FLOP/s MFU is measured against: the first fleet's (a measured CPU matmul) for every
         # later fleet too, so a restart on a busy machine does not re-measure a lower peak (MFU > 100%)
         self.peak_flops = cfg.train.peak_flops
+        self._spawned = False  # ``spawn`` created the workers ``start`` is to set up
 
     @property
     def world(self) -> int:
@@ -196,15 +197,23 @@ class Fleet:
             ray.kill(s, no_restart=True)
         return None
 
+    def spawn(self) -> None:
+        """Create the first fleet's workers in the reserved bundles now: their processes start and
+        import torch while the supervisor prepares the data; ``start`` then sets them up."""
+        self.workers = [self._new_worker(rank) for rank in range(self.world)]
+        self._spawned = True
+
     def start(self, data: dict, wait: Callable[..., list], touch: Callable[[], None],
               warm: bool = False) -> list[WorkerInfo]:
-        """Create the workers in the reserved bundles (or activate the warm spares) and form their
-        process group; ``wait`` watches the setup calls, whose hang clock ``touch`` restarts."""
+        """Create the workers in the reserved bundles (unless ``spawn`` did, or activate the warm
+        spares) and form their process group; ``wait`` watches the setup calls, whose hang clock
+        ``touch`` restarts."""
         cfg_dict = config_to_dict(self.cfg)
         cfg_dict["train"]["peak_flops"] = self.peak_flops
         spares = self._take_spares() if warm else None
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
-        self.workers = spares or [self._new_worker(rank) for rank in range(self.world)]
+        spawned, self._spawned = self._spawned, False
+        self.workers = spares or (self.workers if spawned else [self._new_worker(rank) for rank in range(self.world)])
         # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded by
         # the start-up timeout alone: a process starting and importing is not a hang
         start_s = self.cfg.supervisor.start_timeout_s

@@ -1,7 +1,7 @@
 """``Supervisor``: the actor that owns a run, and conducts the parts that do the work.
 
-``run`` prepares the data, starts the ``Fleet`` (placement group, workers, spares,
-quarantine), then drives training in chunks that end at checkpoint boundaries; the
+``run`` claims the checkpoint store, starts the ``Fleet``'s workers (placement group,
+workers, spares, quarantine) while it prepares the data, then drives training in chunks that end at checkpoint boundaries; the
 ``CheckpointCoordinator`` saves and restores, ``Timeouts`` calibrates the hang and
 process-group timeouts, ``RunStats`` keeps the counters and builds the summary, and
 ``Watch`` turns a dead, raising or hung rank into a typed ``Failure``. A failure is
@@ -214,13 +214,19 @@ class Supervisor:
                 err = again
 
     def _prepare(self) -> dict:
-        """Open the checkpoint store, claim it for this run, pack the data; the data's object refs."""
+        """Open the checkpoint store, claim it for this run, reserve and spawn the workers, pack the data;
+        the data's object refs."""
         self.ckpt = CheckpointCoordinator(self.cfg, self._event, self.watch.wait)
         self.watch.poll = self.ckpt.poll
         self.ckpt.probe()
         # before anything in the run directory is written: a refused run leaves the other run's files alone
         self.ckpt.claim(self.resume, self.overwrite, self.run_dir)
         (self.run_dir / "config.toml").write_text(dump_config(self.cfg))
+        # the workers' processes start (Python, Ray, torch: seconds) while the checkpoint to init from is
+        # read and the data is packed; they are set up with the final config in ``_start``
+        self._phase = "starting workers"
+        self.fleet.reserve()
+        self.fleet.spawn()
         self._track()
         if self.cfg.model.init_from:
             self._init_from()
@@ -262,9 +268,8 @@ class Supervisor:
                     note="weights from the checkpoint, optimizer and schedule fresh")
 
     def _start(self, data: dict) -> int:
-        """Place and start the fleet; the step it starts from (a resumed checkpoint's, else 0)."""
+        """Set up the fleet ``_prepare`` spawned; the step it starts from (a resumed checkpoint's, else 0)."""
         self._phase = "starting workers"
-        self.fleet.reserve()
         self.fleet.start(data, self.watch.wait, self.stats.touch)
         self.ckpt.workers = self.fleet.workers
         return self.ckpt.restore(self.resume) if self.resume else 0
