@@ -118,7 +118,8 @@ def test_a_save_that_commits_while_the_next_save_waits_for_it(ray_session, make_
 def _supervisor_defect(failure: bool) -> None:
     if failure:
         raise RunFailed("no room for the fleet")
-    return None["step"]  # a defect of ours, as the one above was
+    inflight = None  # a defect of ours, as the one above was
+    return inflight["step"]
 
 
 def test_a_supervisor_defect_reaches_the_user_with_the_line_that_raised_it(ray_session):
@@ -134,6 +135,6 @@ def test_a_supervisor_defect_reaches_the_user_with_the_line_that_raised_it(ray_s
 
     defect = raised(False)
     assert isinstance(defect, TypeError)
-    assert 'test_save_in_flight.py", line' in "\n".join(defect.__notes__) and 'None["step"]' in defect.__notes__[0]
+    assert 'test_save_in_flight.py", line' in "\n".join(defect.__notes__) and 'inflight["step"]' in defect.__notes__[0]
     expected = raised(True)
     assert isinstance(expected, RunFailed) and not getattr(expected, "__notes__", None)

@@ -103,10 +103,12 @@ def test_memory_readings_stay_within_their_cpu_budget_on_a_fragmented_heap():
         t0 = time.perf_counter()
         while time.perf_counter() - t0 < 3.0:
             sampler.sample()  # as the forward hooks do, as often as they can
-        wall, spent = time.perf_counter() - t0, sampler.reading_s - cost
+        wall, spent, longest = time.perf_counter() - t0, sampler.reading_s - cost, sampler.longest_s
         sampler.stop()
-        # one reading of slack: the loop's first may come at once
-        assert spent < 0.05 * wall + 1.5 * cost, (sampler.readings, spent, wall, cost)
+        # each reading is followed by a gap of 20x its cost, so all but the window's last take under 5% of
+        # it; the last one's gap runs past the window. (The slack was 1.5x the first reading's cost: on a
+        # loaded CI machine one reading took 0.37 s against a first of 0.07 s and the bound failed.)
+        assert spent < 0.05 * wall + longest, (sampler.readings, spent, wall, cost, longest)
         assert sampler.readings >= 3 and sampler.peak > 0
     finally:
         del held

@@ -92,6 +92,7 @@ class _Sampler:
     def __init__(self, in_use) -> None:
         self.in_use = in_use
         self.readings, self.reading_s, self._gap_s, self._next = 0, 0.0, 0.0, 0.0
+        self.longest_s = 0.0  # the costliest single reading
         self._reading = threading.Lock()  # the thread and the hooks: one reading at a time, not two at once
         self.peak = self._read()
         self._stop = threading.Event()
@@ -104,6 +105,7 @@ class _Sampler:
         t1 = time.perf_counter()
         self.readings += 1
         self.reading_s += t1 - t0
+        self.longest_s = max(self.longest_s, t1 - t0)
         self._gap_s = (t1 - t0) / self.BUDGET
         self._next = t1 + self._gap_s
         return value
