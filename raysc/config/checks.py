@@ -182,10 +182,14 @@ def check_supervisor(cfg: Config, origin: str) -> None:
 
 
 def check_precision(cfg: Config, origin: str) -> None:
-    """[train] × [parallel]: bf16 needs CUDA."""
+    """[train] × [parallel]: bf16 needs CUDA; document positions need the document mask."""
     t, par = cfg.train, cfg.parallel
     if t.dtype == "bf16" and par.device == "cpu":
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
+    if t.document_positions and not t.document_mask:
+        raise ConfigError(f"{origin}: train.document_positions restarts rotary positions per document, but "
+                          f"train.document_mask is off (documents would still see each other); set "
+                          f"train.document_mask=true too, or unset train.document_positions.")
 
 
 TRACKER_PACKAGES = {"tensorboard": ("track.tensorboard", "tensorboard"),

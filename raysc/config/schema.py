@@ -140,6 +140,9 @@ class TrainConfig:
     global_batch_tokens: int = opt(0, "tokens per optimizer step; must be a multiple of seq_len", min=0)
     micro_batch: int = opt(0, "sequences per forward pass on one worker; 0 = whole local batch", min=0)
     seed: int = opt(1234, "seeds the model init, the data order and every RNG", min=0)
+    document_mask: bool = opt(False, "block-causal attention: a token attends only to earlier tokens of its own "
+                                     "document (boundaries at the tokenizer's EOS in each packed row)")
+    document_positions: bool = opt(False, "with document_mask: rotary positions restart at 0 at each document")
     dtype: str = opt("auto", "compute precision: auto = fp32 on cpu, bf16 autocast on cuda",
                      choices=["auto", "fp32", "bf16"])
     peak_flops: float = opt(0.0, "peak FLOP/s of one device for MFU; 0 = GPU table or measured CPU matmul", min=0.0)

@@ -107,7 +107,7 @@ class RankWorker:
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
         mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
             if dims.world_size > 1 else None
-        self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh)
+        self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh, eos_id=data["eos_id"])
         self._hook_faults()
         self.memory = PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device) \
             if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory else None

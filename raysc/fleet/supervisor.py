@@ -239,7 +239,9 @@ class Supervisor:
         self._event(EventKind.DATA_READY, **{k: data_info[k] for k in (
             "tokens", "documents", "train_sequences", "val_sequences", "corpus_sha256", "domains", "schedule")
             if k in data_info})
-        return {"train": ray.put(packed.train), "val": ray.put(packed.val)}
+        # the EOS id: with train.document_mask the ranks find document boundaries by it
+        return {"train": ray.put(packed.train), "val": ray.put(packed.val),
+                "eos_id": int(data_info["special_tokens"]["eos_id"])}
 
     def _track(self) -> None:
         """Open the [track] trackers: a resumed run continues the tracker runs recorded in the run

@@ -12,7 +12,9 @@ parallel plans are applied from outside. To keep that possible:
 - ``layers`` is a ``ModuleDict`` keyed by the global layer index, so a pipeline
   stage can drop layers and keep parameter names (and checkpoints) stable;
 - ``embed``, ``norm`` and ``output`` may be ``None`` on middle pipeline stages;
-- ``forward`` takes optional ``positions`` for context-parallel chunks.
+- ``forward`` takes optional ``positions`` for context-parallel chunks, and optional ``documents``
+  (``raysc.model.documents``: each token's document id over the whole row) for block-causal attention,
+  with rotary positions restarting per document when ``restart_positions`` is set.
 
 Under μP (``model.mup``) three scalars change, all from ``raysc.model.mup``:
 hidden-matrix init std, the logit multiplier and the attention softmax scale.
@@ -29,6 +31,7 @@ from torch import nn
 
 from raysc.config.schema import ModelConfig
 from raysc.model import mup
+from raysc.model.documents import QueryBlocks, document_mask, positions_in_document
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -70,26 +73,36 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
-                     ) -> torch.Tensor:
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                     mask: torch.Tensor | QueryBlocks | None = None) -> torch.Tensor:
     """Causal scaled-dot-product attention; k/v with fewer heads are shared by query-head groups (GQA).
-    ``scale`` multiplies q·k (None = 1/sqrt(head_dim); μP passes 1/head_dim)."""
+    ``scale`` multiplies q·k (None = 1/sqrt(head_dim); μP passes 1/head_dim); ``mask`` (boolean, True =
+    attend), when given, replaces the causal mask (block-causal attention over packed documents)."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
+    if isinstance(mask, QueryBlocks):
+        return mask.attend(q, k, v, scale)
+    if mask is not None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
 class Rope:
-    """Rotary tables for one forward pass: the first ``seqlen`` positions, or explicit ``positions``."""
+    """Rotary tables for one forward pass: the first ``seqlen`` positions, or explicit ``positions``
+    ((seq,) shared by the batch, or (batch, seq) when positions restart per document); ``mask`` is the
+    attention mask of the pass when it is not plain causal (block-causal over documents)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None) -> None:
-        self.cos, self.sin, self.positions = cos, sin, positions
+    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
+                 mask: torch.Tensor | QueryBlocks | None = None) -> None:
+        self.cos, self.sin, self.positions, self.mask = cos, sin, positions, mask
 
     def tables(self, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         if self.positions is not None:
             cos, sin = self.cos[self.positions], self.sin[self.positions]
+            if self.positions.dim() == 2:  # (batch, seq, head_dim) -> broadcast over heads
+                cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         else:
             if seqlen > self.cos.shape[0]:
                 raise ValueError(
@@ -138,10 +151,9 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seqlen, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope.tables(seqlen, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if self.mup:  # head_dim read from q: the same on every TP shard (TP splits heads)
-            out = self.core_attention(q, k, v, scale=mup.attention_scale(q.shape[-1]))
-        else:
-            out = self.core_attention(q, k, v)
+        # μP: softmax scale 1/head_dim, read from q (the same on every TP shard: TP splits heads)
+        scale = mup.attention_scale(q.shape[-1]) if self.mup else None
+        out = self.core_attention(q, k, v, scale=scale, mask=rope.mask)
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
@@ -208,8 +220,21 @@ class Llama(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
         # positions of this module's tokens when not 0..seq-1 (set by context parallelism)
         self.positions: torch.Tensor | None = None
+        # with ``documents`` given: rotary positions count from each document's start (train.document_positions)
+        self.restart_positions = False
         # μP readout multiplier 1/m (1 otherwise), applied to the output projection's input
         self.logit_mult = mup.output_mult(cfg)
+
+    def _rope(self, seqlen: int, positions: torch.Tensor | None, documents: torch.Tensor | None) -> Rope:
+        if documents is None:
+            return Rope(self.rope_cos, self.rope_sin, positions)
+        # the queries: this rank's chunks under CP (``positions``), else the whole row (not ``seqlen``: under
+        # sequence parallelism the embedding's output holds a slice of the row, attention sees all of it)
+        mask = document_mask(documents, positions)
+        if self.restart_positions:
+            within = positions_in_document(documents)
+            positions = within if positions is None else within[:, positions]
+        return Rope(self.rope_cos, self.rope_sin, positions, mask)
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator | None = None) -> None:
@@ -225,11 +250,14 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
+                documents: torch.Tensor | None = None) -> torch.Tensor:
         """``tokens`` (batch, seq) ids, or hidden states on a later pipeline stage; ``positions``
-        (seq,) absolute positions of the tokens (default ``self.positions``, else 0..seq-1)."""
+        (seq,) absolute positions of the tokens (default ``self.positions``, else 0..seq-1);
+        ``documents`` (batch, whole row) each token's document id (``raysc.model.documents``): attention
+        is then block-causal, a token seeing only earlier tokens of its own document."""
         h = self.embed(tokens) if self.embed is not None else tokens
-        rope = Rope(self.rope_cos, self.rope_sin, positions if positions is not None else self.positions)
+        rope = self._rope(h.shape[1], positions if positions is not None else self.positions, documents)
         for layer in self.layers.values():
             h = layer(h, rope)
         if self.norm is not None:

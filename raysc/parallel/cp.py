@@ -11,7 +11,8 @@ its own tokens; keys and values are all-gathered (the backward pass
 reduce-scatters their gradients back), reassembled in sequence order, and
 every local query attends to the keys at positions ≤ its own. The result is
 identical to full attention. Rotary embeddings use each token's absolute
-position (``Llama.positions``).
+position (``Llama.positions``). With document masking the model builds the block-causal mask of
+its local queries over the whole row (``raysc.model.documents``) and the kernel uses it instead.
 """
 
 from __future__ import annotations
@@ -79,14 +80,18 @@ class ContextParallelAttention:
         self.order = torch.argsort(gathered)
         self.mask = q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None) -> torch.Tensor:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
+                 mask: torch.Tensor | None = None) -> torch.Tensor:
+        """``mask``: the model's block-causal mask for these queries over the whole row, when documents
+        are masked (``raysc.model.documents``), else this rank's causal mask by position."""
         k = _GatherChunks.apply(k, self.group)[:, :, self.order]
         v = _GatherChunks.apply(v, self.group)[:, :, self.order]
         groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask, scale=scale)  # μP passes 1/head_dim
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask if mask is None else mask,
+                                              scale=scale)  # μP passes 1/head_dim
 
 
 def apply_cp(model: nn.Module, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,

@@ -4,7 +4,9 @@
 loader, and runs one optimizer step: gradient accumulation (or a pipeline
 schedule), global gradient clipping, and metrics whose loss and grad norm are the
 global values. At world size 1 it is a plain torch loop; the same class runs
-inside a ``TrainWorker`` actor and in ``benchmarks/train_overhead.py``.
+inside a ``TrainWorker`` actor and in ``benchmarks/train_overhead.py``. With
+``train.document_mask`` every forward also gets each token's document id, computed
+from the EOS tokens of the whole row (``raysc.model.documents``).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from raysc.config.schema import Config
 from raysc.data.loader import build_loader
+from raysc.model.documents import document_ids
 from raysc.model.flops import flops_per_token
 from raysc.parallel.clip import clip_grad_norm
 from raysc.parallel.cp import shard_sequence
@@ -54,8 +57,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 class Trainer:
     def __init__(self, cfg: Config, rows: np.ndarray | dict[str, np.ndarray], val_rows: np.ndarray | None = None,
-                 rank: int = 0, mesh=None, measure_peak: bool = True) -> None:
+                 rank: int = 0, mesh=None, measure_peak: bool = True, eos_id: int | None = None) -> None:
+        """``eos_id``: the token that ends every packed document (needed with ``train.document_mask``)."""
         self.cfg = cfg
+        if cfg.train.document_mask and eos_id is None:
+            raise ValueError("train.document_mask needs the tokenizer's EOS id (the Trainer got none)")
+        self.eos_id = eos_id if cfg.train.document_mask else None
         self.dims = cfg.parallel.dims
         self.rank = rank
         self.mesh = mesh
@@ -69,6 +76,8 @@ class Trainer:
         self.step_hook: Callable[[int], None] | None = None
         self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.model_parts = self.shard.parts
+        for part in self.model_parts:
+            part.restart_positions = cfg.train.document_positions
         self.model = self.model_parts[0]
         named = [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
@@ -124,11 +133,24 @@ class Trainer:
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
         return loss if self.loss_hook is None else self.loss_hook(loss)
 
-    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Inputs, targets (this CP rank's chunks of them) and, with document masking, the document ids of
+        the whole input row (every CP rank masks its queries against all keys)."""
         x, y = batch[:, :-1], batch[:, 1:]
+        docs = document_ids(x, self.eos_id) if self.eos_id is not None else None
         if self.dims.cp > 1:
             x, y = shard_sequence(x, self.coords["cp"], self.dims.cp), shard_sequence(y, self.coords["cp"], self.dims.cp)
-        return x, y
+        return x, y, docs
+
+    @staticmethod
+    def _kwargs(docs: torch.Tensor | None) -> dict:
+        """The model's keyword inputs: a pipeline schedule splits them into microbatches for every stage."""
+        return {} if docs is None else {"documents": docs}
+
+    def _micro(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None):
+        """(inputs, targets, model kwargs) of each microbatch."""
+        parts = docs.split(self.micro) if docs is not None else [None] * len(x.split(self.micro))
+        return zip(x.split(self.micro), y.split(self.micro), (self._kwargs(d) for d in parts))
 
     def _global_mean(self, local_loss: torch.Tensor) -> float:
         """Average the loss over the ranks that computed it (last stage; every dp, cp and tp rank)."""
@@ -138,19 +160,20 @@ class Trainer:
         dist.all_reduce(contrib)
         return (contrib / (self.dims.dp * self.dims.cp * self.dims.tp)).item()
 
-    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
             last = self.shard.has_last_stage
             args = (x,) if self.shard.has_first_stage else ()
-            self.schedule.step(*args, target=y if last else None, losses=losses if last else None)
+            self.schedule.step(*args, target=y if last else None, losses=losses if last else None,
+                               **self._kwargs(docs))
             if not last:
                 return torch.zeros((), device=self.device)
             return torch.stack([_local(l.detach()) for l in losses]).mean()
         total = torch.zeros((), device=self.device)
-        for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
+        for xb, yb, kw in self._micro(x, y, docs):
             with self._autocast():
-                logits = self.model(xb)
+                logits = self.model(xb, **kw)
             loss = self._loss(logits, yb)
             (loss / self.n_micro).backward()
             total += _local(loss.detach())
@@ -162,9 +185,9 @@ class Trainer:
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
-        x, y = self._inputs(batch)
+        x, y, docs = self._inputs(batch)
         with self._loss_ctx(), self._autocast():
-            local_loss = self._forward_backward(x, y)
+            local_loss = self._forward_backward(x, y, docs)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
         loss_value = self._global_mean(local_loss)  # the same number on every rank
@@ -207,33 +230,35 @@ class Trainer:
         for part in self.model_parts:
             part.eval()
         rows = torch.from_numpy(self.val_rows[:max_sequences].astype(np.int64)).to(self.device)
-        x, y = self._inputs(rows)
+        x, y, docs = self._inputs(rows)
         with self._loss_ctx():
             if self.schedule is not None:
-                total = self._pipeline_val_sum(x, y)
+                total = self._pipeline_val_sum(x, y, docs)
             else:
                 total = torch.zeros((), device=self.device)
-                for xb, yb in zip(x.split(self.micro), y.split(self.micro)):
+                for xb, yb, kw in self._micro(x, y, docs):
                     with self._autocast():
-                        total += _local(self._loss(self.model(xb), yb)) * len(xb)
+                        total += _local(self._loss(self.model(xb, **kw), yb)) * len(xb)
         for part in self.model_parts:
             part.train()
         return self._global_mean(total / len(rows))
 
-    def _pipeline_val_sum(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    def _pipeline_val_sum(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         """Sum of per-row losses through the pipeline (zero off the last stage). One row per
         microbatch, so every call has the same shapes and any row count works: the last call is
         padded with copies of its last row, whose losses are dropped."""
         total = torch.zeros((), device=self.device)
         first, last, n = self.shard.has_first_stage, self.shard.has_last_stage, self.n_micro
         for start in range(0, len(x), n):
-            xb, yb, real = x[start:start + n], y[start:start + n], min(n, len(x) - start)
+            real = min(n, len(x) - start)
+            xb, yb, db = (t[start:start + n] if t is not None else None for t in (x, y, docs))
             if real < n:
-                xb, yb = (torch.cat([t, t[-1:].expand(n - real, -1)]) for t in (xb, yb))
+                xb, yb, db = (torch.cat([t, t[-1:].expand(n - real, -1)]) if t is not None else None
+                              for t in (xb, yb, db))
             losses: list[torch.Tensor] = []
             with self._autocast():
                 self.schedule.eval(*((xb,) if first else ()), target=yb if last else None,
-                                   losses=losses if last else None)
+                                   losses=losses if last else None, **self._kwargs(db))
             total += sum((_local(l) for l in losses[:real]), torch.zeros((), device=self.device))
         return total
 
