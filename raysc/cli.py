@@ -6,7 +6,7 @@
   a summary of a running or finished run;
 - ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.ckpt_cli``): a store's checkpoints,
   and a checkpoint from a running run now;
-- ``cluster local up`` / ``add-node`` / ``down`` (``raysc.cluster_cli``): a multi-node Ray cluster
+- ``cluster local up`` / ``add-node`` / ``down`` (``raysc.cluster.command``): a multi-node Ray cluster
   on this machine, to rehearse a cluster run;
 - ``quantize`` (``raysc.quantize.command``): a run's checkpoint as a quantized folder vLLM serves;
 - ``curate``, ``pack`` (``raysc.curate.command``): raw documents to curated Parquet, curated documents to
@@ -29,7 +29,7 @@ import sys
 from pathlib import Path
 
 from raysc.ckpt_cli import CKPT
-from raysc.cluster_cli import CLUSTER
+from raysc.cluster.command import CLUSTER
 from raysc.curate.command import CURATE, PACK
 from raysc.mix.command import MIX
 from raysc.quantize.command import QUANTIZE

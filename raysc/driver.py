@@ -94,8 +94,10 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
         require_passing(cfg)  # before any worker starts
     ensure_ray()
     # one rule for every command that trains (train, preflight's probe, parity): a fleet this Ray can never
-    # hold stops here, before data or workers, instead of waiting out supervisor.start_timeout_s
-    require_fleet_fit("the run", cfg.parallel, cfg.parallel.world_size, log=print if progress else lambda _: None)
+    # hold stops here, before data or workers, instead of waiting out supervisor.start_timeout_s; that it
+    # waits for nodes is said on stderr even without progress lines (a run that sits idle says why)
+    require_fleet_fit("the run", cfg.parallel, cfg.parallel.world_size,
+                      log=lambda line: print(line, file=sys.stderr, flush=True))
     with StopSignals() as signals:
         return _follow(cfg, resume, progress, probe_bytes, overwrite, signals)
 

@@ -48,6 +48,8 @@ class ClusterState:
     dashboard: str | None  # http://127.0.0.1:PORT (ray job submit --address), None without dashboard
     temp_dir: str
     nodes: list[dict] = field(default_factory=list)  # worker nodes: node_id, cpus, gpus
+    # an autoscaling cluster (``raysc.cluster.autoscaling``): its node limits and sizes; None = fixed nodes
+    autoscale: dict | None = None
 
     @classmethod
     def read(cls, path: Path) -> "ClusterState":
@@ -55,6 +57,11 @@ class ClusterState:
             raise FileNotFoundError(f"no local cluster recorded at {path}; start one with "
                                     f"`raysc cluster local up --nodes N --cpus-per-node C`")
         return cls(**json.loads(path.read_text()))
+
+    def write(self, path: Path) -> None:
+        tmp = Path(path).with_suffix(".tmp")
+        tmp.write_text(json.dumps(asdict(self), indent=1))
+        tmp.replace(path)  # readers never see half a file
 
     def env(self) -> dict[str, str]:
         """Environment for a driver or `ray job` command to use this cluster."""
@@ -71,15 +78,7 @@ def _ray_env() -> dict[str, str]:
 def up(nodes: int, cpus_per_node: float, gpus_per_node: int = 0, state: Path = DEFAULT_STATE,
        dashboard: bool = True, timeout_s: float = 180.0) -> ClusterState:
     """Start the holder process and wait until every node is up; the cluster's state."""
-    if state.exists():
-        try:
-            old = ClusterState.read(state)
-        except (TypeError, json.JSONDecodeError):
-            old = None
-        if old is not None and _alive(old.pid):
-            raise RuntimeError(f"a local cluster is already up (holder pid {old.pid}, {old.address}); "
-                               f"`raysc cluster local down` first, or pass another --state")
-        state.unlink()  # a stale record of a cluster that is gone
+    refuse_if_up(state)
     temp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray's socket paths must stay short
     cmd = [sys.executable, "-m", "raysc.cluster.local", "--nodes", str(nodes), "--cpus", str(cpus_per_node),
            "--gpus", str(gpus_per_node), "--state", str(state), "--temp-dir", temp]
@@ -99,9 +98,25 @@ def up(nodes: int, cpus_per_node: float, gpus_per_node: int = 0, state: Path = D
     return ClusterState.read(state)
 
 
+def refuse_if_up(state: Path) -> None:
+    """Refuse to start a cluster where ``state`` records one that is still up; forget a stale record."""
+    if state.exists():
+        try:
+            old = ClusterState.read(state)
+        except (TypeError, json.JSONDecodeError):
+            old = None
+        if old is not None and _alive(old.pid):
+            raise RuntimeError(f"a local cluster is already up (holder pid {old.pid}, {old.address}); "
+                               f"`raysc cluster local down` first, or pass another --state")
+        state.unlink()  # a stale record of a cluster that is gone
+
+
 def add_node(state: Path = DEFAULT_STATE, timeout_s: float = 120.0) -> ClusterState:
     """One more worker node (as the others); waits until it has joined."""
     current = ClusterState.read(state)
+    if current.autoscale is not None:
+        raise RuntimeError(f"the cluster at {current.address} autoscales: its autoscaler adds nodes when work "
+                           f"asks for them (up to {current.autoscale['max_nodes']}); there is no node to add by hand")
     os.kill(current.pid, signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -192,9 +207,7 @@ def _serve(args: argparse.Namespace) -> None:
         st.nodes.append({"node_id": node.node_id, "cpus": args.cpus, "gpus": args.gpus})
 
     def publish() -> None:
-        tmp = Path(args.state).with_suffix(".tmp")
-        tmp.write_text(json.dumps(asdict(st), indent=1))
-        tmp.replace(args.state)  # readers never see half a file
+        st.write(Path(args.state))
 
     for _ in range(args.nodes):
         add()

@@ -1,5 +1,7 @@
 """The ``raysc cluster local`` subcommands: start, grow and stop a multi-node Ray cluster on this
-machine (``raysc.cluster.local``). ``CLUSTER`` is their entry in the command table of ``raysc.cli``."""
+machine, with fixed nodes (``raysc.cluster.local``) or nodes that Ray's autoscaler adds and removes
+(``--autoscale``: ``raysc.cluster.autoscaling``). ``CLUSTER`` is their entry in the command table of
+``raysc.cli``."""
 
 from __future__ import annotations
 
@@ -25,8 +27,15 @@ def _show(st, what: str, as_json: bool) -> None:
 
         print(json.dumps(asdict(st)), flush=True)
         return
-    print(f"{what}: {len(st.nodes)} worker node(s) started + a head without CPUs (a node lost since is still "
-          f"counted; `ray status` lists those alive)\n"
+    if st.autoscale is None:
+        nodes = (f"{len(st.nodes)} worker node(s) started + a head without CPUs (a node lost since is still counted; "
+                 f"`ray status` lists those alive)")
+    else:
+        a = st.autoscale
+        nodes = (f"a head without CPUs whose autoscaler adds {a['min_nodes']}..{a['max_nodes']} worker nodes of "
+                 f"{a['cpus_per_node']:g} CPU when work asks for them and removes them after "
+                 f"{a['idle_timeout_s']:g} s idle (`ray status --address {st.address}` shows them)")
+    print(f"{what}: {nodes}\n"
           f"  drivers:   RAY_ADDRESS={st.address} raysc train CONFIG   (or ray.init(address=\"{st.address}\"))\n"
           + (f"  jobs:      ray job submit --address {st.dashboard} -- raysc train CONFIG\n"
              f"  dashboard: {st.dashboard}\n"
@@ -36,9 +45,16 @@ def _show(st, what: str, as_json: bool) -> None:
 
 
 def cmd_cluster_up(args: argparse.Namespace) -> int:
-    from raysc.cluster.local import up
+    if args.autoscale:
+        from raysc.cluster import autoscaling
 
-    st = up(args.nodes, args.cpus_per_node, args.gpus_per_node, _state(args), dashboard=not args.no_dashboard)
+        st = autoscaling.up(args.max_nodes, args.cpus_per_node, args.gpus_per_node, min_nodes=args.nodes or 0,
+                            idle_timeout_s=args.idle_timeout_s, state=_state(args), dashboard=not args.no_dashboard)
+    else:
+        from raysc.cluster.local import up
+
+        st = up(2 if args.nodes is None else args.nodes, args.cpus_per_node, args.gpus_per_node, _state(args),
+                dashboard=not args.no_dashboard)
     _show(st, "local cluster up", args.json)
     return 0
 
@@ -61,9 +77,17 @@ def cmd_cluster_down(args: argparse.Namespace) -> int:
 CLUSTER = Command("cluster", "a multi-node Ray cluster on this machine, to rehearse a cluster run", dest="cluster_cmd",
                   sub=(Command("local", "real Ray nodes (own raylet, object store, node id) on this machine",
                                dest="local_cmd", sub=(
-    Command("up", "start a head and N worker nodes; prints the address for drivers and `ray job submit`",
+    Command("up", "start a head and N worker nodes (or an autoscaler that adds them); prints the address for "
+                  "drivers and `ray job submit`",
             cmd_cluster_up, (
-                arg("--nodes", type=int, default=2, help="worker nodes (default 2)"),
+                arg("--nodes", type=int, default=None,
+                    help="worker nodes (default 2); with --autoscale the fewest kept (default 0)"),
+                arg("--autoscale", action="store_true",
+                    help="Ray's autoscaler adds worker nodes when work asks for them and removes idle ones "
+                         "(jobs/clusters/local-autoscaling.yaml)"),
+                arg("--max-nodes", type=int, default=4, help="with --autoscale: the most worker nodes (default 4)"),
+                arg("--idle-timeout-s", type=float, default=6.0,
+                    help="with --autoscale: seconds a worker node may sit idle before it is removed (default 6)"),
                 arg("--cpus-per-node", type=float, default=2.0, help="CPUs each worker node offers (default 2)"),
                 arg("--gpus-per-node", type=int, default=0, help="GPUs each worker node offers (default 0)"),
                 arg("--no-dashboard", action="store_true", help="no dashboard / job server (faster start)"),
