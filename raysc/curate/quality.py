@@ -4,7 +4,9 @@ default thresholds.
 Each rule family turns a document into named measurements (``measure_*``) and the
 thresholds (declared once, in ``QualityConfig``: the ``[quality]`` section) into a verdict (``QualityRules.judge``): ``keep`` and, when dropped, the first
 rule that failed (``reason``). The measurements are returned too, so the curation report
-can histogram them and users can re-threshold without re-reading the data.
+can histogram them and users can re-threshold without re-reading the data. ``judge_batch`` judges a
+batch (as Ray Data hands it to the stage) and computes the n-gram repetition measures for all of it at once
+(``raysc.curate.ngrams``).
 
 Sources (thresholds as published and as datatrove ships them):
 - Gopher: Rae et al. 2021, "Scaling Language Models", appendix A (quality filter and
@@ -19,18 +21,20 @@ string statistics, and datatrove's pipeline runtime would sit beside Ray Data in
 from __future__ import annotations
 
 import re
-from collections import Counter
 
 from raysc.config.schema import QualityConfig
 from raysc.config.syntax import parse_ngram_limits
 from raysc.curate.minhash import words as split_words
+from raysc.curate.ngrams import ngram_repetition
 
 STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}
 BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "–", "-", "*", "·", "‣", "⁃")
 ELLIPSES = ("...", "…")
 TERMINAL = (".", "!", "?", '"', "'", "”", "’")
 C4_POLICY = ("terms of use", "privacy policy", "cookie policy", "uses cookies", "use of cookies", "use cookies")
-_ALPHA = re.compile(r"[^\W\d_]", re.UNICODE)
+# a whitespace-separated word with a letter in it, matched once each: from its first letter to its end (re's
+# \s and \S are str.split()'s whitespace), so counting matches counts such words without a loop over words
+_ALPHA_WORD = re.compile(r"[^\W\d_]\S*")
 
 
 class QualityRules:
@@ -52,10 +56,20 @@ class QualityRules:
 
     def judge(self, text: str, domain: str = "") -> dict:
         """Measurements of every rule family plus ``keep`` and ``reason`` (empty when kept)."""
-        m = {**measure_gopher(text), **measure_repetition(text, self), **measure_c4(text, self),
-             **measure_fineweb(text, self)}
-        reason = self._first_failure(m, prose=domain not in self.skip_domains)
-        return {**m, "keep": not reason, "reason": reason}
+        return self.judge_batch([text], [domain])[0]
+
+    def judge_batch(self, texts: list[str], domains: list[str]) -> list[dict]:
+        """``judge`` of each document; the n-gram repetition measures of the whole batch at once
+        (``raysc.curate.ngrams``)."""
+        words = [split_words(t) for t in texts]
+        grams = ngram_repetition(words, list(self.top_ngram_max), list(self.dup_ngram_max))
+        out = []
+        for i, (text, domain) in enumerate(zip(texts, domains)):
+            m = {**measure_gopher(text, words[i]), **measure_line_repetition(text),
+                 **{k: float(v[i]) for k, v in grams.items()}, **measure_c4(text, self), **measure_fineweb(text, self)}
+            reason = self._first_failure(m, prose=domain not in self.skip_domains)
+            out.append({**m, "keep": not reason, "reason": reason})
+        return out
 
     def _first_failure(self, m: dict, prose: bool) -> str:
         q = self.config
@@ -93,19 +107,20 @@ def _lines(text: str) -> list[str]:
     return [ln.strip() for ln in text.split("\n") if ln.strip()]
 
 
-def measure_gopher(text: str) -> dict:
+def measure_gopher(text: str, words: list[str] | None = None) -> dict:
+    """Gopher's quality measures; ``words``: ``minhash.words(text)`` when the caller has them."""
     w = text.split()
     n = max(len(w), 1)
     lines = _lines(text)
     nl = max(len(lines), 1)
     return {
         "words": len(w),
-        "avg_word_len": sum(len(x) for x in w) / n,
+        "avg_word_len": len("".join(w)) / n,
         "symbol_word_ratio": (text.count("#") + sum(text.count(e) for e in ELLIPSES)) / n,
         "bullet_lines_ratio": sum(ln.startswith(BULLETS) for ln in lines) / nl,
         "ellipsis_lines_ratio": sum(ln.endswith(ELLIPSES) for ln in lines) / nl,
-        "alpha_words_ratio": sum(bool(_ALPHA.search(x)) for x in w) / n,
-        "stop_words": sum(1 for x in split_words(text) if x in STOP_WORDS),
+        "alpha_words_ratio": len(_ALPHA_WORD.findall(text)) / n,
+        "stop_words": sum(1 for x in (split_words(text) if words is None else words) if x in STOP_WORDS),
     }
 
 
@@ -123,33 +138,14 @@ def _dup_fracs(items: list[str]) -> tuple[float, float]:
     return dup_n / len(items), dup_chars / max(sum(map(len, items)), 1)
 
 
-def measure_repetition(text: str, rules: QualityRules) -> dict:
+def measure_line_repetition(text: str) -> dict:
+    """Gopher's repeated lines and paragraphs (its n-gram measures: ``raysc.curate.ngrams``)."""
     lines = _lines(text)
     paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
     line_frac, line_chars = _dup_fracs(lines)
     para_frac, para_chars = _dup_fracs(paras)
-    w = split_words(text)
-    total_chars = max(sum(map(len, w)), 1)
-    out = {"dup_line_frac": line_frac, "dup_line_char_frac": line_chars,
-           "dup_para_frac": para_frac, "dup_para_char_frac": para_chars}
-    for n in rules.top_ngram_max:  # characters in the most frequent n-gram's occurrences
-        grams = Counter(tuple(w[i:i + n]) for i in range(len(w) - n + 1))
-        if grams:
-            gram, count = grams.most_common(1)[0]
-            out[f"top_{n}gram_frac"] = count * sum(map(len, gram)) / total_chars if count > 1 else 0.0
-        else:
-            out[f"top_{n}gram_frac"] = 0.0
-    for n in rules.dup_ngram_max:  # characters covered by n-grams that occur more than once
-        covered = [False] * len(w)
-        seen: set[tuple] = set()
-        for i in range(len(w) - n + 1):
-            g = tuple(w[i:i + n])
-            if g in seen:
-                for j in range(i, i + n):
-                    covered[j] = True
-            seen.add(g)
-        out[f"dup_{n}gram_frac"] = sum(len(x) for x, c in zip(w, covered) if c) / total_chars
-    return out
+    return {"dup_line_frac": line_frac, "dup_line_char_frac": line_chars,
+            "dup_para_frac": para_frac, "dup_para_char_frac": para_chars}
 
 
 def measure_c4(text: str, rules: QualityRules) -> dict:

@@ -93,7 +93,7 @@ def judge_batch(batch: dict, rules: QualityRules, enabled: bool, ppl_limits: dic
     """The batch with every measurement as a ``q_`` column, ``q_keep`` and ``q_reason``; with the
     filter off every document is kept (the scores are still reported). With ``ppl_limits`` (a scored
     batch, ``perplexity.thresholds``) also the perplexity bucket and verdict."""
-    verdicts = [rules.judge(text, dom) for text, dom in zip(batch["text"], batch["domain"])]
+    verdicts = rules.judge_batch(list(batch["text"]), list(batch["domain"]))
     out = dict(batch)
     for key in verdicts[0]:
         out["q_" + key] = np.array([v[key] for v in verdicts])
