@@ -11,8 +11,8 @@ every process it starts (Ray's workers) every 0.2 s. Same parameters everywhere:
 signatures agree on >= 0.7 of the hashes, clusters are connected components, the smallest id
 survives.
 
-- ``raysc``: ``raysc curate`` (Ray Data; quality rules off, but its measurements are still
-  computed and their stage is reported apart, as ``seconds_without_quality``).
+- ``raysc``: ``raysc curate`` (Ray Data; quality rules off, so no quality measurement is computed;
+  ``seconds_without_quality`` leaves out a quality stage where a report has one).
 - ``raysc_kernel``: raysc's MinHasher, band keys and verification in one process with numpy.
 - ``datasketch``: ``MinHash.update_batch`` + ``MinHashLSH(params=(14, 8))`` insert and query,
   the same verification and union-find.
