@@ -82,3 +82,21 @@ def test_a_run_gets_its_nodes_from_the_autoscaler_and_they_go_when_idle(cache_di
     assert down.returncode == 0, down.stderr
     left = subprocess.run(["pgrep", "-f", st.temp_dir], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the cluster still running: {left}"
+
+
+def test_bad_node_limits_and_a_hand_added_node_are_refused_before_anything_starts(tmp_path):
+    import pytest
+
+    from raysc.cluster.local import add_node
+
+    for low, high in ((3, 2), (0, 0), (-1, 2)):
+        with pytest.raises(ValueError, match="need 0 <= min <= max and max >= 1"):
+            autoscaling.up(max_nodes=high, cpus_per_node=1, min_nodes=low, state=tmp_path / "never.json")
+    assert not (tmp_path / "never.json").exists()
+    state = tmp_path / "state.json"  # the record of an autoscaling cluster: its autoscaler adds the nodes
+    gone = subprocess.Popen(["true"])
+    gone.wait()  # a holder pid that no longer exists: nothing may be signalled by mistake
+    ClusterState(pid=gone.pid, address="127.0.0.1:1", dashboard=None, temp_dir=str(tmp_path),
+                 autoscale={"min_nodes": 0, "max_nodes": 2}).write(state)
+    with pytest.raises(RuntimeError, match="autoscales: its autoscaler adds nodes when work asks for them"):
+        add_node(state)
