@@ -136,6 +136,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     print(f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
           f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, running {st['wall_s']} s over "
           f"{st['sessions']} session(s)")
+    if st.get("resizes"):
+        print(f"elastic: data-parallel size {st['dp']} now; resized: " + "; ".join(st["resizes"]))
     print("recent: " + "; ".join(st["last_events"]))
     if st.get("trackers"):
         print("trackers: " + "; ".join(f"{name} {t.get('state')}" + (f" (run {t['run_id']})" if t.get("run_id") else "")

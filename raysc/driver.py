@@ -38,6 +38,7 @@ from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
 from raysc.config.schema import Config
 from raysc.data import megatron
+from raysc.fleet.elastic import min_world
 from raysc.fleet.errors import RunFailed, RunStopped
 from raysc.fleet.events import EventKind
 from raysc.fleet.records import JsonlWriter
@@ -96,7 +97,7 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
     # one rule for every command that trains (train, preflight's probe, parity): a fleet this Ray can never
     # hold stops here, before data or workers, instead of waiting out supervisor.start_timeout_s; that it
     # waits for nodes is said on stderr even without progress lines (a run that sits idle says why)
-    require_fleet_fit("the run", cfg.parallel, cfg.parallel.world_size,
+    require_fleet_fit("the run", cfg.parallel, min_world(cfg),  # an elastic run starts with what fits
                       log=lambda line: print(line, file=sys.stderr, flush=True))
     with StopSignals() as signals:
         return _follow(cfg, resume, progress, probe_bytes, overwrite, signals)

@@ -168,6 +168,15 @@ def check_layout(cfg: Config, origin: str) -> None:
                           f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
 
 
+def check_elastic(cfg: Config, origin: str) -> None:
+    """parallel.elastic: min_dp within the configured size of the dimension that may change."""
+    par = cfg.parallel
+    if par.elastic and par.min_dp > getattr(par, par.elastic_dim):
+        raise ConfigError(f"{origin}: parallel.min_dp={par.min_dp} is larger than parallel.{par.elastic_dim}="
+                          f"{getattr(par, par.elastic_dim)}, the size an elastic run starts from and grows back "
+                          f"to; set min_dp <= {getattr(par, par.elastic_dim)}.")
+
+
 def check_supervisor(cfg: Config, origin: str) -> None:
     """[supervisor]: the fault-injection spec parses and names ranks that exist."""
     par = cfg.parallel
@@ -213,7 +222,7 @@ def check_track(cfg: Config, origin: str) -> None:
 
 SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
     check_data, check_dedup, check_quality, check_model, check_checkpoint, check_batch, check_layout,
-    check_supervisor, check_precision)
+    check_elastic, check_supervisor, check_precision)
 
 
 def validate(cfg: Config, origin: str = "config") -> None:

@@ -180,8 +180,12 @@ def dump_config(cfg: Config) -> str:
 def config_hash(cfg: Config) -> str:
     """Identity of a run's configuration. Fault-injection drills (``supervisor.inject``, which a
     restart consumes as faults fire) and the trackers it logs to (``[track]``) do not change what
-    is trained, so they are left out."""
+    is trained, so they are left out; so is the size an elastic run has now (``parallel.elastic``: its
+    data-parallel size and the micro-batching that keeps its global batch follow the cluster)."""
     clean = copy.deepcopy(cfg)
     clean.supervisor.inject = ""
     clean.track = type(cfg.track)()
+    if clean.parallel.elastic:
+        setattr(clean.parallel, clean.parallel.elastic_dim, clean.parallel.min_dp)
+        clean.parallel.pp_microbatches = clean.train.micro_batch = 0
     return hashlib.sha256(dump_config(clean).encode()).hexdigest()[:16]

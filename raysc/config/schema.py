@@ -1,8 +1,8 @@
 """Typed configuration sections for a raysc run.
 
-Every key a user can set lives here (the ``[serve]`` section in ``serve_schema.py``, ``[track]`` in
-``track_schema.py``), declared with ``options.opt``: its default, the values it allows and a one-line
-help text (``metadata``). ``raysc.config.load`` checks TOML files and ``--set`` overrides against these
+Every key a user can set lives here (``[parallel]`` in ``parallel_schema.py``, ``[serve]`` in
+``serve_schema.py``, ``[track]`` in ``track_schema.py``), declared with ``options.opt``: its default,
+the values it allows and a one-line help text (``metadata``). ``raysc.config.load`` checks TOML files and ``--set`` overrides against these
 declarations; the key names are the public contract of raysc, so rename nothing without a migration
 note in docs/config.md.
 """
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from raysc.config.dims import PP_SCHEDULES, ParallelDims
 from raysc.config.faults import KINDS as FAULT_KINDS
 from raysc.config.options import opt, opt_dict
+from raysc.config.parallel_schema import ParallelConfig
 from raysc.config.serve_schema import ServeConfig
 from raysc.config.track_schema import TrackConfig
 
@@ -79,40 +79,6 @@ class ModelConfig:
         raw = int(8 * self.dim / 3)
         m = self.ffn_multiple_of
         return m * ((raw + m - 1) // m)
-
-
-@dataclass
-class ParallelConfig:
-    device: str = opt("cpu", "cpu (gloo) or cuda (NCCL, one GPU per worker)", choices=["cpu", "cuda"])
-    dp_replicate: int = opt(1, "replicated data-parallel degree", min=1)
-    dp_shard: int = opt(1, "sharded (FSDP) data-parallel degree", min=1)
-    tp: int = opt(1, "tensor-parallel degree", min=1)
-    pp: int = opt(1, "pipeline-parallel degree", min=1)
-    cp: int = opt(1, "context-parallel degree", min=1)
-    sequence_parallel: bool = opt(False, "shard norms and activations along the sequence inside TP groups")
-    recompute: str = opt("none", "activation recomputation: none, or full (each block keeps only its input and "
-                                 "recomputes its forward in backward: ~+33% FLOPs, far less activation memory)",
-                         choices=["none", "full"])
-    pp_schedule: str = opt("1f1b", "pipeline schedule", choices=list(PP_SCHEDULES))
-    pp_microbatches: int = opt(0, "microbatches per pipeline step; 0 = pp", min=0)
-    pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedules)", min=1)
-    cpus_per_worker: float = opt(1.0, "CPU cores reserved for each worker actor (its torch thread count)", gt=0.0)
-    tp_within_node: bool = opt(False, "require every tensor/context-parallel group (tp×cp consecutive ranks) to fit "
-                                      "on one node: a layout that cannot fails before step 1, naming the node "
-                                      "sizes (false: it runs, with a layout_warning)")
-
-    @property
-    def dims(self) -> ParallelDims:
-        """The degrees as the layout authority (``world_size``, ``dp``, coordinates)."""
-        return ParallelDims.of(self)
-
-    @property
-    def world_size(self) -> int:
-        return self.dims.world_size
-
-    @property
-    def dp(self) -> int:
-        return self.dims.dp
 
 
 @dataclass

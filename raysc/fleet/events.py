@@ -62,6 +62,8 @@ class EventKind(str, Enum):
     RECOVERED = "recovered", "a new fleet resumed from the newest checkpoint"
     RESTARTS_EXHAUSTED = "restarts_exhausted", "supervisor.max_restarts failures without progress: giving up"
     NODE_LOST = "node_lost", "Ray reports a node of the fleet dead: its ranks, processes and objects are gone"
+    RESIZED = "resized", ("an elastic run changed its data-parallel size (parallel.elastic): from, to, the "
+                          "dimension, why, seconds, steps lost")
     NODE_QUARANTINED = "node_quarantined", "a node is suspect; later restarts place workers elsewhere"
     QUARANTINE_IGNORED = "quarantine_ignored", "the nodes outside the quarantine cannot hold the fleet: placed on them too"
     SDC_UNAVAILABLE = "sdc_unavailable", "replica checks are set but no rank holds a replica to compare"

@@ -4,7 +4,11 @@
   restore the newest checkpoint of this run, skip the injected faults that already fired;
 - rollback: restore, in place, the checkpoint before a loss spike and skip data (PaLM-style);
 - repair: restore replicas that disagree from the healthy majority and quarantine their
-  nodes, or roll every replica back when there is no majority.
+  nodes, or roll every replica back when there is no majority;
+- resize (``parallel.elastic``): a restart after a node loss that finds no room for the fleet
+  within ``supervisor.node_wait_s`` continues at the largest data-parallel size that fits
+  (``raysc.fleet.elastic``); ``grow`` brings the run back to its configured size at a committed
+  checkpoint once the growth request is placed.
 
 Each restart or rollback is a strike; more than ``supervisor.max_restarts`` strikes without a
 chunk of training in between stop the run. Repeated restarts back off exponentially.
@@ -20,6 +24,7 @@ from raysc.config.schema import Config
 from raysc.fleet.actions import Action, classify
 from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import FailureKind, RunFailed
+from raysc.fleet.elastic import Elastic
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.stats import RunStats
@@ -53,9 +58,10 @@ def raylet_answers(node_id: str) -> bool:
 class Healer:
     def __init__(self, cfg: Config, fleet: Fleet, ckpt: CheckpointCoordinator, stats: RunStats,
                  timeouts: Timeouts, event: Callable[..., dict], wait: Callable[..., list],
-                 touch: Callable[[], None], fired: Callable[[], set[str]]) -> None:
+                 touch: Callable[[], None], fired: Callable[[], set[str]], elastic: Elastic | None = None) -> None:
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
+        self.elastic = elastic
         self.repaired_in_place = False  # the last heal restored replicas without leaving their step
 
     def heal(self, err: RunFailed, data: dict, set_phase: Callable[[str], None]) -> int:
@@ -92,14 +98,76 @@ class Healer:
         self.fleet.stop_workers()
         if self.stats.strikes > 1:  # the first restart is immediate; repeated failures back off
             time.sleep(self.cfg.supervisor.restart_backoff_s * 2 ** (self.stats.strikes - 2))
-        self.fleet.replace(node_lost=bool(lost))
+        size = self.elastic.size if self.elastic else None
+        self._replace(bool(lost))
         self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
         self.fleet.start(data, self.wait, self.touch, warm=True)
         self.ckpt.workers = self.fleet.workers  # (the calibrated timeouts reach it after its warm-up step)
         step = self.ckpt.restore(True) if self.ckpt.own_steps() else 0
+        seconds = round(time.monotonic() - t0, 3)
         self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
-                   steps_lost=failed_at - 1 - step, seconds=round(time.monotonic() - t0, 3))
+                   steps_lost=failed_at - 1 - step, seconds=seconds)
+        if size is not None and self.elastic.size != size:
+            self._resized(size, f"a node was lost and the cluster had no room for {self.elastic.world(size)} "
+                                f"workers within supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s",
+                          seconds, failed_at - 1 - step)
         return step
+
+    def _replace(self, node_lost: bool) -> None:
+        """``Fleet.replace``; an elastic run that finds no room after a node loss shrinks to the
+        largest size the alive nodes hold (at least parallel.min_dp, else the run fails as a fixed one
+        does) and asks for the missing workers' room back (its growth request)."""
+        el = self.elastic
+        try:
+            self.fleet.replace(node_lost=node_lost)
+        except RunFailed:
+            size = el.largest_fitting(below=el.size) if el is not None and node_lost else None
+            if size is None:
+                raise
+            el.cancel()
+            el.resize(size)
+            self.timeouts.reset()
+            self.fleet.reserve()
+        if el is not None:
+            el.request_growth()
+
+    def grow_due(self, step: int) -> bool:
+        """An elastic run below its size, at a step whose checkpoint was just saved (in flight or
+        committed), whose growth request is placed: grow now."""
+        el, ckpt = self.elastic, self.ckpt
+        saved = step in (ckpt.durable_step, (ckpt.inflight or {}).get("step"))
+        return el is not None and step < self.cfg.train.steps and saved and el.grow_ready()
+
+    def grow(self, step: int, data: dict) -> int:
+        """At ``step``, a checkpoint boundary, once the growth request is placed: commit the save in
+        flight, replace the fleet with one of the configured size and restore ``step`` into it (the hot
+        copy, resharded). Returns the step training goes on from (``step``: nothing is lost)."""
+        el, t0, size = self.elastic, time.monotonic(), self.elastic.size
+        self.ckpt.finish()
+        if self.ckpt.durable_step != step:
+            return step  # the save failed: grow at a later boundary, with a checkpoint to restore
+        self.fleet.release()
+        el.cancel()
+        el.resize(el.full)
+        self.timeouts.reset()
+        try:
+            self.fleet.reserve()
+        except RunFailed:  # the room went again meanwhile: the size the run had, and ask again
+            el.resize(size)
+            self.fleet.reserve()
+            el.request_growth()
+        self.fleet.start(data, self.wait, self.touch)
+        self.ckpt.workers = self.fleet.workers
+        restored = self.ckpt.restore(True)
+        self._resized(size, "the growth request was placed: the cluster has room for the configured size again",
+                      round(time.monotonic() - t0, 3), step - restored)
+        return restored
+
+    def _resized(self, size: int, why: str, seconds: float, steps_lost: int) -> None:
+        el = self.elastic
+        self.event(EventKind.RESIZED, dim=el.dim, **{"from": size, "to": el.size}, world_size=el.world(el.size),
+                   why=why, seconds=seconds, steps_lost=steps_lost,
+                   note="the global batch, schedule and data order are the run's own at every size")
 
     def _lost_nodes(self, err: RunFailed) -> dict[str, list[int]]:
         """The fleet's nodes Ray reports dead (node id -> ranks), recorded as ``node_lost``. After a

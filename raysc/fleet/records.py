@@ -21,6 +21,7 @@ DASHBOARD_METRICS = {
     "tokens_per_s": "training throughput, tokens per second",
     "mfu": "model FLOPs utilisation",
     "step": "last completed optimizer step",
+    "dp": "data-parallel size of the fleet now (an elastic run's follows the cluster)",
 }
 HEALTH_METRICS = {
     "restarts": "fleet restarts after a dead, hung or failing worker",

@@ -56,6 +56,12 @@ def tracker_states(events: list[dict]) -> dict[str, dict]:
     return out
 
 
+def resizes(events: list[dict]) -> list[str]:
+    """An elastic run's size changes, oldest first (``dp_replicate 2->1 at ... (why)``)."""
+    return [f"{e['dim']} {e['from']}->{e['to']} ({e['why']}; {e['seconds']:g}s, {e['steps_lost']} steps lost)"
+            for e in events if e["kind"] == EventKind.RESIZED]
+
+
 def run_status(run_dir: str | Path) -> dict:
     rd = Path(run_dir)
     if not (rd / "events.jsonl").is_file():
@@ -77,6 +83,7 @@ def run_status(run_dir: str | Path) -> dict:
         "run_dir": str(rd), "state": state, "step": last.get("step"), "total_steps": total,
         "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "tokens_per_s": last.get("tokens_per_s"),
         "mfu": last.get("mfu"), "tokens": last.get("tokens"),
+        "dp": last.get("dp"), "resizes": resizes(events),
         "restarts": sum(1 for e in events if e["kind"] == EventKind.RECOVERED),
         "skipped_updates": sum(1 for e in events if e["kind"] == EventKind.UPDATE_SKIPPED),
         "failed_saves": sum(1 for e in events if e["kind"] == EventKind.CHECKPOINT_SAVE_FAILED),

@@ -30,6 +30,7 @@ from raysc.config.load import config_from_dict, config_hash, dump_config
 from raysc.data.prepare import prepare_data
 from raysc.data.special_tokens import SpecialTokens, copy_tokenizer, write_special_tokens
 from raysc.fleet.checkpointing import CheckpointCoordinator
+from raysc.fleet.elastic import Elastic
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
@@ -60,6 +61,8 @@ class Supervisor:
         self._stop: str | None = None  # why the driver asked the run to stop (SIGINT, SIGTERM)
         self._ckpt_asked: str | None = None  # who asked for a checkpoint now (raysc ckpt now, SIGUSR1)
         self.stats = RunStats(cfg.train.steps)
+        # parallel.elastic: pins the micro-batch before any worker's config is made; the size lives in cfg
+        self.elastic = Elastic(cfg) if cfg.parallel.elastic else None
         self.fleet = Fleet(cfg, self.run_dir, self._event, ray.get_runtime_context().current_actor)
         self.watch = Watch(self._event, self.stats.silent_s, self.fleet.node, cfg.supervisor.hang_timeout_s)
         self.timeouts = Timeouts(cfg.supervisor, self._event, self.watch.wait)
@@ -172,6 +175,8 @@ class Supervisor:
         finally:
             self._phase = "stopped"
             self.fleet.release()
+            if self.elastic:
+                self.elastic.cancel()
             if self.tracker is not None:
                 self.tracker.close(status)
             self.records.close()
@@ -181,7 +186,7 @@ class Supervisor:
         data = self._prepare()
         start_step = step = self._start(data)
         healer = Healer(self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts, self._event,
-                        self.watch.wait, self.stats.touch, self._fired_faults)
+                        self.watch.wait, self.stats.touch, self._fired_faults, self.elastic)
         self._phase = "training"
         t_train = time.perf_counter()
         repaired = False  # replicas repaired in place at ``step``: it may still be due its checkpoint
@@ -191,6 +196,9 @@ class Supervisor:
                     step = self._train_chunk(step)
                 repaired = False
                 step = self._checkpoint_if_due(step)
+                if healer.grow_due(step):
+                    self._phase = "growing"
+                    step = healer.grow(step, data)
             except (RunFailed, ray.exceptions.RayError) as e:
                 step = self._heal(healer, typed_failure(e, self._event), data)
                 repaired = healer.repaired_in_place
@@ -225,7 +233,10 @@ class Supervisor:
         # the workers' processes start (Python, Ray, torch: seconds) while the checkpoint to init from is
         # read and the data is packed; they are set up with the final config in ``_start``
         self._phase = "starting workers"
+        self._start_size()
         self.fleet.reserve()
+        if self.elastic:
+            self.elastic.request_growth()
         self.fleet.spawn()
         self._track()
         if self.cfg.model.init_from:
@@ -242,6 +253,19 @@ class Supervisor:
         # the EOS id: with train.document_mask the ranks find document boundaries by it
         return {"train": ray.put(packed.train), "val": ray.put(packed.val),
                 "eos_id": int(data_info["special_tokens"]["eos_id"])}
+
+    def _start_size(self) -> None:
+        """An elastic run starts with the largest allowed size the alive nodes hold (the configured
+        one when none does yet: the fleet waits for nodes as a fixed one does)."""
+        el = self.elastic
+        size = el.largest_fitting() if el else None
+        if size is not None and size < el.size:
+            full = el.size
+            el.resize(size)
+            self._event(EventKind.RESIZED, dim=el.dim, **{"from": full, "to": size}, world_size=el.world(size),
+                        why=f"the cluster holds {el.world(size)} of the configured {el.world(full)} workers at "
+                            f"the start", seconds=0.0, steps_lost=0,
+                        note="grows at a checkpoint boundary once its growth request is placed")
 
     def _track(self) -> None:
         """Open the [track] trackers: a resumed run continues the tracker runs recorded in the run

@@ -35,6 +35,10 @@ class Timeouts:
         """Whether calibration is still to run (it is on and has not run yet)."""
         return self.values is None and bool(self.sup.calibrate_steps)
 
+    def reset(self) -> None:
+        """Measure again (a resized fleet's steps take another time); the configured timeouts meanwhile."""
+        self.values = None
+
     @property
     def hang_s(self) -> float | None:
         return self.values["hang_s"] if self.values else None

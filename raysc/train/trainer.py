@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from raysc.config.schema import Config
+from raysc.data.fingerprint import PRIME, rows_fingerprint
 from raysc.data.loader import build_loader
 from raysc.model.documents import document_ids
 from raysc.model.flops import flops_per_token
@@ -160,6 +161,20 @@ class Trainer:
         dist.all_reduce(contrib)
         return (contrib / (self.dims.dp * self.dims.cp * self.dims.tp)).item()
 
+    def _step_totals(self, local_loss: torch.Tensor, fingerprint: int) -> tuple[float, int]:
+        """The step's mean loss (as ``_global_mean``) and the fingerprint of its global batch's rows
+        (``raysc.data.fingerprint``), in one all-reduce: every rank of a data-parallel index loaded
+        the same rows, so the sum counts each slice world/dp times."""
+        if self.world_size == 1:
+            return local_loss.item(), fingerprint
+        loss = local_loss.detach().double() if self.shard.has_last_stage else torch.zeros((), dtype=torch.float64,
+                                                                                           device=self.device)
+        both = torch.stack([loss.reshape(()), torch.tensor(float(fingerprint), dtype=torch.float64, device=self.device)])
+        dist.all_reduce(both)
+        copies = self.world_size // self.dims.dp
+        mean, total = both.tolist()
+        return mean / (self.dims.dp * self.dims.cp * self.dims.tp), int(round(total)) // copies % PRIME
+
     def _forward_backward(self, x: torch.Tensor, y: torch.Tensor, docs: torch.Tensor | None) -> torch.Tensor:
         if self.schedule is not None:
             losses: list[torch.Tensor] = []
@@ -185,12 +200,13 @@ class Trainer:
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
         batch = self.loader.next_batch().to(self.device, non_blocking=True)
+        fingerprint = rows_fingerprint(batch)
         x, y, docs = self._inputs(batch)
         with self._loss_ctx(), self._autocast():
             local_loss = self._forward_backward(x, y, docs)
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
         lr = self.scheduler.get_last_lr()[0]
-        loss_value = self._global_mean(local_loss)  # the same number on every rank
+        loss_value, fingerprint = self._step_totals(local_loss, fingerprint)  # the same on every rank
         spike = None
         if self.cfg.supervisor.spike_policy != "off":
             spike = self.detector.check(loss_value, float(grad_norm))
@@ -213,7 +229,8 @@ class Trainer:
                 raise SpikeRollback(self.step, first, spike)
         metrics = {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
                    "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
-                   "epoch": self.loader.epoch, "time": time.time(), "skipped": spike}
+                   "epoch": self.loader.epoch, "time": time.time(), "skipped": spike,
+                   "dp": self.dims.dp, "data_fp": fingerprint}
         if self.detector.shift is not None:
             metrics["level_shift"] = self.detector.shift  # a persistent loss level was accepted
         if self._domain_epochs is not None and self.loader.epochs != self._domain_epochs:
