@@ -185,7 +185,9 @@ def check_supervisor(cfg: Config, origin: str) -> None:
     except ValueError as e:
         raise ConfigError(f"{origin}: supervisor.inject: {e}") from None
     for f in faults:
-        if f.rank >= par.world_size:
+        # an elastic run's world changes: a fault for a rank it lacks now fires once it has that rank again
+        # (``raysc.fleet.elastic`` checks the ranks against the configured size)
+        if f.rank >= par.world_size and not par.elastic:
             raise ConfigError(f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
                               f"(world size {par.world_size}).")
 

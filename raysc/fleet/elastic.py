@@ -20,6 +20,8 @@ size, so an autoscaler is never asked for more than the run can use).
 from __future__ import annotations
 
 from raysc.cluster.fit import workers_fit
+from raysc.config.checks import ConfigError
+from raysc.config.faults import parse_faults
 from raysc.config.schema import Config
 
 
@@ -68,6 +70,10 @@ class Elastic:
         self.sizes = configured_sizes(cfg)
         self.request = None  # the pending placement group of the missing workers
         self._pp_micro = par.pp_microbatches or par.pp
+        for f in parse_faults(cfg.supervisor.inject):
+            if f.rank >= par.world_size:
+                raise ConfigError(f"supervisor.inject: rank {f.rank} in {f.spec!r} does not exist (world size "
+                                  f"{par.world_size} at the configured size; name a rank below it).")
         if par.pp == 1:
             cfg.train.micro_batch = self.micro  # pinned: a smaller fleet accumulates, never grows its forward
 

@@ -118,13 +118,14 @@ class Healer:
         largest size the alive nodes hold (at least parallel.min_dp, else the run fails as a fixed one
         does) and asks for the missing workers' room back (its growth request)."""
         el = self.elastic
+        if el is not None:
+            el.cancel()  # the room it holds is the new fleet's first (asked for again below)
         try:
             self.fleet.replace(node_lost=node_lost)
         except RunFailed:
             size = el.largest_fitting(below=el.size) if el is not None and node_lost else None
             if size is None:
                 raise
-            el.cancel()
             el.resize(size)
             self.timeouts.reset()
             self.fleet.reserve()
