@@ -199,8 +199,9 @@ class Trainer:
         t0 = time.perf_counter()
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
-        batch = self.loader.next_batch().to(self.device, non_blocking=True)
-        fingerprint = rows_fingerprint(batch)
+        rows = self.loader.next_batch()
+        fingerprint = rows_fingerprint(rows)  # on the host copy: no device sync before the forward
+        batch = rows.to(self.device, non_blocking=True)
         x, y, docs = self._inputs(batch)
         with self._loss_ctx(), self._autocast():
             local_loss = self._forward_backward(x, y, docs)
