@@ -18,7 +18,7 @@ With CUDA, two parts, each in a child process with a time limit (together under 
    maximum in each step (``raysc.train.memory.PeakMemory``, the median over steps) against
    ``raysc.plan.memory.estimate_memory`` for the same layout. The child writes its figures after
    every step, so a run cut by the time limit still reports the steps it finished.
-2. ``make test-gpu``: its pytest counts.
+2. ``make test-gpu`` (with ``PYTHON`` set: ``$PYTHON -m pytest -m gpu``): its pytest counts.
 
 The last line printed is one JSON object. Environment: BENCH_STEPS (default 10 steps),
 BENCH_MFU_TIMEOUT_S (270), BENCH_TESTS_TIMEOUT_S (180), BENCH_CONFIG (jobs/configs/llama-1b.toml).
@@ -154,11 +154,23 @@ def run_measure(config: str, overrides: list[str], steps: int, timeout: float) -
     return got
 
 
+def tests_command() -> list[str]:
+    """``make test-gpu``, which builds .venv from the package registries; where ``PYTHON`` names another
+    interpreter (a GPU image's own CUDA torch, with the other dependencies on its path, on a machine
+    that cannot reach a registry), the same selection (``pytest -m gpu``) run by that interpreter on
+    tests/test_gpu.py, the module that holds them (collecting all of tests/ there stops at the modules
+    whose test-only dependencies such an image lacks: moto, vllm, openai)."""
+    if os.environ.get("PYTHON"):
+        return [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", "tests/test_gpu.py"]
+    return ["make", "test-gpu"]
+
+
 def run_tests(timeout: float) -> dict:
-    """``make test-gpu``: pytest's counts from its summary line."""
+    """The GPU tests (``tests_command``): pytest's counts from its summary line."""
+    cmd = tests_command()
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(["make", "test-gpu"], cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
+        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
         rc, text = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as e:
@@ -170,7 +182,7 @@ def run_tests(timeout: float) -> dict:
     counts = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
     for n, kind in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary or ""):
         counts["errors" if kind.startswith("error") else kind] += int(n)
-    return {"command": "make test-gpu", "rc": rc, **counts, "summary": summary or " | ".join(lines[-2:]),
+    return {"command": " ".join(cmd), "rc": rc, **counts, "summary": summary or " | ".join(lines[-2:]),
             "wall_s": round(time.perf_counter() - t0, 1)}
 
 
@@ -212,7 +224,7 @@ def main() -> None:
                memory_measured_over_estimate=None if peak is None else round(peak / 1e9 / plan["memory_estimate_gb"], 3))
     print(f"train: {json.dumps(out['train'])}", flush=True)
     if not args.skip_tests:
-        print(f"make test-gpu (limit {TESTS_TIMEOUT_S:.0f} s)", flush=True)
+        print(f"{' '.join(tests_command())} (limit {TESTS_TIMEOUT_S:.0f} s)", flush=True)
         out["tests"] = run_tests(TESTS_TIMEOUT_S)
     out["wall_s"] = round(time.perf_counter() - t_start, 1)
     print(json.dumps(out))
