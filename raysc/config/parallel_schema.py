@@ -53,3 +53,12 @@ class ParallelConfig:
     @property
     def dp(self) -> int:
         return self.dims.dp
+
+    def micro_batch(self, global_batch_sequences: int, train_micro_batch: int) -> int:
+        """Sequences per forward pass on one rank: the pipeline's microbatch under PP, else
+        ``train.micro_batch`` (0: the whole local batch). The one rule the planner's ``Layout`` and an
+        elastic run's size checks share."""
+        local = global_batch_sequences // self.dp
+        if self.pp > 1:
+            return max(1, local // (self.pp_microbatches or self.pp))
+        return train_micro_batch or local

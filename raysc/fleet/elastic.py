@@ -31,22 +31,13 @@ def configured_sizes(cfg: Config, full: int | None = None) -> list[int]:
     par, gb = cfg.parallel, cfg.train.global_batch_sequences
     full = full or getattr(par, par.elastic_dim)
     other = par.dp // getattr(par, par.elastic_dim)
-    micro = _micro_size(cfg, full)
+    micro = cfg.parallel.micro_batch(cfg.train.global_batch_sequences, cfg.train.micro_batch)
     out = []
     for size in range(full, par.min_dp - 1, -1):
         dp = other * size
         if gb % dp == 0 and (gb // dp) % micro == 0:
             out.append(size)
     return out
-
-
-def _micro_size(cfg: Config, full: int) -> int:
-    """Sequences per forward pass (per pipeline microbatch) at the configured size ``full``."""
-    par = cfg.parallel
-    local = cfg.train.global_batch_sequences // (par.dp // getattr(par, par.elastic_dim) * full)
-    if par.pp > 1:
-        return max(1, local // (par.pp_microbatches or par.pp))
-    return cfg.train.micro_batch or local
 
 
 def min_world(cfg: Config) -> int:
@@ -66,7 +57,7 @@ class Elastic:
         self.cfg = cfg
         self.dim = par.elastic_dim
         self.full = getattr(par, self.dim)
-        self.micro = _micro_size(cfg, self.full)
+        self.micro = cfg.parallel.micro_batch(cfg.train.global_batch_sequences, cfg.train.micro_batch)
         self.sizes = configured_sizes(cfg)
         self.request = None  # the pending placement group of the missing workers
         self._pp_micro = par.pp_microbatches or par.pp

@@ -56,8 +56,7 @@ class Layout:
     def from_config(cls, cfg) -> "Layout":
         """The layout a config runs (its micro-batch: train.micro_batch, or the pipeline's)."""
         par, t = cfg.parallel, cfg.train
-        local = t.global_batch_sequences // par.dp
-        micro = local // (par.pp_microbatches or par.pp) if par.pp > 1 else (t.micro_batch or local)
+        micro = par.micro_batch(t.global_batch_sequences, t.micro_batch)
         return cls(**par.dims.as_dict(), sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
                    pp_virtual_stages=par.pp_virtual_stages, micro_batch=micro, recompute=par.recompute)
 
