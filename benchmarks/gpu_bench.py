@@ -22,6 +22,7 @@ With CUDA, two parts, each in a child process with a time limit (together under 
 
 The last line printed is one JSON object. Environment: BENCH_STEPS (default 10 steps),
 BENCH_MFU_TIMEOUT_S (270), BENCH_TESTS_TIMEOUT_S (180), BENCH_CONFIG (jobs/configs/llama-1b.toml).
+The config compiles its blocks (``train.compile = true``); ``--set train.compile=false`` measures eager.
 """
 
 from __future__ import annotations
@@ -106,6 +107,7 @@ def measure(config: str, overrides: list[str], steps: int, out: Path) -> None:
         result["train_sequences"] = int(len(packed.train))
         t0 = time.perf_counter()
         trainer = Trainer(cfg, packed.train)
+        result["compiled"] = cfg.train.compile
         memory = PeakMemory(trainer.model_parts, trainer.optimizer, trainer.device)
         result["model_s"] = round(time.perf_counter() - t0, 1)
         result.update(device=str(trainer.device), peak_flops=trainer.peak_flops,
@@ -213,7 +215,7 @@ def main() -> None:
     run = run_measure(args.config, args.overrides, args.steps, MFU_TIMEOUT_S)
     mem = run.get("memory") or {}
     peak = mem.get("peak_bytes")
-    out["train"] = {k: run.get(k) for k in ("steps_done", "tokens_per_s", "mfu", "step_times_s", "losses",
+    out["train"] = {k: run.get(k) for k in ("compiled", "steps_done", "tokens_per_s", "mfu", "step_times_s", "losses",
                                             "data_s", "model_s", "wall_s", "rc", "error", "output_tail")
                     if run.get(k) is not None}
     out.update(mfu=run.get("mfu"), mfu_target=MFU_TARGET,

@@ -193,14 +193,28 @@ def check_supervisor(cfg: Config, origin: str) -> None:
 
 
 def check_precision(cfg: Config, origin: str) -> None:
-    """[train] × [parallel]: bf16 needs CUDA; document positions need the document mask."""
+    """[train] × [parallel]: bf16 needs CUDA; document positions need the document mask; compiled blocks
+    are not tensor-parallel."""
     t, par = cfg.train, cfg.parallel
+    if t.compile and par.tp > 1:  # torch 2.13: a compiled TP block fails on DTensor ('_local_tensor'), seen here
+        raise ConfigError(f"{origin}: train.compile is not supported with parallel.tp={par.tp} yet (the compiled "
+                          f"tensor-parallel block fails in torch {_torch_version()}); set train.compile=false, or "
+                          f"use dp_shard / pp / cp for the model's parallelism.")
     if t.dtype == "bf16" and par.device == "cpu":
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
     if t.document_positions and not t.document_mask:
         raise ConfigError(f"{origin}: train.document_positions restarts rotary positions per document, but "
                           f"train.document_mask is off (documents would still see each other); set "
                           f"train.document_mask=true too, or unset train.document_positions.")
+
+
+def _torch_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:
+        return "(not installed)"
 
 
 TRACKER_PACKAGES = {"tensorboard": ("track.tensorboard", "tensorboard"),

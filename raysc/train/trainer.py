@@ -33,6 +33,7 @@ from raysc.parallel.clip import clip_grad_norm
 from raysc.parallel.cp import shard_sequence
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
+from raysc.train.compile import compile_blocks
 from raysc.train.optim import build_optimizer, build_scheduler
 from raysc.train.sdc import ReplicaCheck
 from raysc.train.stability import SpikeDetector, SpikeRollback
@@ -80,6 +81,8 @@ class Trainer:
         for part in self.model_parts:
             part.restart_positions = cfg.train.document_positions
         self.model = self.model_parts[0]
+        if cfg.train.compile:
+            compile_blocks(self.model_parts)
         named = [(n, p) for m in self.model_parts for n, p in m.named_parameters() if p.requires_grad]
         self.params = [p for _, p in named]
         self.optimizer = build_optimizer(named, cfg.optim, cfg.model)  # names: μP groups by parameter name
