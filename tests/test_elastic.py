@@ -110,9 +110,11 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_on_the_uninterrupted_runs_s
     try:
         el_dir = tmp_path / "elastic"
         # rank 2 sits on the second node (two 2-CPU nodes, ranks placed in node order); the slow steps after
-        # the loss give the autoscaler time to add a node while the run trains at dp_replicate=1
+        # the loss (3 s each) give the autoscaler time to add a node while the run trains at dp_replicate=1:
+        # 12 of them (36 s), since with 5 (15 s) a loaded CI machine once ended the run before the node came
+        slow = ",".join(f"slow@{s}:0" for s in range(14, 26))
         _train(st, el_dir, cache_dir, "parallel.elastic=true", "parallel.min_dp=1", "supervisor.node_wait_s=2",
-               'supervisor.inject="node_loss@13:2,slow@14:0,slow@15:0,slow@16:0,slow@17:0,slow@18:0"')
+               f'supervisor.inject="node_loss@13:2,{slow}"')
         events = read_jsonl(el_dir / "events.jsonl")
         resized = [e for e in events if e["kind"] == "resized"]
         print(json.dumps(resized, indent=1))
