@@ -177,13 +177,37 @@ def ray_head():
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def live_actors(address: str) -> list:
-    """Actors of the cluster at ``address`` that are not DEAD (the job server's own excepted)."""
+def live_actors(address: str, besides: set[str] = frozenset()) -> list:
+    """Actors of the cluster at ``address`` that are not DEAD (the job server's own and ``besides`` excepted)."""
     from ray.util.state import list_actors
 
     return [a for a in list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=1000,
                                    raise_on_missing_output=False)
-            if a.class_name != "JobSupervisor"]
+            if a.class_name != "JobSupervisor" and a.actor_id not in besides]
+
+
+_POOL_IDS = """
+import json, sys, ray
+ray.init(address=sys.argv[1], log_to_driver=False, configure_logging=False)
+ids = []
+for a in ray.util.list_named_actors(all_namespaces=True):
+    if a["name"].startswith("raysc-worker-pool-"):
+        pool = ray.get_actor(a["name"], namespace=a["namespace"])
+        ids += [pool._actor_id.hex(), *(w._actor_id.hex() for w in ray.get(pool.idle_workers.remote()))]
+print(json.dumps(ids))
+"""
+
+
+def pool_actor_ids(cluster: dict) -> set[str]:
+    """The ``ray_head`` cluster's worker pools (``raysc.fleet.pool``) and their idle workers: what a run
+    that ended leaves alive by design (asked in a driver of its own: this process is on another cluster)."""
+    import json
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _POOL_IDS, cluster["gcs"]], env=cluster["env"], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    return set(json.loads(out.strip().splitlines()[-1]))
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import TINY, live_actors
+from conftest import TINY, live_actors, pool_actor_ids
 from raysc.checkpoint.store import CheckpointStore
 from raysc.fleet.records import read_jsonl
 
@@ -97,7 +97,9 @@ def test_ray_job_stop_saves_shuts_down_and_prints_the_resume_job(ray_head, cache
                                                "jobs/pretrain.py --config jobs/configs/tiny.toml --set ")
         assert resume[0].endswith(" --resume")
         assert "SIGTERM received" not in logs  # Ray's native stack dump: the driver's handler took over
-        _wait_for(lambda: not live_actors(address), 30, "every actor of the job to be dead")
+        idle = pool_actor_ids(ray_head)  # kept for the next run (raysc.fleet.pool); nothing else of the job is
+        _wait_for(lambda: not live_actors(address, idle), 30, "every actor of the job but the pool's idle ones to "
+                                                              "be dead")
     finally:
         subprocess.run([ray_bin, "job", "stop", "--address", address, job_id], env=env, capture_output=True,
                        timeout=120)
@@ -125,7 +127,9 @@ def test_a_job_whose_head_side_driver_dies_is_resubmitted_with_resume(ray_head, 
         committed = saved()
         out, _ = job.communicate(timeout=120)
         assert job.returncode != 0, out[-2000:]  # `ray job submit` reports the job failed
-        _wait_for(lambda: not live_actors(address), 60, "the job's actors to go with its driver")
+        # its workers too: the pool kills what it lent to a supervisor that is gone
+        idle = pool_actor_ids(ray_head)
+        _wait_for(lambda: not live_actors(address, idle), 60, "the job's actors to go with its driver")
         assert CheckpointStore(str(run_dir / "checkpoints")).latest() >= committed[-1]
         again = subprocess.run([*_submit(ray_head, sets), "--resume"], env=env, cwd=ROOT,
                                capture_output=True, text=True, timeout=300)

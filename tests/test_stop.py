@@ -14,7 +14,7 @@ import sys
 import time
 from pathlib import Path
 
-from conftest import TINY, live_actors
+from conftest import TINY, live_actors, pool_actor_ids
 from raysc.checkpoint.store import CheckpointStore
 from raysc.fleet.records import read_jsonl
 
@@ -89,7 +89,10 @@ def _assert_stopped(ray_head: dict, run_dir: Path, rc: int, out: str, seen: int,
     last = out.strip().splitlines()[-1]
     assert last.startswith("resume with: raysc train jobs/configs/tiny.toml --set ") and last.endswith(" --resume")
     assert "Traceback" not in out and "SIGTERM received" not in out, out
-    _wait(lambda: not live_actors(ray_head["address"]), "every actor to be dead", timeout=30)
+    # the pool's idle processes stay for the next run (raysc.fleet.pool); nothing else of the run does
+    idle = pool_actor_ids(ray_head)
+    _wait(lambda: not live_actors(ray_head["address"], idle), "every actor but the pool's idle ones to be dead",
+          timeout=30)
     cmd = shlex.split(last.removeprefix("resume with: "))
     return step, [RAYSC, *cmd[1:]]
 
@@ -147,7 +150,10 @@ def test_second_ctrl_c_aborts_at_once_and_commits_nothing_partial(ray_head, cach
     store = CheckpointStore(str(run_dir / "checkpoints"))
     assert store.steps() and all(store.verify(s, checksums=True) is None for s in store.steps())
     assert out.strip().splitlines()[-1].endswith(" --resume")
-    _wait(lambda: not live_actors(ray_head["address"]), "every actor to be dead", timeout=30)
+    # an aborted run gives nothing back: the pool kills what it lent once the supervisor is gone
+    idle = pool_actor_ids(ray_head)
+    _wait(lambda: not live_actors(ray_head["address"], idle), "every actor but the pool's idle ones to be dead",
+          timeout=30)
 
 
 def _vote_rank(rank: int, port: int, out: dict) -> None:

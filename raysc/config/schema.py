@@ -224,6 +224,11 @@ class SupervisorConfig:
                                         "doubled for each further one", min=0.0)
     warm_spares: bool = opt(True, "keep one idle, warm replacement worker per rank (no resources of its own, "
                                   "in the rank's bundle) so a restart skips process start-up")
+    worker_pool_idle_s: float = opt(120.0, "CPU runs take their worker processes from the cluster's pool (past "
+                                           "Python, Ray and torch imports: a run starts ~2 s sooner per rank on a "
+                                           "busy node) and give them back at a clean end; an idle process is "
+                                           "stopped after this many seconds (0 = every run starts its own)",
+                                    min=0.0)
     sdc_every_steps: int = opt(0, "compare parameter fingerprints across data-parallel replicas "
                                   "(dp_replicate > 1) every N steps; 0 = off", min=0)
     timeout_factor: float = opt(4.0, "hang and process-group timeouts = this × the step and collective times "

@@ -45,6 +45,9 @@ class Fleet:
         # later fleet too, so a restart on a busy machine does not re-measure a lower peak (MFU > 100%)
         self.peak_flops = cfg.train.peak_flops
         self._spawned = False  # ``spawn`` created the workers ``start`` is to set up
+        self.pool = None  # the cluster's WorkerPool, for CPU runs with supervisor.worker_pool_idle_s > 0
+        self.lent: list = []  # the workers of self.workers the pool lent (they get a rank in ``setup``)
+        self.reused = 0  # how many of them ran a run before
 
     @property
     def world(self) -> int:
@@ -200,8 +203,30 @@ class Fleet:
     def spawn(self) -> None:
         """Create the first fleet's workers in the reserved bundles now: their processes start and
         import torch while the supervisor prepares the data; ``start`` then sets them up."""
-        self.workers = [self._new_worker(rank) for rank in range(self.world)]
+        self.workers = self._new_fleet()
         self._spawned = True
+
+    def _new_fleet(self) -> list:
+        """A worker for each rank: lent by the cluster's pool (``raysc.fleet.pool``) on the node of the
+        rank's bundle, or, without a pool, a new process in the bundle."""
+        self.lent, self.reused = [], 0
+        idle_s = self.cfg.supervisor.worker_pool_idle_s
+        if idle_s and self.cfg.parallel.device == "cpu":
+            from raysc.fleet.pool import worker_pool
+
+            table = placement_group_table(self.pg).get("bundles_to_node_id", {})
+            self.pool = self.pool or worker_pool(idle_s)
+            if self.pool is not None and len(table) == self.world:
+                try:
+                    lent = ray.get(self.pool.lend.remote([table[self.bundles[r]] for r in range(self.world)],
+                                                         self.supervisor, idle_s), timeout=30)
+                except ray.exceptions.RayError:
+                    self.pool = None  # gone (its idle time ran out meanwhile): this fleet starts its own
+                else:
+                    self.lent = [w for w, _ in lent]
+                    self.reused = sum(r for _, r in lent)
+                    return list(self.lent)
+        return [self._new_worker(rank) for rank in range(self.world)]
 
     def start(self, data: dict, wait: Callable[..., list], touch: Callable[[], None],
               warm: bool = False) -> list[WorkerInfo]:
@@ -213,17 +238,21 @@ class Fleet:
         spares = self._take_spares() if warm else None
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         spawned, self._spawned = self._spawned, False
-        self.workers = spares or (self.workers if spawned else [self._new_worker(rank) for rank in range(self.world)])
+        self.workers = spares or (self.workers if spawned else self._new_fleet())
+        lent = {w._actor_id.hex() for w in self.lent} if not spares else set()
         # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded by
         # the start-up timeout alone: a process starting and importing is not a hang
         start_s = self.cfg.supervisor.start_timeout_s
         ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0", timeout=start_s, hang_s=start_s + 1)[0]
         touch()
-        infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r]) for r, w in enumerate(self.workers)],
+        infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
+                                     (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
+                      for r, w in enumerate(self.workers)],
                      "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
         self.infos = infos
         self.peak_flops = self.peak_flops or infos[0].peak_flops
-        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), master=f"{ip}:{port}",
+        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), pooled=len(lent),
+                   reused=self.reused if lent else 0, master=f"{ip}:{port}",
                    pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
         dims = self.cfg.parallel.dims
@@ -259,6 +288,29 @@ class Fleet:
         except ValueError:
             pass  # the run's records were closed meanwhile
 
+    def _settle(self, ended: list) -> None:
+        """Give the pool back the workers of ``ended`` it lent that detach within 30 s; the others are
+        killed with the fleet."""
+        ids = {w._actor_id.hex() for w in self.lent}
+        mine = [w for w in ended if w._actor_id.hex() in ids]
+        keep = []
+        if mine:
+            refs = [w.detach.remote() for w in mine]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=30)
+            for w, ref in zip(mine, refs):
+                try:
+                    if ref in ready and ray.get(ref):
+                        keep.append(w)
+                except ray.exceptions.RayError:
+                    pass
+        try:
+            ray.get(self.pool.settle.remote(self.supervisor._actor_id.hex(), keep), timeout=30)
+        except ray.exceptions.RayError:
+            keep = []
+        kept = {w._actor_id.hex() for w in keep}
+        self.workers = [w for w in self.workers if w._actor_id.hex() not in kept]
+        self.lent = []
+
     def kill_spares(self) -> None:
         for s in self.spares:
             ray.kill(s, no_restart=True)
@@ -269,8 +321,11 @@ class Fleet:
             ray.kill(w, no_restart=True)
         self.workers = []
 
-    def release(self) -> None:
-        """Kill every worker and spare and return the placement group."""
+    def release(self, clean: bool = False) -> None:
+        """Kill every worker and spare and return the placement group; after a ``clean`` end (finished
+        or stopped) the pool's workers that detach from the run go back to it instead."""
+        if self.pool is not None:
+            self._settle(self.workers if clean else [])
         self.stop_workers()
         self.kill_spares()
         if self.pg is not None:

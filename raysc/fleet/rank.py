@@ -13,7 +13,10 @@ This module imports torch; only the worker processes import it.
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
+import sys
 import threading
 import time
 import warnings
@@ -50,6 +53,39 @@ def _discard_staged(local: Path, rank: int) -> int:
     return freed
 
 
+def _forget_rank_caches() -> None:
+    """Empty torch's process-wide caches before this process serves another run, maybe as another rank.
+
+    torch assumes a process keeps one rank: DTensor caches redistribution plans (with this rank's shard
+    shapes) and sharding decisions keyed by device mesh, whose equality ignores the process's rank, so a
+    process that was rank 0 would reuse rank 0's plans as rank 1 (found: a DCP save of a dp_shard=2 run
+    in swapped processes failed its global-plan check). Every ``functools`` cache of torch.distributed's
+    modules (and their classes) is cleared, the per-thread sharding cache is replaced, and dynamo's
+    compiled code (``train.compile``) is dropped (a run's blocks would count toward its recompile limit).
+    """
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("torch.distributed"):
+            continue
+        for value in list(vars(module).values()):
+            for obj in [value, *(vars(value).values() if isinstance(value, type) else ())]:
+                obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+                if isinstance(obj, functools._lru_cache_wrapper):  # what @cache and @lru_cache make
+                    obj.cache_clear()
+    dispatch = sys.modules.get("torch.distributed.tensor._api")
+    if dispatch is not None:
+        from torch.distributed.tensor._sharding_prop import LocalLRUCache
+
+        prop = dispatch.DTensor._op_dispatcher.sharding_propagator
+        prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.reset()
+
+
+def rendezvous_address() -> tuple[str, int, str]:
+    """(node IP, a free port, node id): rank 0's answer is the rendezvous point."""
+    return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
+
+
 class RankWorker:
     def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
         self.rank = rank
@@ -78,8 +114,7 @@ class RankWorker:
         self.trainer.loss_hook = self.faults.after_loss
 
     def address(self) -> tuple[str, int, str]:
-        """(node IP, a free port, node id): rank 0's answer is the rendezvous point."""
-        return ray.util.get_node_ip_address(), free_port(), ray.get_runtime_context().get_node_id()
+        return rendezvous_address()
 
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
               gpu_ids: list | None = None) -> WorkerInfo:
@@ -369,3 +404,22 @@ class RankWorker:
     def shutdown(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    def detach(self) -> None:
+        """Leave the run so that this process can serve another (``raysc.fleet.pool``): refused while a
+        save is in flight or on a GPU (the CUDA context stays with the process); the prefetch and
+        memory threads stop, every process group is destroyed and the model and optimizer freed."""
+        if self.save_pending():
+            raise RuntimeError(f"rank {self.rank}: a checkpoint save is still in flight")
+        if self.cfg.parallel.device != "cpu":
+            raise RuntimeError(f"rank {self.rank}: ran on {self.cfg.parallel.device}; not reusable")
+        self._flush_reports()
+        if self.memory is not None:
+            self.memory.close()
+        halt = getattr(getattr(self.trainer, "loader", None), "_halt", None)
+        if halt is not None:
+            halt()
+        self.shutdown()
+        self.trainer = self.memory = self.vote = self.ckpt = None
+        _forget_rank_caches()
+        gc.collect()

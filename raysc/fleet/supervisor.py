@@ -174,7 +174,7 @@ class Supervisor:
             raise
         finally:
             self._phase = "stopped"
-            self.fleet.release()
+            self.fleet.release(clean=status != "FAILED")
             if self.elastic:
                 self.elastic.cancel()
             if self.tracker is not None:

@@ -35,17 +35,36 @@ def _portably(method: Callable[..., Any], *args: Any) -> Any:
 
 @ray.remote(max_concurrency=2)
 class TrainWorker:
-    def __init__(self, cfg_dict: dict, rank: int, world_size: int, supervisor: ray.actor.ActorHandle) -> None:
+    def __init__(self, cfg_dict: dict | None = None, rank: int = 0, world_size: int = 1,
+                 supervisor: ray.actor.ActorHandle | None = None) -> None:
+        """A run's rank; without a config, a pooled process (``raysc.fleet.pool``) that has done its
+        imports and takes a rank in ``setup``."""
         from raysc.fleet.rank import RankWorker
 
-        self._rank = RankWorker(cfg_dict, rank, world_size, supervisor)
+        self._rank = RankWorker(cfg_dict, rank, world_size, supervisor) if cfg_dict is not None else None
 
     def address(self) -> tuple[str, int, str]:
-        return _portably(self._rank.address)
+        from raysc.fleet.rank import rendezvous_address
+
+        return _portably(rendezvous_address)
 
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
-              gpu_ids: list | None = None) -> WorkerInfo:
+              gpu_ids: list | None = None, attach: tuple[int, int, ray.actor.ActorHandle] | None = None
+              ) -> WorkerInfo:
+        """Join the run's process group and build the shard; ``attach`` = (rank, world size,
+        supervisor) gives a pooled process its rank first."""
+        if attach is not None:
+            from raysc.fleet.rank import RankWorker
+
+            self._rank = _portably(RankWorker, cfg_dict, *attach)
         return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids)
+
+    def detach(self) -> bool:
+        """Leave the run (process groups, model, threads) so that the pool can lend this process again."""
+        rank, self._rank = self._rank, None
+        if rank is not None:
+            _portably(rank.detach)
+        return True
 
     # ---- checkpoints ----
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
