@@ -289,10 +289,14 @@ class Fleet:
             pass  # the run's records were closed meanwhile
 
     def _settle(self, ended: list) -> None:
-        """Give the pool back the workers of ``ended`` it lent that detach within 30 s; the others are
-        killed with the fleet."""
+        """Give the pool back the workers of ``ended`` it lent, on this node, that detach within 30 s; the
+        others are killed with the fleet."""
         ids = {w._actor_id.hex() for w in self.lent}
-        mine = [w for w in ended if w._actor_id.hex() in ids]
+        # only on the supervisor's own node (the driver's: the head for `ray job submit`): an idle process,
+        # though it holds no resources, keeps an autoscaler from removing its node
+        here = ray.get_runtime_context().get_node_id()
+        nodes = {w._actor_id.hex(): i.node_id for w, i in zip(self.workers, self.infos)}
+        mine = [w for w in ended if w._actor_id.hex() in ids and nodes.get(w._actor_id.hex()) == here]
         keep = []
         if mine:
             refs = [w.detach.remote() for w in mine]

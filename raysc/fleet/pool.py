@@ -12,6 +12,8 @@ pooled processes hold no resources of their own (as warm spares do), pinned to t
   environment never reuses a process that imported the old one.
 - ``supervisor.worker_pool_idle_s`` bounds idleness: a process idle that long is stopped, and the
   pool stops itself once it has held nothing for that long (0: runs start their own processes).
+- Only processes on the supervisor's node (the driver's: the head for ``ray job submit``) are kept:
+  an idle process holds no resources, yet Ray's autoscaler does not remove a node that runs one.
 - A worker goes back only from a run that ended cleanly (finished or stopped) and on the CPU; a
   worker of a failed run, or one that touched a GPU (its CUDA context holds device memory), is
   killed. When a run's supervisor dies without giving its workers back (its driver was killed),
@@ -51,10 +53,12 @@ def pool_name() -> str:
 
 
 def worker_pool(idle_s: float):
-    """The cluster's pool for this code (started when there is none); None when it cannot be reached."""
+    """The cluster's pool for this code (started on this node, the supervisor's, when there is none: not
+    on a node an autoscaler may remove); None when it cannot be reached."""
     try:
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
         return WorkerPool.options(name=pool_name(), namespace=POOL_NAMESPACE, lifetime="detached",
-                                  get_if_exists=True).remote(idle_s)
+                                  get_if_exists=True, scheduling_strategy=here).remote(idle_s)
     except (ray.exceptions.RayError, ValueError):
         return None
 
