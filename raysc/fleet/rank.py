@@ -13,10 +13,8 @@ This module imports torch; only the worker processes import it.
 
 from __future__ import annotations
 
-import functools
 import gc
 import os
-import sys
 import threading
 import time
 import warnings
@@ -34,6 +32,7 @@ from raysc.checkpoint.store import CheckpointStore
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import REPORT_EVERY_S, WorkerInfo
+from raysc.fleet.reuse import forget_rank_caches
 from raysc.fleet.stopping import StepVote
 from raysc.ports import free_port
 from raysc.parallel.dims import build_mesh
@@ -51,34 +50,6 @@ def _discard_staged(local: Path, rank: int) -> int:
             freed += path.stat().st_size
             path.unlink(missing_ok=True)
     return freed
-
-
-def _forget_rank_caches() -> None:
-    """Empty torch's process-wide caches before this process serves another run, maybe as another rank.
-
-    torch assumes a process keeps one rank: DTensor caches redistribution plans (with this rank's shard
-    shapes) and sharding decisions keyed by device mesh, whose equality ignores the process's rank, so a
-    process that was rank 0 would reuse rank 0's plans as rank 1 (found: a DCP save of a dp_shard=2 run
-    in swapped processes failed its global-plan check). Every ``functools`` cache of torch.distributed's
-    modules (and their classes) is cleared, the per-thread sharding cache is replaced, and dynamo's
-    compiled code (``train.compile``) is dropped (a run's blocks would count toward its recompile limit).
-    """
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
-            continue
-        for value in list(vars(module).values()):
-            for obj in [value, *(vars(value).values() if isinstance(value, type) else ())]:
-                obj = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
-                if isinstance(obj, functools._lru_cache_wrapper):  # what @cache and @lru_cache make
-                    obj.cache_clear()
-    dispatch = sys.modules.get("torch.distributed.tensor._api")
-    if dispatch is not None:
-        from torch.distributed.tensor._sharding_prop import LocalLRUCache
-
-        prop = dispatch.DTensor._op_dispatcher.sharding_propagator
-        prop.propagate_op_sharding = LocalLRUCache(prop.propagate_op_sharding_non_cached)
-    if "torch._dynamo" in sys.modules:
-        torch._dynamo.reset()
 
 
 def rendezvous_address() -> tuple[str, int, str]:
@@ -421,5 +392,5 @@ class RankWorker:
             halt()
         self.shutdown()
         self.trainer = self.memory = self.vote = self.ckpt = None
-        _forget_rank_caches()
+        forget_rank_caches()
         gc.collect()
