@@ -235,6 +235,9 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     assert [e["steps_lost"] for e in recovered] == [3, 3, 3]
     ready = [e for e in events if e["kind"] == "workers_ready"]
     assert [e["warm"] for e in ready] == [False, True, True, True]
+    # the spares had joined their process group and built their shards before each failure (CPU): a restart
+    # only restored the checkpoint into them
+    assert [e["prepared"] for e in ready] == [False, True, True, True]
     # each set of spares a restart took had answered: its spares_ready event says when
     spares = [e for e in events if e["kind"] == "spares_ready"]
     assert len(spares) >= 3 and all(e["spares"] == 4 and e["seconds"] > 0 for e in spares), spares

@@ -26,11 +26,13 @@ class EventKind(str, Enum):
     INIT_FROM = "init_from", ("the run starts from a Hugging Face checkpoint (model.init_from), checked against the "
                               "config: source, content SHA-256, tensors, bytes, tokenizer taken from it")
     DATA_READY = "data_ready", "the training data is packed: tokens, documents, sequences, corpus hash, domains"
-    WORKERS_READY = "workers_ready", ("every worker joined the process group and built its shard (warm: spares used; "
+    WORKERS_READY = "workers_ready", ("every worker joined the process group and built its shard (warm: spares used, "
+                                      "prepared: they had joined and built theirs before the failure; "
                                       "pooled: workers lent by the cluster's worker pool, reused: how many of those "
                                       "served a run before)")
     SPARES_READY = "spares_ready", ("the warm spares started after a chunk of training answer (seconds since their "
-                                    "start); until then their start-up shares the node's CPUs with training")
+                                    "start; prepared: on CPU they also joined a process group of their own and built "
+                                    "their shards); until then their start-up shares the node's CPUs with training")
     LAYOUT = "layout", ("the parallel layout, the node (IP, node id) of each rank and what rank 0 built "
                          "(stages, schedule class, weight placements, attention kernel, recompute), "
                          "at every fleet start")

@@ -39,6 +39,8 @@ class Fleet:
         self.bundles: list[int] = []  # bundle index of each rank
         self.workers: list = []
         self.spares: list = []  # warm replacement workers
+        self.spare_setup: list = []  # their setup calls (ObjectRefs of WorkerInfo) when prepared
+        self.data: dict | None = None  # the run's data (object refs) the workers set up with
         self.infos: list[WorkerInfo] = []
         self.quarantine: dict[str, dict] = {}  # node id -> why
         # the peak FLOP/s MFU is measured against: the first fleet's (a measured CPU matmul) for every
@@ -183,19 +185,24 @@ class Fleet:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank]),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
-    def _take_spares(self) -> list | None:
-        """The warm spares, if every one of them is alive and ready; else None (they are discarded)."""
-        spares, self.spares = self.spares, []
+    def _take_spares(self) -> tuple[list, list[WorkerInfo] | None] | None:
+        """The warm spares, if every one of them is alive and ready, with their ``WorkerInfo``s when
+        they were prepared (``ensure_spares``); else None (they are discarded)."""
+        spares, prepared, self.spares, self.spare_setup = self.spares, self.spare_setup, [], []
         if len(spares) != self.world:
             return None
-        refs = [s.address.remote() for s in spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s)
-        try:
-            if len(ready) == len(refs):
-                ray.get(refs)
-                return spares
+        refs = prepared or [s.address.remote() for s in spares]
+        pending, deadline = list(refs), time.monotonic() + self.cfg.supervisor.start_timeout_s
+        try:  # the first error (a spare died: its node was lost) ends the wait: a cold fleet starts
+            while pending:
+                ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    break
+                ray.get(ready)
+            else:
+                return spares, (ray.get(prepared) if prepared else None)
         except ray.exceptions.RayError:
-            pass  # a spare died (its node was lost): start a cold fleet
+            pass
         for s in spares:
             ray.kill(s, no_restart=True)
         return None
@@ -233,25 +240,31 @@ class Fleet:
         """Create the workers in the reserved bundles (unless ``spawn`` did, or activate the warm
         spares) and form their process group; ``wait`` watches the setup calls, whose hang clock
         ``touch`` restarts."""
-        cfg_dict = config_to_dict(self.cfg)
-        cfg_dict["train"]["peak_flops"] = self.peak_flops
-        spares = self._take_spares() if warm else None
+        self.data = data
+        cfg_dict = self._cfg_dict()
+        spares, prepared = (self._take_spares() if warm else None) or (None, None)
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         spawned, self._spawned = self._spawned, False
         self.workers = spares or (self.workers if spawned else self._new_fleet())
         lent = {w._actor_id.hex() for w in self.lent} if not spares else set()
-        # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded by
-        # the start-up timeout alone: a process starting and importing is not a hang
         start_s = self.cfg.supervisor.start_timeout_s
-        ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0", timeout=start_s, hang_s=start_s + 1)[0]
-        touch()
-        infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
-                                     (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
-                      for r, w in enumerate(self.workers)],
-                     "setup (rendezvous and model build)", timeout=self.cfg.supervisor.start_timeout_s + 60)
+        if prepared:  # past the rendezvous and the model build: they take the current config (faults) only
+            wait([w.activate.remote(cfg_dict) for w in self.workers], "activation of the prepared spares")
+            infos, (ip, port) = prepared, (prepared[0].master or ("?", 0))
+        else:
+            # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded
+            # by the start-up timeout alone: a process starting and importing is not a hang
+            ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0", timeout=start_s,
+                               hang_s=start_s + 1)[0]
+            touch()
+            infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
+                                         (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
+                          for r, w in enumerate(self.workers)],
+                         "setup (rendezvous and model build)", timeout=start_s + 60)
         self.infos = infos
         self.peak_flops = self.peak_flops or infos[0].peak_flops
-        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), pooled=len(lent),
+        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), prepared=bool(prepared),
+                   pooled=len(lent),
                    reused=self.reused if lent else 0, master=f"{ip}:{port}",
                    pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
@@ -264,27 +277,42 @@ class Fleet:
                                                        "no rank holds a replica of another's parameters to compare")
         return infos
 
+    def _cfg_dict(self) -> dict:
+        """The config workers get at setup: the run's, with the first fleet's measured peak FLOP/s."""
+        cfg_dict = config_to_dict(self.cfg)
+        cfg_dict["train"]["peak_flops"] = self.peak_flops
+        return cfg_dict
+
     def ensure_spares(self) -> None:
         """Start the next set of warm spares in the background (after a chunk of training, so their
-        start-up does not compete with a restore)."""
+        start-up does not compete with a restore). On CPU (``supervisor.prepare_spares``) they are also
+        prepared: they join a process group of their own and build their shards now (``setup``), so that
+        a restart only restores the checkpoint into them. (A GPU spare gets its device, the failed
+        worker's, only when it takes over: it stops at its imports.)"""
         if self.cfg.supervisor.warm_spares and not self.spares:
             self.spares = [self._new_worker(rank, spare=True) for rank in range(self.world)]
-            threading.Thread(target=self._announce_spares, args=(self.spares, time.monotonic()), daemon=True,
+            self.spare_setup = []
+            if self.data is not None and self.cfg.supervisor.prepare_spares and self.cfg.parallel.device == "cpu":
+                master = self.spares[0].address.remote()  # resolved by Ray before each setup runs
+                self.spare_setup = [s.setup.remote(master, self.data, self._cfg_dict()) for s in self.spares]
+            refs = self.spare_setup or [s.address.remote() for s in self.spares]
+            threading.Thread(target=self._announce_spares, args=(refs, time.monotonic()), daemon=True,
                              name="spares-ready").start()
 
-    def _announce_spares(self, spares: list, t0: float) -> None:
-        """``spares_ready`` once every spare of this set answers, whether or not a restart has taken
-        them meanwhile (benchmarks measure the steady state from there; nothing waits on it)."""
-        refs = [s.address.remote() for s in spares]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s)
+    def _announce_spares(self, refs: list, t0: float) -> None:
+        """``spares_ready`` once every spare of this set answers (``refs``: their addresses, or their
+        setups when prepared), whether or not a restart has taken them meanwhile (benchmarks measure
+        the steady state from there; nothing waits on it)."""
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s + 60)
         if len(ready) < len(refs):
             return  # not up in time: _take_spares discards them
         try:
-            ray.get(refs)
+            answers = ray.get(refs)
         except ray.exceptions.RayError:
             return  # a spare died: _take_spares will start a cold fleet
         try:
-            self.event(EventKind.SPARES_READY, spares=len(spares), seconds=round(time.monotonic() - t0, 2))
+            self.event(EventKind.SPARES_READY, spares=len(refs), seconds=round(time.monotonic() - t0, 2),
+                       prepared=isinstance(answers[0], WorkerInfo))
         except ValueError:
             pass  # the run's records were closed meanwhile
 
@@ -318,7 +346,7 @@ class Fleet:
     def kill_spares(self) -> None:
         for s in self.spares:
             ray.kill(s, no_restart=True)
-        self.spares = []
+        self.spares, self.spare_setup = [], []
 
     def stop_workers(self) -> None:
         for w in self.workers:

@@ -23,3 +23,4 @@ class WorkerInfo:
     peak_flops: float
     setup_s: dict  # seconds per setup phase: process group, data, model, checkpoint group
     built: dict = field(default_factory=dict)  # what the plans built (raysc.parallel.describe)
+    master: tuple = ()  # (IP, port) of the rendezvous it joined

@@ -87,13 +87,15 @@ class RankWorker:
     def address(self) -> tuple[str, int, str]:
         return rendezvous_address()
 
+    def activate(self, cfg_dict: dict) -> None:
+        """A prepared spare takes over: the run's current config (injected faults that fired are gone)."""
+        self._configure(cfg_dict)
+
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
               gpu_ids: list | None = None) -> WorkerInfo:
-        """Join the process group and build this rank's model shard.
-
-        A warm spare (started earlier without resources, in the bundle of the rank it replaces)
-        gets the current config (injected faults that fired are gone from it) and, on GPU, the
-        device of the worker it replaces, before CUDA is first touched."""
+        """Join the process group and build this rank's model shard. A warm spare (started without
+        resources, in the bundle of the rank it replaces) gets the current config (injected faults that
+        fired are gone) and, on GPU, the device of the worker it replaces, before CUDA is first touched."""
         t_setup = [time.perf_counter()]
         if cfg_dict is not None:
             self._configure(cfg_dict)
@@ -130,6 +132,7 @@ class RankWorker:
             gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()], coords=dims.coords(self.rank),
             built=describe_shard(self.trainer.shard, self.trainer.schedule),
             threads=torch.get_num_threads(), device=str(self.trainer.device), peak_flops=self.trainer.peak_flops,
+            master=(master[0], master[1]),
             setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))))
 
     # ---- checkpoints ----
@@ -152,7 +155,7 @@ class RankWorker:
         """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG
         (DCP reshards it when it was written under another layout)."""
         extra = load_local(self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer,
-                           self.rank, self.ckpt_group, step=step)
+                           self.rank, step=step)
         self.trainer.load_extra_state(extra)
         return self.trainer.step
 

@@ -59,6 +59,10 @@ class TrainWorker:
             self._rank = _portably(RankWorker, cfg_dict, *attach)
         return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids)
 
+    def activate(self, cfg_dict: dict) -> None:
+        """A prepared warm spare takes over a failed fleet's rank (``RankWorker.activate``)."""
+        _portably(self._rank.activate, cfg_dict)
+
     def detach(self) -> bool:
         """Leave the run (process groups, model, threads) so that the pool can lend this process again."""
         rank, self._rank = self._rank, None
