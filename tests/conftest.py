@@ -22,6 +22,7 @@ TINY = [
 
 GPU_NOTICE = "{n} GPU tests deselected: run `make test-gpu` (pytest -m gpu) on a CUDA machine"
 _GPU_DESELECTED = pytest.StashKey[int]()
+_HEAD_STOP = pytest.StashKey[object]()  # stops the ray_head cluster (idempotent)
 
 
 def _head_tests_together(items: list) -> None:
@@ -56,6 +57,19 @@ def pytest_collection_modifyitems(config, items):
         pytest.exit(f"{len(gpu)} GPU tests selected but torch {torch.__version__} sees no CUDA device "
                     f"(CUDA build: {torch.version.cuda or 'none'}); run them on a machine with a GPU and a "
                     f"CUDA build of torch", returncode=1)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    """The ``ray_head`` cluster stops after the last test that uses it (they run together:
+    ``_head_tests_together``), not at the session's end: idle, its head, dashboard and metrics agents
+    took ~8% of a core through the rest of the suite."""
+    yield
+    uses = "ray_head" in getattr(item, "fixturenames", ())
+    if uses and (nextitem is None or "ray_head" not in getattr(nextitem, "fixturenames", ())):
+        stop = item.config.stash.get(_HEAD_STOP, None)
+        if stop is not None:
+            stop()
 
 
 def pytest_report_collectionfinish(config, start_path, items):
@@ -126,12 +140,12 @@ def s3_options(endpoint: str) -> str:
 
 
 @pytest.fixture(scope="session")
-def ray_head():
+def ray_head(request):
     """A separate local cluster started with `ray start --head` (job server included), as users run
     one; yields its dashboard address (for `ray job`, `ray.util.state`), its GCS address (RAY_ADDRESS
     for drivers), the environment to run Ray commands in and its temp dir (Prometheus's service
-    discovery file). Stopped, with everything it started,
-    at the end of the session."""
+    discovery file). Stopped, with everything it started, after the last test that uses it
+    (``pytest_runtest_teardown``) or at the end of the session."""
     import shutil
     import signal
     import subprocess
@@ -159,6 +173,20 @@ def ray_head():
                              *[f"--{k}={v}" for k, v in ports.items()]],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
+
+    def stop() -> None:
+        if head.poll() is None:
+            os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
+            try:  # (it often takes over 10 s doing so; nothing of this test cluster needs to be kept)
+                head.wait(timeout=3)
+            except subprocess.TimeoutExpired:
+                os.killpg(head.pid, signal.SIGKILL)
+                head.wait()
+        # anything of that cluster still alive (never `ray stop`: it would stop the test session's Ray)
+        subprocess.run(["pkill", "-9", "-f", str(temp)], check=False)
+        shutil.rmtree(temp, ignore_errors=True)
+
+    request.config.stash[_HEAD_STOP] = stop
     try:
         deadline = time.monotonic() + 90
         while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
@@ -167,14 +195,7 @@ def ray_head():
             time.sleep(0.5)
         yield {"address": address, "gcs": f"127.0.0.1:{ports['port']}", "env": env, "ray": ray_bin, "temp": temp}
     finally:
-        os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
-        try:
-            head.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            os.killpg(head.pid, signal.SIGKILL)
-        # anything of that cluster still alive (never `ray stop`: it would stop the test session's Ray)
-        subprocess.run(["pkill", "-9", "-f", str(temp)], check=False)
-        shutil.rmtree(temp, ignore_errors=True)
+        stop()
 
 
 def live_actors(address: str, besides: set[str] = frozenset()) -> list:
