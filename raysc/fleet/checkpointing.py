@@ -1,17 +1,15 @@
 """The supervisor's side of checkpointing: probe, save, commit, retain, hot copy, restore.
 
-Workers stage their shards on local disk and upload them (in the background when
-``checkpoint.async``); this coordinator keeps at most one save in flight, commits
-the manifest once every rank's files are durable, applies retention, keeps the
-newest checkpoint's files in Ray's object store (owned by the supervisor, so
-they outlive any worker) and, on resume, walks back from the newest checkpoint
-until one fetches intact on every rank.
+Workers stage their shards on local disk and upload them (in the background when ``checkpoint.async``);
+this coordinator keeps at most one save in flight, commits the manifest once every rank's files are
+durable, applies retention, keeps the newest checkpoint's files in Ray's object store (owned by the
+supervisor, so they outlive any worker) and, on resume, walks back from the newest checkpoint until one
+fetches intact on every rank.
 
-A failed save deletes what it uploaded (and each rank its staged files), is
-recorded with how much it freed and whether retrying could have helped
-(``raysc.checkpoint.failures``), and raises a ``checkpoint_lagging`` event with
-the newest durable step; ``checkpoint.on_save_failure`` / ``max_failed_saves``
-decide when the run stops instead of training on with its work unsaved.
+A failed save deletes what it uploaded (and each rank its staged files), is recorded with how much it
+freed and whether retrying could have helped (``raysc.checkpoint.failures``), and raises a
+``checkpoint_lagging`` event with the newest durable step; ``checkpoint.on_save_failure`` /
+``max_failed_saves`` decide when the run stops instead of training on with its work unsaved.
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import re
 import time
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from raysc.checkpoint.failures import permanent_reason
 from raysc.checkpoint.storage import StorageError
@@ -49,9 +47,7 @@ def parse_resume_from(spec: str) -> tuple[str, int]:
 
 class CheckpointCoordinator:
     def __init__(self, cfg: Config, event: Callable[..., dict], wait: Callable[..., list]) -> None:
-        self.cfg = cfg
-        self.event = event
-        self.wait = wait
+        self.cfg, self.event, self.wait = cfg, event, wait
         self.store = CheckpointStore.for_config(cfg)
         self.load_store = self.store  # where a restore reads from (--resume-from may point elsewhere)
         self.workers: list = []
@@ -137,11 +133,9 @@ class CheckpointCoordinator:
     def _advise_interval(self) -> None:
         n = param_count(self.cfg.model)["total"]
         ckpt_bytes = n * 4 * 3  # fp32 parameters + two AdamW moments
-        sample = min(ckpt_bytes, 32 << 20)
-        blob = bytes(sample)
-        rel = f".raysc-throughput-{time.time_ns()}"
+        sample, rel = min(ckpt_bytes, 32 << 20), f".raysc-throughput-{time.time_ns()}"
         t0 = time.perf_counter()
-        self.store.storage.write_bytes(rel, blob)
+        self.store.storage.write_bytes(rel, bytes(sample))
         dt = max(time.perf_counter() - t0, 1e-6)
         self.store.storage.delete(rel)
         save_s = ckpt_bytes / (sample / dt)
@@ -336,11 +330,11 @@ class CheckpointCoordinator:
     def rollback_to_before(self, first_bad_step: int) -> int:
         """Restore, in place, the newest committed checkpoint taken before ``first_bad_step``."""
         self.finish()
-        good = [s for s in self.own_steps() if s < first_bad_step and self.store.verify(s) is None]
-        if not good:
+        step = next((s for s in reversed(self.own_steps())
+                     if s < first_bad_step and self.store.verify(s) is None), None)
+        if step is None:
             raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
-        restored = self._fetch_and_load(self.store, good[-1])[0]
-        self.durable_step = max(good)
+        restored, self.durable_step = self._fetch_and_load(self.store, step)[0], step
         return restored
 
     def _fetch_and_load(self, store: CheckpointStore, step: int) -> tuple[int, list[dict]]:
@@ -352,7 +346,9 @@ class CheckpointCoordinator:
         restored = self.wait([w.load.remote(store.uri, step) for w in self.workers], f"load of checkpoint {step}")[0]
         return restored, infos
 
-    def candidates(self, resume: bool | str) -> list[int]:
+    def candidates(self, resume: bool | str) -> Iterator[int]:
+        """The checkpoints a restore may load, newest first, each verified (sizes) only when the newer
+        ones failed: a restart reads one manifest and its files' sizes, not every checkpoint's."""
         if isinstance(resume, str):
             root, step = parse_resume_from(resume)
             if root.rstrip("/") != self.cfg.checkpoint_uri.rstrip("/"):
@@ -360,23 +356,23 @@ class CheckpointCoordinator:
             reason = self.load_store.verify(step)
             if reason:
                 raise RunFailed(f"cannot resume from {resume}: {reason}")
-            return [step]
-        steps = []
-        for step, owner in reversed(self._owners(self.store.steps()).items()):
+            yield step
+            return
+        for step in reversed(self.store.steps()):
+            owner = (self.store.read_manifest(step) or {}).get("run_id")
             reason = self.store.verify(step) if owner in (None, self.run_id) else \
                 f"written by run {owner}, not by this run ({self.run_id}); name it with --resume-from to use it"
             if reason is None:
-                steps.append(step)
+                yield step
             else:
                 self.event(EventKind.CHECKPOINT_SKIPPED, step=step, reason=reason)
-        if not steps:
-            raise RunFailed(f"--resume: no committed checkpoint of run {self.run_id} under "
-                            f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N).")
-        return steps
 
-    def restore(self, resume: bool | str) -> int:
-        """Fetch (verifying every file) the newest usable checkpoint on every rank, then load it."""
+    def restore(self, resume: bool | str, fresh_ok: bool = False) -> int:
+        """Fetch (verifying every file) the newest usable checkpoint on every rank, then load it; with
+        ``fresh_ok`` (a restart) and no checkpoint of this run, 0: the fresh workers start over."""
+        tried = False
         for step in self.candidates(resume):
+            tried = True
             try:
                 restored, infos = self._fetch_and_load(self.load_store, step)
             except RunFailed as e:
@@ -395,5 +391,10 @@ class CheckpointCoordinator:
                            hash=config_hash(self.cfg),
                            note="the configuration differs from the one that wrote the checkpoint")
             return restored
+        if not tried:
+            if fresh_ok:
+                return 0
+            raise RunFailed(f"--resume: no committed checkpoint of run {self.run_id} under "
+                            f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N).")
         raise RunFailed(f"every checkpoint under {self.load_store.uri} failed verification; see the "
                         f"checkpoint_corrupt events. Start without --resume or restore the files.")

@@ -103,7 +103,7 @@ class Healer:
         self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
         self.fleet.start(data, self.wait, self.touch, warm=True)
         self.ckpt.workers = self.fleet.workers  # (the calibrated timeouts reach it after its warm-up step)
-        step = self.ckpt.restore(True) if self.ckpt.own_steps() else 0
+        step = self.ckpt.restore(True, fresh_ok=True)
         seconds = round(time.monotonic() - t0, 3)
         self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
                    steps_lost=failed_at - 1 - step, seconds=seconds)
