@@ -185,24 +185,30 @@ class Fleet:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank]),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
-    def _take_spares(self) -> tuple[list, list[WorkerInfo] | None] | None:
-        """The warm spares, if every one of them is alive and ready, with their ``WorkerInfo``s when
-        they were prepared (``ensure_spares``); else None (they are discarded)."""
-        spares, prepared, self.spares, self.spare_setup = self.spares, self.spare_setup, [], []
-        if len(spares) != self.world:
-            return None
-        refs = prepared or [s.address.remote() for s in spares]
+    def _all_answer(self, refs: list) -> bool:
+        """Whether every call of ``refs`` returns within supervisor.start_timeout_s; the first error (a
+        spare died: its node was lost) ends the wait."""
         pending, deadline = list(refs), time.monotonic() + self.cfg.supervisor.start_timeout_s
-        try:  # the first error (a spare died: its node was lost) ends the wait: a cold fleet starts
+        try:
             while pending:
                 ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
                 if not ready:
-                    break
+                    return False
                 ray.get(ready)
-            else:
-                return spares, (ray.get(prepared) if prepared else None)
         except ray.exceptions.RayError:
-            pass
+            return False
+        return True
+
+    def _take_spares(self, cfg_dict: dict) -> tuple[list, list[WorkerInfo] | None] | None:
+        """The warm spares, if every one of them is alive and ready, with their ``WorkerInfo``s when
+        they were prepared (``ensure_spares``: then they take the run's current config, whose injected
+        faults that fired are gone, here); else None (they are discarded and a cold fleet starts)."""
+        spares, prepared, self.spares, self.spare_setup = self.spares, self.spare_setup, [], []
+        if len(spares) == self.world and self._all_answer(prepared or [s.address.remote() for s in spares]):
+            if not prepared:
+                return spares, None
+            if self._all_answer([s.activate.remote(cfg_dict) for s in spares]):
+                return spares, ray.get(prepared)
         for s in spares:
             ray.kill(s, no_restart=True)
         return None
@@ -242,15 +248,14 @@ class Fleet:
         ``touch`` restarts."""
         self.data = data
         cfg_dict = self._cfg_dict()
-        spares, prepared = (self._take_spares() if warm else None) or (None, None)
+        spares, prepared = (self._take_spares(cfg_dict) if warm else None) or (None, None)
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         spawned, self._spawned = self._spawned, False
         self.workers = spares or (self.workers if spawned else self._new_fleet())
         lent = {w._actor_id.hex() for w in self.lent} if not spares else set()
         start_s = self.cfg.supervisor.start_timeout_s
-        if prepared:  # past the rendezvous and the model build: they take the current config (faults) only
-            wait([w.activate.remote(cfg_dict) for w in self.workers], "activation of the prepared spares")
-            infos, (ip, port) = prepared, (prepared[0].master or ("?", 0))
+        if prepared:  # past the rendezvous and the model build, and given the current config
+            infos, (ip, port) = prepared, prepared[0].master
         else:
             # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded
             # by the start-up timeout alone: a process starting and importing is not a hang
