@@ -185,10 +185,10 @@ class Fleet:
             scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank]),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
-    def _all_answer(self, refs: list) -> bool:
-        """Whether every call of ``refs`` returns within supervisor.start_timeout_s; the first error (a
-        spare died: its node was lost) ends the wait."""
-        pending, deadline = list(refs), time.monotonic() + self.cfg.supervisor.start_timeout_s
+    def _all_answer(self, refs: list, extra_s: float = 0.0) -> bool:
+        """Whether every call of ``refs`` returns within supervisor.start_timeout_s (+ ``extra_s``); the
+        first error (a spare died: its node was lost) ends the wait."""
+        pending, deadline = list(refs), time.monotonic() + self.cfg.supervisor.start_timeout_s + extra_s
         try:
             while pending:
                 ready, pending = ray.wait(pending, timeout=max(0.0, deadline - time.monotonic()))
@@ -204,7 +204,8 @@ class Fleet:
         they were prepared (``ensure_spares``: then they take the run's current config, whose injected
         faults that fired are gone, here); else None (they are discarded and a cold fleet starts)."""
         spares, prepared, self.spares, self.spare_setup = self.spares, self.spare_setup, [], []
-        if len(spares) == self.world and self._all_answer(prepared or [s.address.remote() for s in spares]):
+        if len(spares) == self.world and self._all_answer(prepared or [s.address.remote() for s in spares],
+                                                          extra_s=60 if prepared else 0.0):
             if not prepared:
                 return spares, None
             if self._all_answer([s.activate.remote(cfg_dict) for s in spares]):
@@ -308,16 +309,11 @@ class Fleet:
         """``spares_ready`` once every spare of this set answers (``refs``: their addresses, or their
         setups when prepared), whether or not a restart has taken them meanwhile (benchmarks measure
         the steady state from there; nothing waits on it)."""
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.cfg.supervisor.start_timeout_s + 60)
-        if len(ready) < len(refs):
-            return  # not up in time: _take_spares discards them
-        try:
-            answers = ray.get(refs)
-        except ray.exceptions.RayError:
-            return  # a spare died: _take_spares will start a cold fleet
+        if not self._all_answer(refs, extra_s=60):
+            return  # not up in time, or a spare died: _take_spares discards them (a cold fleet starts)
         try:
             self.event(EventKind.SPARES_READY, spares=len(refs), seconds=round(time.monotonic() - t0, 2),
-                       prepared=isinstance(answers[0], WorkerInfo))
+                       prepared=isinstance(ray.get(refs[0]), WorkerInfo))
         except ValueError:
             pass  # the run's records were closed meanwhile
 
