@@ -58,7 +58,7 @@ run: install
 # tests marked gpu are deselected here (tests/conftest.py prints one line saying how many); the 25
 # slowest tests and the suite's wall time (after the install) are printed at the end
 test: dev
-	@start=$$(date +%s); $(BIN)/python -m pytest -q --durations=25; rc=$$?; \
+	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --durations=25; rc=$$?; \
 		echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 
 # fails, with the reason, where torch sees no CUDA device: zero tests run is not a pass
