@@ -54,8 +54,7 @@ def config(max_nodes: int = 4, min_nodes: int = 0, cpus_per_node: float = 1.0, g
 def up(max_nodes: int, cpus_per_node: float, gpus_per_node: int = 0, min_nodes: int = 0,
        idle_timeout_s: float = 6.0, state: Path = DEFAULT_STATE, dashboard: bool = True,
        timeout_s: float = 120.0) -> ClusterState:
-    """Start the head and its autoscaler; returns once drivers can connect and exactly ``min_nodes`` are up
-    with none launching (then the ceiling goes up to ``max_nodes``)."""
+    """Start the head and its autoscaler; returns once drivers can connect (and ``min_nodes`` have joined)."""
     if not 0 <= min_nodes <= max_nodes or max_nodes < 1:
         raise ValueError(f"--min-nodes {min_nodes} / --max-nodes {max_nodes}: need 0 <= min <= max and max >= 1")
     refuse_if_up(state)
@@ -66,12 +65,8 @@ def up(max_nodes: int, cpus_per_node: float, gpus_per_node: int = 0, min_nodes: 
     ports = dict(zip(names, free_ports(len(names))))
     dashboard_port = ports.pop("dashboard-port")
     address = f"127.0.0.1:{ports['port']}"
-    # the min_nodes come up under a ceiling of min_nodes, raised to max_nodes once exactly they are up and
-    # nothing is launching: on a loaded machine the autoscaler, slow to list the nodes it was launching,
-    # queued one more than min_nodes at start (seen in CI: the third node then held an elastic run's fleet
-    # after a node loss); above the ceiling it terminates the extra. It reads its config file on every update.
     cfg = config(max_nodes, min_nodes, cpus_per_node, gpus_per_node, idle_timeout_s, address)
-    _write_config(temp / "autoscaling.json", _ceiling(cfg, min_nodes) if min_nodes else cfg)
+    (temp / "autoscaling.json").write_text(json.dumps(cfg, indent=1))
     cmd = [str(Path(sys.executable).parent / "ray"), "start", "--head", "--block", "--num-cpus=0",
            "--node-ip-address=127.0.0.1", f"--temp-dir={temp}", f"--autoscaling-config={temp / 'autoscaling.json'}",
            f"--system-config={json.dumps(HEALTH_CHECKS, separators=(',', ':'))}",
@@ -91,31 +86,15 @@ def up(max_nodes: int, cpus_per_node: float, gpus_per_node: int = 0, min_nodes: 
                                  "gpus_per_node": gpus_per_node, "idle_timeout_s": idle_timeout_s,
                                  "config": str(temp / "autoscaling.json")})
     deadline = time.monotonic() + timeout_s
-    while not (_listening(ports["port"]) and _settled(st, min_nodes)):
+    while not (_listening(ports["port"]) and len(alive_worker_nodes(st)) >= min_nodes):
         if not _alive(holder.pid) or time.monotonic() > deadline:
             holder.kill()
             _kill_leftovers(str(temp))
             raise RuntimeError(f"the autoscaling cluster did not come up within {timeout_s:.0f}s; its log: "
                                f"{temp / 'holder.log'}\n" + (temp / "holder.log").read_text()[-2000:])
         time.sleep(0.5)
-    if min_nodes:
-        _write_config(temp / "autoscaling.json", cfg)
     st.write(state)
     return st
-
-
-def _ceiling(cfg: dict, nodes: int) -> dict:
-    """``cfg`` with at most ``nodes`` worker nodes."""
-    capped = json.loads(json.dumps(cfg))
-    capped["max_workers"] = capped["available_node_types"][WORKER_TYPE]["max_workers"] = nodes
-    return capped
-
-
-def _write_config(path: Path, cfg: dict) -> None:
-    """Replace the autoscaler's config file whole (it never reads half of one)."""
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(cfg, indent=1))
-    tmp.replace(path)
 
 
 def _listening(port: int) -> bool:
@@ -124,27 +103,13 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
-def _ray_status(st: ClusterState) -> str:
-    """``ray status`` of the cluster ("" when it does not answer)."""
+def alive_worker_nodes(st: ClusterState) -> list[str]:
+    """The autoscaler's worker nodes that are up now, by node id, from ``ray status`` of the cluster."""
     out = subprocess.run([str(Path(sys.executable).parent / "ray"), "status", f"--address={st.address}"],
                          env=_ray_env(), capture_output=True, text=True, timeout=60)
-    return out.stdout if out.returncode == 0 else ""
-
-
-def _settled(st: ClusterState, nodes: int) -> bool:
-    """Exactly ``nodes`` worker nodes up and none launching (none at all asked: the head answers)."""
-    status = _ray_status(st)
-    pending = status.split("Pending:", 1)[-1].split("Resources", 1)[0]
-    return bool(status) and len(alive_worker_nodes(st, status)) == nodes and WORKER_TYPE not in pending
-
-
-def alive_worker_nodes(st: ClusterState, status: str | None = None) -> list[str]:
-    """The autoscaler's worker nodes that are up now, one entry per node, from ``ray status`` of the
-    cluster (``status``: its output when already read)."""
-    status = _ray_status(st) if status is None else status
-    if not status:
+    if out.returncode != 0:
         return []
-    active = status.split("Active:", 1)[-1].split("Pending:", 1)[0]
+    active = out.stdout.split("Active:", 1)[-1].split("Pending:", 1)[0]
     nodes: list[str] = []
     for line in active.splitlines():
         parts = line.split()
