@@ -129,3 +129,33 @@ def test_memory_readings_stay_within_their_cpu_budget_on_a_fragmented_heap():
         assert sampler.readings >= 3 and sampler.peak > 0
     finally:
         del held
+
+
+def test_a_reading_preempted_by_another_process_does_not_silence_the_sampler():
+    """On a loaded machine a reading can take milliseconds of wall time for microseconds of work (the
+    process was preempted). Costed by wall time, its 20x gap silenced every reading for a whole step
+    and the backward peak went unseen (CI: the pre-flight profile at half the planner's estimate on
+    every rank). Costed by the thread's CPU time, the next module's reading still happens.
+    (Breaking it, perf_counter in ``_Sampler._read``, fails this.)"""
+    import time
+
+    from raysc.train.memory import _Sampler
+
+    values = iter(range(1, 1_000_000))
+    preempted = {"now": False}
+
+    def in_use() -> int:
+        if preempted["now"]:
+            time.sleep(0.05)  # off the CPU: the scheduler ran someone else
+        return next(values) * 1000
+
+    sampler = _Sampler(in_use)
+    sampler.stop()  # the hooks' readings only, from here
+    time.sleep(0.01)
+    preempted["now"] = True
+    sampler.sample()
+    preempted["now"] = False
+    assert sampler.readings == 3
+    time.sleep(0.01)
+    sampler.sample()  # the next module's end, 10 ms after the preempted reading
+    assert sampler.readings == 4, (sampler.readings, sampler.longest_s)

@@ -84,6 +84,11 @@ class _Sampler:
     ``BUDGET`` of a core. On a fresh heap the hooks still read at nearly every module's end; on a
     fragmented one the peak is sampled more coarsely (``readings`` and ``reading_s`` say how much
     was spent).
+
+    A reading's cost is the CPU time of the thread that made it, not the wall time: on a loaded
+    machine a reading preempted by another process took 10 ms of wall time for microseconds of
+    work, its 20x gap silenced the hooks and the thread for a whole step, and the step's
+    backward peak went unseen (CI: every rank at half the planner's estimate).
     """
 
     BUDGET = 0.05  # the share of one core the readings may take
@@ -100,14 +105,14 @@ class _Sampler:
         self._thread.start()
 
     def _read(self) -> int:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         value = self.in_use()
-        t1 = time.perf_counter()
+        cost = time.thread_time() - t0
         self.readings += 1
-        self.reading_s += t1 - t0
-        self.longest_s = max(self.longest_s, t1 - t0)
-        self._gap_s = (t1 - t0) / self.BUDGET
-        self._next = t1 + self._gap_s
+        self.reading_s += cost
+        self.longest_s = max(self.longest_s, cost)
+        self._gap_s = cost / self.BUDGET
+        self._next = time.perf_counter() + self._gap_s
         return value
 
     def sample(self) -> None:
