@@ -41,7 +41,9 @@ def _submit(ray_head: dict, sets: list[str], *options: str) -> list[str]:
 
 def test_job_submit_survives_kill_9_of_a_worker(ray_head, cache_dir, tmp_path):
     run_dir = tmp_path / "job-run"
-    sets = [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', "train.steps=150",
+    # the spares start after the first chunk and, beside the suite's other lane, took longer than 150
+    # steps (~20 s) to come up (CI at 32213b9): 400 steps leave them ~3x that
+    sets = [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', "train.steps=400",
             "checkpoint.every_steps=50", "parallel.dp_replicate=2", "train.log_every=100",
             "supervisor.warm_spares=true"]
     job = subprocess.Popen(_submit(ray_head, sets), env=ray_head["env"], stdout=subprocess.PIPE,
@@ -58,7 +60,7 @@ def test_job_submit_survives_kill_9_of_a_worker(ray_head, cache_dir, tmp_path):
         out, _ = job.communicate(timeout=300)
         assert job.returncode == 0, out
         summary = json.loads([line for line in out.splitlines() if line.startswith("{")][-1])
-        assert summary["steps"] == 150 and summary["restarts"] == 1
+        assert summary["steps"] == 400 and summary["restarts"] == 1
         kinds = [e["kind"] for e in read_jsonl(events)]
         died = [e for e in read_jsonl(events) if e["kind"] == "worker_died"]
         assert died and died[0]["rank"] == 1 and "recovered" in kinds and kinds[-1] == "run_end"
