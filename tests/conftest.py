@@ -93,7 +93,6 @@ OWN_CLUSTERS_LANE = {
     "test_multinode.py", "test_elastic.py", "test_autoscaling.py", "test_job_submit.py", "test_grafana.py",
     "test_stop.py", "test_newcomer.py", "test_families.py", "test_startup_memory.py", "test_scaling.py",
     "test_stability.py", "test_materialise.py",
-    "test_compile.py",  # needs no Ray: here for balance (CI: this lane ended 60-120 s before the other)
 }
 
 
