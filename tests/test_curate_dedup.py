@@ -107,3 +107,34 @@ def test_components_by_one_task_or_hash_to_min_agree(ray_session, monkeypatch):
     assert rounds >= 1 and shuffles == rounds + 1
     for roots in (gathered, spread):
         assert {r["node"]: r["root"] for r in roots.take_all()} == want
+
+
+def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_session, monkeypatch):
+    """Up to GATHER_MAX_DOCS documents their keys go to one task (no shuffle); past it, the hash
+    shuffle of key rows. Both keep the same documents and count the same copies; each removes the
+    seeded exact copies and keeps every original."""
+    import raysc.curate.dedup as dd
+    from raysc.curate.inputs import normalise_batch
+
+    spec = SynthSpec(docs=400, seed=3, near_frac=0.2, exact_frac=0.1, corpus_mb=1.0)
+    docs, truth = [], []
+    for doc, pair in Synth(spec, line_pools(1.0)):
+        docs.append(doc)
+        truth += [pair] if pair else []
+    rows = {"text": np.array([d["text"] for d in docs], dtype=object), "id": np.array([d["id"] for d in docs], dtype=object),
+            "domain": np.array(["prose"] * len(docs), dtype=object), "bad": np.array([""] * len(docs), dtype=object)}
+    batch = normalise_batch(rows)
+    ds = ray_session.data.from_items([{k: batch[k][i] for k in ("id", "text", "hash", "node")}
+                                      for i in range(len(docs))], override_num_blocks=4)
+    kept, stats = {}, {}
+    for path, limit in (("one task", dd.GATHER_MAX_DOCS), ("shuffle", 0)):
+        monkeypatch.setattr(dd, "GATHER_MAX_DOCS", limit)
+        out, stats[path] = dd.dedup(ds, len(docs), DedupConfig(), log=lambda *_: None)
+        kept[path] = {r["id"] for r in out.take_all()}
+    assert kept["one task"] == kept["shuffle"]
+    a, b = stats["one task"], stats["shuffle"]
+    assert (a.documents, a.exact_removed, a.near_removed, a.clusters) == (b.documents, b.exact_removed,
+                                                                         b.near_removed, b.clusters)
+    assert (a.shuffles, b.shuffles) == (0, 1) and a.exact_removed > 0 and a.near_removed > 0
+    assert {p["original"] for p in truth} <= kept["one task"]
+    assert not {p["copy"] for p in truth if p["kind"] == "exact"} & kept["one task"]

@@ -1,20 +1,23 @@
-"""The dedup stage, exact and near in one shuffle: a document's LSH band keys (MinHash over word
-shingles, ``raysc.curate.minhash``) and, for exact dedup, one more key from its content hash
-are rows (key, node, signature); one hash shuffle brings every key's rows into one partition;
-per partition, vectorised, keys of one row are skipped with numpy, a content-hash key's rows
-are exact duplicates (the smallest node key survives), a band key's pairs are duplicates when
-their signatures agree on at least ``dedup.threshold`` of the hash functions; a union-find per
-partition reduces these pairs to a forest (one edge per non-root node). Clusters are the
-connected components of the forests (``raysc.curate.graph.components``: one union-find task, or
-hash-to-min rounds past ``GATHER_MAX_EDGES``); the smallest node key of a cluster survives, the
-rest leave by a broadcast filter (``graph.drop_nodes``).
+"""The dedup stage, exact and near together: a document's LSH band keys (MinHash over word
+shingles, ``raysc.curate.minhash``) and, for exact dedup, one more key from its content hash.
+Up to ``GATHER_MAX_DOCS`` documents, one row per document (node, signature, keys; ``doc_keys``)
+goes to one task, which keeps only the keys held by more than one document (``gathered_forest``);
+past it, the keys are rows (key, node, signature; ``key_rows``) and one hash shuffle brings every
+key's rows into one partition. Either way, vectorised, keys of one row are skipped with numpy, a
+content-hash key's rows are exact duplicates (the smallest node key survives), a band key's pairs
+are duplicates when their signatures agree on at least ``dedup.threshold`` of the hash functions,
+and a union-find (per partition) reduces these pairs to a forest (one edge per non-root node;
+``bucket_forest``). Clusters are the connected components of the forests
+(``raysc.curate.graph.components``: one union-find task, or hash-to-min rounds past
+``GATHER_MAX_EDGES``); the smallest node key of a cluster survives, the rest leave by a broadcast
+filter (``graph.drop_nodes``).
 
-Shuffles: one, of small columns (never the text), plus ``1 + rounds`` only on the hash-to-min
-path and one for an anti-join of more than ``BROADCAST_MAX_IDS`` losers. Exact first, then near
-(the old order) keeps the same survivors: an exact copy has its twin's signature, so it joins
-its twin's cluster, whose smallest node is at most the twin's. Ray Data's
-``groupby().map_groups`` would call Python once per key (``bands + 1`` calls per document,
-nearly all on one-row buckets): one shuffle and one call per partition is why this is ours.
+Shuffles: none up to ``GATHER_MAX_DOCS`` documents, else one of small columns (never the text),
+plus ``1 + rounds`` only on the hash-to-min path and one for an anti-join of more than
+``BROADCAST_MAX_IDS`` losers. Exact first, then near (the old order) keeps the same survivors: an
+exact copy has its twin's signature, so it joins its twin's cluster, whose smallest node is at
+most the twin's. Ray Data's ``groupby().map_groups`` would call Python once per key (``bands + 1``
+calls per document, nearly all on one-row buckets): one call per partition is why this is ours.
 """
 
 from __future__ import annotations
@@ -33,6 +36,11 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from ray.data import Dataset
 
+# Up to this many documents, their keys go to one task (``doc_keys``, ``gathered_forest``): ~0.6 kB a
+# document at 112 hashes, ~0.6 GB at the limit. Measured at 30k documents on 2 cores: the whole dedup
+# stage 11.1 and 12.2 s with the hash shuffle of their 450k key rows (each row carrying its signature),
+# 4.8 and 4.6 s in one task, same survivors. Past it, the shuffle: no task holds every document's keys.
+GATHER_MAX_DOCS = 1_000_000
 PAIRWISE_MAX = 2048  # buckets up to this size compare every pair; larger ones pair with their smallest member
 _EXACT_KEY = np.uint64(0x5EED0F00D15EA5E5)  # mixed into content-hash keys so they never meet a band key
 
@@ -82,6 +90,54 @@ def key_rows(batch: dict, hasher: MinHasher, exact: bool, near: bool) -> dict:
     return {k: np.concatenate(v) for k, v in cols.items()}
 
 
+def doc_keys(batch: dict, hasher: MinHasher, exact: bool, near: bool) -> pa.Table:
+    """Per document, one row: the node key, its signature and band keys as bytes (``near``) and its
+    content-hash key (``exact``): what ``key_rows`` spreads over ``bands + 1`` rows, held once."""
+    import pyarrow as pa
+
+    out = {"node": pa.array(list(batch["node"]), pa.string())}
+    if near:
+        sig = hasher.signatures(list(batch["text"]))
+        out["sig"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(sig.shape[1] * 4), len(sig),
+                                                          [None, pa.py_buffer(sig.tobytes())])
+        keys = hasher.band_keys(sig)
+        out["keys"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(keys.shape[1] * 8), len(keys),
+                                                           [None, pa.py_buffer(keys.tobytes())])
+    if exact:
+        out["hash_key"] = (np.array([int(h[:16], 16) for h in batch["hash"]], dtype=np.uint64) ^ _EXACT_KEY
+                           ).view(np.int64)
+    return pa.table(out)
+
+
+def gathered_forest(t: pa.Table, bands: int, threshold: float) -> pa.Table:
+    """Every document's ``doc_keys`` row in one task: the keys held by more than one row become
+    ``key_rows`` rows (only those: nearly every key is held by one document) for ``bucket_forest``."""
+    import pyarrow as pa
+
+    n = len(t)
+    buckets, docs, exact = [], [], []
+    if "keys" in t.column_names:
+        keys = np.frombuffer(t["keys"].combine_chunks().buffers()[1], dtype=np.int64, count=n * bands)
+        buckets.append(keys)
+        docs.append(np.repeat(np.arange(n), bands))
+        exact.append(np.zeros(n * bands, dtype=bool))
+    if "hash_key" in t.column_names:
+        buckets.append(t["hash_key"].to_numpy())
+        docs.append(np.arange(n))
+        exact.append(np.ones(n, dtype=bool))
+    bucket, doc, is_exact = np.concatenate(buckets), np.concatenate(docs), np.concatenate(exact)
+    order = np.argsort(bucket, kind="stable")
+    b = bucket[order]
+    shared = np.r_[b[1:] == b[:-1], False] | np.r_[False, b[1:] == b[:-1]]
+    rows = order[shared]
+    take = pa.array(doc[rows])
+    sig = (t["sig"].take(take).cast(pa.binary()) if "sig" in t.column_names
+           else pa.nulls(len(rows), pa.binary()))
+    sig = pa.compute.if_else(pa.array(is_exact[rows]), pa.scalar(b"", pa.binary()), sig)
+    return bucket_forest(pa.table({"bucket": bucket[rows], "node": t["node"].take(take), "sig": sig,
+                                   "exact": is_exact[rows]}), threshold)
+
+
 def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
     """One partition of key rows: the forest edges (a, b) of its duplicate pairs, and ``exact``
     rows (smallest node, copy) for every exact copy."""
@@ -122,14 +178,20 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
         return docs, DedupStats(count, 0, 0, 0, 0, 0)
     hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
     per_doc = d.bands * d.near + d.exact
-    edges = docs.map_batches(key_rows, batch_format="numpy",
-                             fn_kwargs={"hasher": hasher, "exact": d.exact, "near": d.near}).repartition(
-        partitions(count * per_doc), keys=["bucket"]).map_batches(
-        bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold}).materialize()
+    keyed = {"hasher": hasher, "exact": d.exact, "near": d.near}
+    if count <= GATHER_MAX_DOCS:  # one task: no shuffle
+        edges = docs.map_batches(doc_keys, batch_format="numpy", fn_kwargs=keyed).repartition(1).map_batches(
+            gathered_forest, batch_size=None, batch_format="pyarrow",
+            fn_kwargs={"bands": d.bands, "threshold": d.threshold}).materialize()
+    else:
+        edges = docs.map_batches(key_rows, batch_format="numpy", fn_kwargs=keyed).repartition(
+            partitions(count * per_doc), keys=["bucket"]).map_batches(
+            bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold}).materialize()
     n_edges = edges.count()
     log(f"curate: dedup: {n_edges} forest edge(s) of exact copies and pairs above dedup.threshold={d.threshold}")
+    key_shuffles = int(count > GATHER_MAX_DOCS)
     if not n_edges:
-        return docs, DedupStats(count, 0, 0, 0, 0, 1)
+        return docs, DedupStats(count, 0, 0, 0, 0, key_shuffles)
     n_exact = count_by(edges, "exact").get("true", 0)  # one content-hash row per document: no repeats
     roots, rounds, shuffles = components(edges.select_columns(["a", "b"]), n_edges, d.max_rounds, log)
     roots = roots.materialize()
@@ -138,7 +200,7 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     clusters = roots.count() - removed
     docs = drop_nodes(docs, losers, removed)
     stats = DedupStats(count - removed, n_exact, removed - n_exact, clusters, rounds,
-                       1 + shuffles + int(removed > BROADCAST_MAX_IDS))
+                       key_shuffles + shuffles + int(removed > BROADCAST_MAX_IDS))
     log(f"curate: dedup removed {stats.exact_removed} exact and {stats.near_removed} near copies in {clusters} "
         f"cluster(s) ({rounds} hash-to-min rounds)")
     return docs, stats

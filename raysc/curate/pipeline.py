@@ -9,8 +9,9 @@ returns the next one with its stats):
    (Unicode NFC, whitespace), hashed, given the input id (or the hash) and the domain from the
    input's field or tagged by rules (code / prose);
 2. dedup (``dedup``): exact copies (same content hash) and near duplicates (MinHash signatures
-   and LSH band keys, ``raysc.curate.minhash``) in one hash shuffle of small key rows, verified
-   pairs reduced to a forest by a union-find per partition, clusters by connected components
+   and LSH band keys, ``raysc.curate.minhash``) gathered in one task up to ``dedup.GATHER_MAX_DOCS``
+   documents, else in one hash shuffle of small key rows, verified pairs reduced to a forest by a
+   union-find per partition, clusters by connected components
    (``graph.components``: one union-find task up to ``GATHER_MAX_EDGES`` forest edges, else
    hash-to-min rounds), one survivor per cluster (smallest id), the rest removed by a broadcast
    filter;
@@ -24,8 +25,8 @@ returns the next one with its stats):
    (``documents/``), of the dropped ones with their reason (``dropped/``), and ``report.json`` +
    PNG charts.
 
-A run makes one shuffle, of the dedup key rows (``report.json``: ``near_dedup.shuffles``, with the
-ones a huge graph would add), never one of the text; stats are per-block partial counts. Progress: Ray
+A run makes no shuffle up to ``dedup.GATHER_MAX_DOCS`` documents, else one, of the dedup key rows
+(``report.json``: ``near_dedup.shuffles``, with the ones a huge graph would add), never one of the text; stats are per-block partial counts. Progress: Ray
 Data's own progress bars for every operator, and one log line per stage with its seconds;
 ``report.json`` ends with the per-stage table (``stages``: seconds and documents after it).
 """
