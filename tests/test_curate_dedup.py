@@ -121,11 +121,9 @@ def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_se
     for doc, pair in Synth(spec, line_pools(1.0)):
         docs.append(doc)
         truth += [pair] if pair else []
-    rows = {"text": np.array([d["text"] for d in docs], dtype=object), "id": np.array([d["id"] for d in docs], dtype=object),
-            "domain": np.array(["prose"] * len(docs), dtype=object), "bad": np.array([""] * len(docs), dtype=object)}
-    batch = normalise_batch(rows)
-    ds = ray_session.data.from_items([{k: batch[k][i] for k in ("id", "text", "hash", "node")}
-                                      for i in range(len(docs))], override_num_blocks=4)
+    batch = normalise_batch(pa.table({"text": [d["text"] for d in docs], "id": [d["id"] for d in docs],
+                                      "domain": ["prose"] * len(docs), "bad": [""] * len(docs)}))
+    ds = ray_session.data.from_arrow(batch.select(["id", "text", "hash", "node"])).repartition(4)
     kept, stats = {}, {}
     for path, limit in (("one task", dd.GATHER_MAX_DOCS), ("shuffle", 0)):
         monkeypatch.setattr(dd, "GATHER_MAX_DOCS", limit)

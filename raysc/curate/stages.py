@@ -63,7 +63,7 @@ def read_documents(files: list[str], options: dict, c: CurateConfig,
     files_ds = ray.data.from_items([{"uri": f} for f in files], override_num_blocks=min(len(files), 64))
     args = (options, c.text_field, c.id_field, c.domain_field, c.url_field)
     parsed = files_ds.flat_map(lambda r: parse_file(r["uri"], *args)).map_batches(
-        normalise_batch, batch_format="numpy").materialize()
+        normalise_batch, batch_format="pyarrow").materialize()
     bad = parsed.filter(lambda r: bool(r["bad"]))
     docs = parsed.filter(lambda r: not r["bad"]).drop_columns(["bad", "sample"]).materialize()
     n_bad = bad.count()
