@@ -129,6 +129,9 @@ def test_openai_client_completions_chat_streaming_models_and_usage(served):
     assert _vllm_processes() == ["VLLM::EngineCore"], _vllm_processes()
     assert [m.id for m in c.models.list().data] == [dep.model_id] == ["tiny"]
     assert dep.model.remote and dep.model.path == served["export"].path  # raysc serve s3://...
+    # the export's own record says which checkpoint it is: reported, and a follower of the run rolls only
+    # onto newer steps (test_a_killed_replica_...: onto step 30, not first onto step 20 again)
+    assert (dep.model.step, dep.model.checkpoint) == (20, "s3://raysc-serve/run/step_00000020")
     # vLLM serves exactly the trained model (step 20, mirrored from S3): greedy, token for token (up to ties)
     ids = _served_ids(c, dep.model_id, PROMPTS)
     assert not greedy_mismatches(served["run_dir"], 20, PROMPTS, ids)
@@ -293,6 +296,8 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
         time.sleep(0.5)
     stop.set()
     watcher.join(timeout=60)
+    # one roll, onto the one newer checkpoint (the step-20 export it served already is not rolled onto again)
+    assert [json.loads(line).get("serving_step") for line in logged] == [30], logged
     new = served["dep"] = rolled["dep"]
     assert new.model.step == 30 and new.model.path.startswith("s3://")  # the run's export in its store
     assert new.speculative == {"method": "draft_model", "model": str(Path(draft).resolve()), "num_speculative_tokens": 3}

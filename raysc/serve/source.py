@@ -52,17 +52,20 @@ def resolve(source: str, step: int | None = None) -> ServedModel:
         import fsspec
 
         fs, root = fsspec.core.url_to_fs(source)
-        if not fs.exists(f"{root.rstrip('/')}/config.json"):
+        root = root.rstrip("/")
+        if not fs.exists(f"{root}/config.json"):
             raise FileNotFoundError(f"{source} holds no config.json: serve an export folder from the object store "
                                     f"(written by `raysc serve RUN_DIR` or `raysc export`), or a run directory")
-        return ServedModel(source.rstrip("/"))
+        return ServedModel(source.rstrip("/"), *_recorded_step(fs, f"{root}/{EXPORT_RECORD}"))
     path = Path(source)
     if is_run_dir(source):
         return export_run(path, step)
     if (path / "config.json").is_file():
         if step is not None:
             raise ValueError(f"--step applies to a run directory; {source} is an export folder (one step already)")
-        return ServedModel(str(path.resolve()))
+        from fsspec.implementations.local import LocalFileSystem
+
+        return ServedModel(str(path.resolve()), *_recorded_step(LocalFileSystem(), str(path / EXPORT_RECORD)))
     raise FileNotFoundError(f"{source} is neither a raysc run directory (config.toml) nor a Hugging Face folder "
                             f"(config.json); pass run.dir of a training run, an export folder or an s3:// export")
 
@@ -110,6 +113,18 @@ def export_run(run_dir: Path, step: int | None = None) -> ServedModel:
     if remote is not None:
         _upload_once(out, store.storage.fs, f"{store.storage.root}/serve/{step_name(step)}")
     return ServedModel(remote or str(out.resolve()), step, record["checkpoint"], run_dir, reused, str(out.resolve()))
+
+
+def _recorded_step(fs, record_path: str) -> tuple[int | None, str | None]:
+    """(step, checkpoint URI) from a run export's ``export.json``; (None, None) for a folder that has
+    none (``raysc export``, ``raysc quantize`` and other Hugging Face folders). With the step known, `raysc
+    serve` reports what it serves and a follower of the same run rolls only onto newer checkpoints."""
+    try:
+        with fs.open(record_path, "r") as f:
+            record = json.load(f)
+        return int(record["step"]), record.get("checkpoint")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None, None
 
 
 def _same_export(out: Path, record: dict) -> bool:
