@@ -124,6 +124,12 @@ def test_served_sources_resolve(tmp_path):
     assert resolve(str(folder)) == ServedModel(str(folder.resolve()))
     with pytest.raises(ValueError, match="--step applies to a run directory"):
         resolve(str(folder), step=3)
+    # a run's export says which checkpoint it is (a broken record is a plain folder, not an error)
+    record = {"format": 2, "step": 40, "checkpoint": "s3://b/run/step_00000040", "manifest_sha256": "0" * 64}
+    (folder / EXPORT_RECORD).write_text(json.dumps(record))
+    assert resolve(str(folder)) == ServedModel(str(folder.resolve()), 40, "s3://b/run/step_00000040")
+    (folder / EXPORT_RECORD).write_text("{not json")
+    assert resolve(str(folder)) == ServedModel(str(folder.resolve()))
 
 
 # ---- engine mapping ----
