@@ -9,7 +9,8 @@ The ``num_perm`` hash functions are multiply-shift hashes ``(a·x + b) mod 2^64 
 with random odd ``a`` (a 2-universal family, Dietzfelbinger et al. 1997): applied to the
 shingle hashes of a whole batch as one ``(num_perm, shingles)`` array and reduced per
 document with ``np.minimum.reduceat``. No Python loop runs over hash functions or
-shingles; the only per-document Python work is splitting words.
+shingles; the only per-document Python work is splitting words (each distinct word of a batch
+is hashed once).
 
 LSH: the signature is cut into ``bands`` bands of ``rows`` values; two documents become a
 candidate pair when any band matches. Each band is folded to one 64-bit key, so buckets
@@ -27,6 +28,16 @@ import numpy as np
 
 _WORD = re.compile(r"\w+", re.UNICODE)
 _MAX_BATCH_CELLS = 1 << 18  # num_perm × shingles per numpy block (2 MiB of uint64: stays in cache)
+
+
+class _WordHashes(dict):
+    """word -> ``zlib.crc32`` of its UTF-8 bytes, computed on a word's first lookup. Looked up through
+    ``map(d.__getitem__, ...)``, a seen word costs a dict probe in C, not an encode and a crc32 call
+    from Python (a batch's words are mostly repeats: Zipf)."""
+
+    def __missing__(self, word: str) -> int:
+        h = self[word] = zlib.crc32(word.encode())
+        return h
 
 
 def words(text: str) -> list[str]:
@@ -63,8 +74,9 @@ class MinHasher:
         n = self.shingle
         word_hashes: list[int] = []
         bounds = [0]
+        hash_of = _WordHashes().__getitem__  # a word's crc32 once per batch: text repeats its words
         for text in texts:
-            word_hashes.extend(zlib.crc32(x.encode()) for x in words(text))
+            word_hashes.extend(map(hash_of, words(text)))
             bounds.append(len(word_hashes))
         wh = np.asarray(word_hashes + [0], dtype=np.uint64)  # a pad so empty documents index safely
         lengths = np.diff(np.asarray(bounds, dtype=np.int64))
