@@ -13,13 +13,25 @@ survives.
 
 - ``raysc``: ``raysc curate`` (Ray Data; quality rules off, so no quality measurement is computed;
   ``seconds_without_quality`` leaves out a quality stage where a report has one).
+- ``raysc_rules``: ``raysc curate`` at its default quality rules (Gopher quality and repetition, C4,
+  FineWeb), after dedup as the pipeline orders them.
 - ``raysc_kernel``: raysc's MinHasher, band keys and verification in one process with numpy.
 - ``datasketch``: ``MinHash.update_batch`` + ``MinHashLSH(params=(14, 8))`` insert and query,
   the same verification and union-find.
 - ``datatrove`` (when installed, ``pip install -e '.[bench]'``): its four MinHash stages with
   our word splitting; it does not verify candidates (any shared band is a duplicate).
+- ``datatrove_rules``: the same four stages with datatrove's own filters of the same families after
+  its dedup filter, each at its published default: ``GopherRepetitionFilter``,
+  ``GopherQualityFilter``, ``C4QualityFilter``, ``FineWebQualityFilter`` (their English word and
+  sentence splitting is datatrove's default, spaCy's blank English pipeline with its sentencizer:
+  what a datatrove user runs). The issue's "MinHash + Gopher" pipeline plus C4 and FineWeb, so both
+  sides apply one rule set.
 
-Recall on truth pairs with Jaccard >= 0.85, removals at <= 0.5, and removals of documents
+``--format parquet`` makes the corpus FineWeb-like Parquet shards (FineWeb's columns, see
+``raysc.curate.synth``) instead of JSONL; every implementation reads the same files.
+
+Recall on truth pairs (dedup-only implementations; with rules the quality verdicts remove documents
+too, so the ``*_rules`` pair reports the documents each kept and the overlap of the two kept sets) with Jaccard >= 0.85, removals at <= 0.5, and removals of documents
 that no truth pair at > 0.5 explains. Medians over ``--repeats``; ratios of medians. The last
 line is JSON.
 """
@@ -40,7 +52,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 THRESHOLD, SHINGLE, BANDS, ROWS = 0.7, 5, 14, 8
-IMPLS = ("raysc", "raysc_kernel", "datasketch", "datatrove")
+IMPLS = ("raysc", "raysc_kernel", "datasketch", "datatrove", "raysc_rules", "datatrove_rules")
+DEFAULT_IMPLS = ("raysc", "raysc_kernel", "datasketch", "datatrove")
 
 
 # ---- the implementations, each run in its own process (``--run NAME``) ----
@@ -52,15 +65,24 @@ def load_docs(corpus: Path) -> list[dict]:
     from raysc.curate.inputs import normalise
 
     best: dict[str, dict] = {}
-    for f in sorted((corpus / "docs").glob("part-*.jsonl")):
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                d = json.loads(line)
-                text = normalise(d["text"])
-                h = hashlib.sha1(text.encode()).hexdigest()
-                if h not in best or d["id"] < best[h]["id"]:
-                    best[h] = {"id": d["id"], "text": text, "domain": d["domain"]}
+    for d in read_rows(corpus / "docs"):
+        text = normalise(d["text"])
+        h = hashlib.sha1(text.encode()).hexdigest()
+        if h not in best or d["id"] < best[h]["id"]:
+            best[h] = {"id": d["id"], "text": text, "domain": d["domain"]}
     return sorted(best.values(), key=lambda d: d["id"])
+
+
+def read_rows(docs: Path):
+    """Every row (id, text, domain) of the JSONL or Parquet shards in ``docs``, shard by shard."""
+    import pyarrow.parquet as pq
+
+    for f in sorted(docs.glob("part-*")):
+        if f.suffix == ".parquet":
+            yield from pq.read_table(f, columns=["id", "text", "domain"]).to_pylist()
+        else:
+            with open(f, encoding="utf-8") as fh:
+                yield from (json.loads(line) for line in fh)
 
 
 def survivors(docs: list[dict], edges) -> list[dict]:
@@ -126,9 +148,10 @@ def datasketch_edges(docs: list[dict]) -> set:
     return {(i, j) for i, m in enumerate(sigs) for j in lsh.query(m) if j > i and m.jaccard(sigs[j]) >= THRESHOLD}
 
 
-def datatrove_kept(docs: list[dict], work: Path) -> list[dict]:
+def datatrove_kept(docs: list[dict], work: Path, rules: bool = False) -> list[dict]:
     """datatrove's 4-stage MinHash dedup in this process (workers=1), with our word splitting and
-    64-bit sha1 shingle hashes (its xxhash path passes str, which current xxhash rejects)."""
+    64-bit sha1 shingle hashes (its xxhash path passes str, which current xxhash rejects); with
+    ``rules``, its Gopher, C4 and FineWeb filters after the dedup filter, at their defaults."""
     import datatrove.pipeline.dedup.minhash as dm
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor
@@ -147,7 +170,7 @@ def datatrove_kept(docs: list[dict], work: Path) -> list[dict]:
         def span_tokenize(self, text: str) -> list[tuple[int, int]]:
             return [(0, len(text))]
 
-    dm.load_word_tokenizer = lambda language: OurWords()
+    dm.load_word_tokenizer = lambda language: OurWords()  # the MinHash stages only: filters keep theirs
     config = dm.MinhashConfig(n_grams=SHINGLE, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=1,
                               hash_config=HashConfig(precision=64, hash_fc="sha1"))
 
@@ -162,11 +185,17 @@ def datatrove_kept(docs: list[dict], work: Path) -> list[dict]:
             kept_ids.add(doc.id)
             yield doc
 
+    filters = []
+    if rules:
+        from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
+                                                GopherRepetitionFilter)
+
+        filters = [GopherRepetitionFilter(), GopherQualityFilter(), C4QualityFilter(), FineWebQualityFilter()]
     w = str(work)
     stages = [([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], 1),
               ([dm.MinhashDedupBuckets(input_folder=f"{w}/sigs", output_folder=f"{w}/buckets", config=config)], BANDS),
               ([dm.MinhashDedupCluster(input_folder=f"{w}/buckets", output_folder=f"{w}/remove", config=config)], 1),
-              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), collect], 1)]
+              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), *filters, collect], 1)]
     for i, (pipeline, tasks) in enumerate(stages):
         LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=f"{w}/logs{i}",
                               skip_completed=False).run()
@@ -175,13 +204,13 @@ def datatrove_kept(docs: list[dict], work: Path) -> list[dict]:
 
 def run_one(name: str, corpus: Path, work: Path) -> dict:
     """One implementation from corpus to Parquet; stage seconds where it reports them."""
-    if name == "raysc":
+    if name in ("raysc", "raysc_rules"):
         from raysc.config import load_config
         from raysc.curate.pipeline import curate
         from raysc.driver import ensure_ray
 
         cfg = load_config(None, [f'curate.input="{corpus / "docs"}"', f'curate.output="{work / "out"}"',
-                                 "quality.enabled=false", f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
+                                 f"quality.enabled={str(name == 'raysc_rules').lower()}", f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
                                  f'data.cache_dir="{ROOT / ".cache/raysc"}"'])
         ensure_ray()
         report = curate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
@@ -190,13 +219,14 @@ def run_one(name: str, corpus: Path, work: Path) -> dict:
     t0 = time.perf_counter()
     docs = load_docs(corpus)
     t1 = time.perf_counter()
-    if name == "datatrove":
-        kept = datatrove_kept(docs, work / "datatrove")
+    if name in ("datatrove", "datatrove_rules"):
+        kept = datatrove_kept(docs, work / "datatrove", rules=name == "datatrove_rules")
     else:
         kept = survivors(docs, sorted((kernel_edges if name == "raysc_kernel" else datasketch_edges)(docs)))
     t2 = time.perf_counter()
     write_kept(kept, work / "out")
-    return {"stages": {"read_normalise_exact": round(t1 - t0, 3), "near_dedup": round(t2 - t1, 3),
+    middle = "near_dedup_and_rules" if name.endswith("_rules") else "near_dedup"
+    return {"stages": {"read_normalise_exact": round(t1 - t0, 3), middle: round(t2 - t1, 3),
                        "write": round(time.perf_counter() - t2, 3)}}
 
 
@@ -264,7 +294,9 @@ def main() -> None:
     ap.add_argument("--docs", type=int, default=10_000)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--impls", default=",".join(IMPLS))
+    ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
+    ap.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
+                    help="the corpus's shards: JSONL, or FineWeb-like Parquet")
     ap.add_argument("--cache", default=str(ROOT / ".cache/raysc/synth"))
     ap.add_argument("--run", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
@@ -278,19 +310,21 @@ def main() -> None:
 
     from raysc.curate.synth import SynthSpec, read_truth, write_corpus
 
-    corpus = Path(a.cache) / f"n{a.docs}-s{a.seed}"
+    corpus = Path(a.cache) / (f"n{a.docs}-s{a.seed}" + ("-parquet" if a.format == "parquet" else ""))
     if not (corpus / "meta.json").is_file():
-        write_corpus(SynthSpec(a.docs, a.seed), corpus, shard_docs=5_000, log=lambda m: print(m, flush=True))
+        write_corpus(SynthSpec(a.docs, a.seed), corpus, a.format, shard_docs=5_000,
+                     log=lambda m: print(m, flush=True))
     meta, truth = json.loads((corpus / "meta.json").read_text()), read_truth(corpus)
     print(f"corpus: {a.docs} documents ({meta['bytes'] / 1e6:.1f} MB), roles {meta['roles']}", flush=True)
     impls = [i for i in a.impls.split(",") if i]
-    if "datatrove" in impls:
+    if any(i.startswith("datatrove") for i in impls):
         try:
             import datatrove  # noqa: F401
         except ImportError:
-            impls.remove("datatrove")
+            impls = [i for i in impls if not i.startswith("datatrove")]
             print("datatrove: not installed, left out (pip install -e '.[bench]')", flush=True)
     runs: dict[str, list[dict]] = {name: [] for name in impls}
+    kept_ids: dict[str, set[str]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for r in range(a.repeats):  # interleaved, so a load change hits every implementation alike
             for name in impls:
@@ -299,7 +333,10 @@ def main() -> None:
                 import pyarrow.parquet as pq
 
                 kept = set(pq.read_table(work / "out" / "documents", columns=["id"]).column("id").to_pylist())
-                res.update(accuracy(truth, a.docs, a.seed, kept))
+                res["kept"] = len(kept)
+                if not name.endswith("_rules"):
+                    res.update(accuracy(truth, a.docs, a.seed, kept))
+                kept_ids[name] = kept
                 shutil.rmtree(work, ignore_errors=True)
                 runs[name].append(res)
                 print(f"{name} #{r}: {json.dumps(res)}", flush=True)
@@ -311,12 +348,17 @@ def main() -> None:
         if name == "raysc":
             wq = statistics.median(x["seconds"] - x["stages"].get("quality", 0.0) for x in rs)
             results[name]["seconds_without_quality"] = round(wq, 2)
-    out = {"documents": a.docs, "megabytes": round(meta["bytes"] / 1e6, 1), "cores": os.cpu_count(),
+    out = {"documents": a.docs, "format": a.format, "megabytes": round(meta["bytes"] / 1e6, 1), "cores": os.cpu_count(),
            "repeats": a.repeats, "shingle": SHINGLE, "num_perm": BANDS * ROWS, "bands": BANDS, "rows": ROWS,
            "threshold": THRESHOLD, **results}
     for name in impls:
-        if name != "raysc" and "raysc" in results:
+        if name not in ("raysc", "raysc_rules", "datatrove_rules") and "raysc" in results:
             out[f"ratio_raysc_vs_{name}"] = round(results[name]["seconds"] / results["raysc"]["seconds"], 2)
+    if {"raysc_rules", "datatrove_rules"} <= set(results):  # the pipelines with rules, against each other
+        out["ratio_raysc_rules_vs_datatrove_rules"] = round(
+            results["datatrove_rules"]["seconds"] / results["raysc_rules"]["seconds"], 2)
+        a_, b_ = kept_ids["raysc_rules"], kept_ids["datatrove_rules"]
+        out["kept_overlap_rules"] = round(len(a_ & b_) / max(1, len(a_ | b_)), 4)
     print(json.dumps(out))
 
 

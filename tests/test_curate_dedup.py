@@ -21,7 +21,7 @@ from raysc.curate.synth import Synth, SynthSpec, line_pools, read_truth, write_c
 
 
 def test_synth_corpus_is_deterministic_streamed_and_its_truth_is_measured(tmp_path):
-    """Same spec, same bytes (jsonl or parquet, any shard size); copies sort after their original;
+    """Same spec, same documents (jsonl or FineWeb-like parquet, any shard size); copies sort after their original;
     truth similarities are the measured ones; exact copies are equal once normalised; documents
     the truth does not pair share (almost) no shingles."""
     pools = line_pools(1.0)
@@ -31,7 +31,11 @@ def test_synth_corpus_is_deterministic_streamed_and_its_truth_is_measured(tmp_pa
     assert meta["shards"] == 3 and sum(meta["roles"].values()) == 300 and meta["roles"]["exact"] > 10
     a = [json.loads(line) for f in sorted((tmp_path / "a" / "docs").iterdir()) for line in f.open()]
     b = pq.read_table(tmp_path / "b" / "docs" / "part-00000.parquet").to_pylist()
-    assert a == b and (tmp_path / "a" / "truth.jsonl").read_bytes() == (tmp_path / "b" / "truth.jsonl").read_bytes()
+    # the Parquet shards read like FineWeb's: its columns, the same documents
+    assert set(b[0]) == {"text", "id", "dump", "url", "date", "file_path", "language", "language_score",
+                         "token_count", "domain"}
+    assert b[5]["url"].endswith("/" + b[5]["id"]) and b[5]["token_count"] == len(b[5]["text"].encode()) // 4
+    assert a == [{k: d[k] for k in ("id", "text", "domain")} for d in b] and (tmp_path / "a" / "truth.jsonl").read_bytes() == (tmp_path / "b" / "truth.jsonl").read_bytes()
     by_id = {d["id"]: d["text"] for d in a}
     truth = read_truth(tmp_path / "a")
     assert len(truth) == meta["roles"]["near"] + meta["roles"]["exact"]

@@ -280,7 +280,8 @@ class DedupConfig:
 
 @dataclass
 class QualityConfig:
-    enabled: bool = opt(True, "apply the Gopher, C4 and FineWeb rules (measurements are always recorded)")
+    enabled: bool = opt(True, "apply the Gopher, C4 and FineWeb rules; false measures nothing (no q_* columns, "
+                              "the report says the histograms were skipped) unless a reference_run scores")
     skip_domains: str = opt("code", "comma-separated domains judged by the repetition rules only")
     min_words: int = opt(50, "Gopher: fewest words", min=0)
     max_words: int = opt(100_000, "Gopher: most words", min=1)

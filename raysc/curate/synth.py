@@ -17,6 +17,11 @@ million.
 - An *exact* copy (share ``exact_frac``) is an earlier base document with different
   whitespace: identical once normalised (``inputs.normalise``).
 
+A Parquet corpus (``--format parquet``) has FineWeb's columns as well: ``text``, ``id``, ``dump``,
+``url``, ``date``, ``file_path``, ``language``, ``language_score``, ``token_count`` (besides our
+``domain``), so it reads like a FineWeb shard; the metadata is made up (a dump name, a URL from the
+id, ``token_count`` estimated as UTF-8 bytes / 4, not a tokenizer's count).
+
 Copies have larger indices, so their ids (``syn<seed>-<index>``) sort after their original's
 and a correct dedup keeps the original. Several copies may share one original (a star
 cluster). No library generates corpora with measured near-duplicate ground truth, hence ours.
@@ -131,6 +136,18 @@ class Synth:
         return (self.document(i) for i in range(self.spec.docs))
 
 
+FINEWEB_DUMP = "CC-MAIN-2024-10"
+
+
+def fineweb_row(doc: dict, i: int) -> dict:
+    """``doc`` with FineWeb's metadata columns (made up, deterministic in ``i``; see module doc)."""
+    return {"text": doc["text"], "id": doc["id"], "dump": FINEWEB_DUMP,
+            "url": f"https://{doc['domain']}.example.org/{doc['id']}", "date": "2024-02-21T00:00:00Z",
+            "file_path": f"s3://commoncrawl/crawl-data/{FINEWEB_DUMP}/segments/{i // 10_000:05d}.warc.gz",
+            "language": "en", "language_score": round(0.65 + (i * 7919 % 3400) / 10_000, 4),
+            "token_count": len(doc["text"].encode()) // 4, "domain": doc["domain"]}
+
+
 def write_corpus(spec: SynthSpec, out: str | Path, fmt: str = "jsonl", shard_docs: int = 50_000,
                  log=print) -> dict:
     """Stream the corpus of ``spec`` to ``out`` (shards, truth.jsonl, meta.json); returns the meta."""
@@ -155,7 +172,7 @@ def write_corpus(spec: SynthSpec, out: str | Path, fmt: str = "jsonl", shard_doc
 
     with open(out / "truth.jsonl", "w", encoding="utf-8") as truth:
         for i, (doc, pair) in enumerate(Synth(spec)):
-            rows.append(doc)
+            rows.append(doc if fmt == "jsonl" else fineweb_row(doc, i))
             n_bytes += len(doc["text"].encode())
             counts[pair["kind"] if pair else "base"] += 1
             if pair:
