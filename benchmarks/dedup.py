@@ -30,9 +30,10 @@ survives.
 ``--format parquet`` makes the corpus FineWeb-like Parquet shards (FineWeb's columns, see
 ``raysc.curate.synth``) instead of JSONL; every implementation reads the same files.
 
-Recall on truth pairs (dedup-only implementations; with rules the quality verdicts remove documents
-too, so the ``*_rules`` pair reports the documents each kept and the overlap of the two kept sets) with Jaccard >= 0.85, removals at <= 0.5, and removals of documents
-that no truth pair at > 0.5 explains. Medians over ``--repeats``; ratios of medians. The last
+Recall on truth pairs with Jaccard >= 0.85, removals at <= 0.5, and removals of documents
+that no truth pair at > 0.5 explains, for the dedup-only implementations (with rules the quality
+verdicts remove documents too: the ``*_rules`` pair reports the documents each kept and the
+overlap of the two kept sets). Medians over ``--repeats``; ratios of medians. The last
 line is JSON.
 """
 
@@ -210,7 +211,8 @@ def run_one(name: str, corpus: Path, work: Path) -> dict:
         from raysc.driver import ensure_ray
 
         cfg = load_config(None, [f'curate.input="{corpus / "docs"}"', f'curate.output="{work / "out"}"',
-                                 f"quality.enabled={str(name == 'raysc_rules').lower()}", f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
+                                 f"quality.enabled={str(name == 'raysc_rules').lower()}",
+                                 f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
                                  f'data.cache_dir="{ROOT / ".cache/raysc"}"'])
         ensure_ray()
         report = curate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
