@@ -104,12 +104,12 @@ def raysc_train(address: str, work: Path, cache: Path, i: int) -> tuple[float, d
 
 
 def start_head(temp: Path) -> tuple[subprocess.Popen, str]:
-    from raysc.ports import free_port
+    from raysc.ports import free_ports
 
-    port = free_port()
+    port, agent_port = free_ports(2)
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", f"--port={port}",
                              "--include-dashboard=false", f"--temp-dir={temp}",
-                             f"--dashboard-agent-listen-port={free_port()}"],
+                             f"--dashboard-agent-listen-port={agent_port}"],
                             env={**_env(""), "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     address = f"127.0.0.1:{port}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from pathlib import Path
 
 import pytest
 
@@ -215,8 +216,51 @@ def s3_options(endpoint: str) -> str:
             f'secret = "testing-secret", region_name = "us-east-1"}}')
 
 
+_HEAD_WHY = pytest.StashKey[object]()  # says why the ray_head cluster is gone, or None while it is up
+
+
+def _ray_head_death(head, out: Path, temp: Path) -> str | None:
+    """None while the ``ray_head`` cluster's `ray start --block` runs; else its exit and its logs' tails.
+    `--block` kills the whole cluster when any of its processes (GCS, raylet, dashboard, an agent, the
+    log monitor) exits unexpectedly, and says which in its own output: a CI once lost the head between
+    tests with no log left to say why."""
+    code = head.poll()
+    if code is None:
+        return None
+    parts = [f"`ray start --head --block` exited {code}; its output ({out}):\n{_tail(out)}"]
+    logs = temp / "session_latest" / "logs"
+    for name in ("process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out", "monitor.log"):
+        if (logs / name).is_file():
+            parts.append(f"{name}:\n{_tail(logs / name)}")
+    return "\n".join(parts)
+
+
+def _tail(path: Path, chars: int = 1500) -> str:
+    return path.read_text(errors="replace")[-chars:]
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed ``ray_head`` test's report says whether that cluster is still up, and if not, why."""
+    outcome = yield
+    report = outcome.get_result()
+    why = item.config.stash.get(_HEAD_WHY, None)
+    if report.failed and call.when == "call" and why is not None and "ray_head" in getattr(item, "fixturenames", ()):
+        report.sections.append(("ray_head cluster", why() or "still up"))
+
+
+@pytest.fixture
+def ray_head(_ray_head_cluster, request):
+    """The ``ray_head`` cluster (``_ray_head_cluster``), checked before each test that uses it: a test
+    after the cluster died fails at once with why, not after its own timeouts."""
+    why = request.config.stash[_HEAD_WHY]()
+    if why is not None:
+        pytest.fail(f"the ray_head cluster is gone before this test:\n{why}", pytrace=False)
+    return _ray_head_cluster
+
+
 @pytest.fixture(scope="session")
-def ray_head(request):
+def _ray_head_cluster(request, tmp_path_factory):
     """A separate local cluster started with `ray start --head` (job server included), as users run
     one; yields its dashboard address (for `ray job`, `ray.util.state`), its GCS address (RAY_ADDRESS
     for drivers), the environment to run Ray commands in and its temp dir (Prometheus's service
@@ -228,9 +272,8 @@ def ray_head(request):
     import sys
     import tempfile
     import time
-    from pathlib import Path
 
-    from raysc.ports import free_port
+    from raysc.ports import free_ports
 
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))  # Ray's socket paths must stay short
@@ -240,17 +283,23 @@ def ray_head(request):
     # metrics reach the node's exporter every second, not every 10 s (tests/test_grafana.py scrapes them)
     env["RAY_metrics_report_interval_ms"] = "1000"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
-    ports = {"port": free_port(), "dashboard-port": free_port(), "ray-client-server-port": free_port(),
-             "dashboard-agent-listen-port": free_port(), "dashboard-agent-grpc-port": free_port(),
-             "runtime-env-agent-port": free_port(), "metrics-export-port": free_port(),
-             "node-manager-port": free_port(), "object-manager-port": free_port()}
-    head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
-                             "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
-                             *[f"--{k}={v}" for k, v in ports.items()]],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    names = ["port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
+             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
+             "object-manager-port"]
+    ports = dict(zip(names, free_ports(len(names))))  # distinct, outside the ephemeral range (raysc.ports)
+    kept = tmp_path_factory.mktemp("ray-head")  # outlives the temp dir: its output, and its logs if it died
+    out = kept / "ray-start.out"
+    with open(out, "w") as log:
+        head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=4", "--include-dashboard=true",
+                                 "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
+                                 *[f"--{k}={v}" for k, v in ports.items()]],
+                                env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     address = f"http://127.0.0.1:{ports['dashboard-port']}"
 
     def stop() -> None:
+        if head.poll() is not None and (temp / "session_latest" / "logs").is_dir():  # it died on its own
+            shutil.copytree(temp / "session_latest" / "logs", kept / "logs", dirs_exist_ok=True)
+            print(f"the ray_head cluster had died; its logs are kept in {kept / 'logs'}")
         if head.poll() is None:
             os.killpg(head.pid, signal.SIGTERM)  # `ray start --block` stops the processes it started
             try:  # (it often takes over 10 s doing so; nothing of this test cluster needs to be kept)
@@ -263,11 +312,13 @@ def ray_head(request):
         shutil.rmtree(temp, ignore_errors=True)
 
     request.config.stash[_HEAD_STOP] = stop
+    request.config.stash[_HEAD_WHY] = lambda: _ray_head_death(head, out, temp)
     try:
         deadline = time.monotonic() + 90
         while subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
                              capture_output=True).returncode != 0:
-            assert time.monotonic() < deadline and head.poll() is None, "the head's job server did not start"
+            assert time.monotonic() < deadline and head.poll() is None, \
+                f"the head's job server did not start:\n{_ray_head_death(head, out, temp) or _tail(out)}"
             time.sleep(0.5)
         yield {"address": address, "gcs": f"127.0.0.1:{ports['port']}", "env": env, "ray": ray_bin, "temp": temp}
     finally:
