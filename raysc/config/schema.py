@@ -197,7 +197,8 @@ class CheckpointConfig:
 @dataclass
 class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "treat the fleet as hung when no worker reports progress for this long "
-                                       "(before calibration, and while saving or restoring)", gt=0.0)
+                                       "(before calibration, and while saving or restoring; a fleet's start-up and setup are "
+                                       "bounded by start_timeout_s instead)", gt=0.0)
     start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
     node_wait_s: float = opt(300.0, "after a node is lost, how long the restart waits for the fleet to fit again "
                                     "(on the surviving nodes, or on a replacement node joining) before the run fails",

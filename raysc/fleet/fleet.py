@@ -266,7 +266,9 @@ class Fleet:
             infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
                                          (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
                           for r, w in enumerate(self.workers)],
-                         "setup (rendezvous and model build)", timeout=start_s + 60)
+                         "setup (rendezvous and model build)", timeout=start_s + 60, hang_s=start_s + 61)
+            # (bounded by the start-up timeout alone, as the start above: a fleet setting up beside other
+            # work is slow, not hung; a small hang_timeout_s, meant for steps, failed a CI run in setup)
         self.infos = infos
         self.peak_flops = self.peak_flops or infos[0].peak_flops
         self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), prepared=bool(prepared),
