@@ -19,7 +19,9 @@ survives.
 - ``datasketch``: ``MinHash.update_batch`` + ``MinHashLSH(params=(14, 8))`` insert and query,
   the same verification and union-find.
 - ``datatrove`` (when installed, ``pip install -e '.[bench]'``): its four MinHash stages with
-  our word splitting; it does not verify candidates (any shared band is a duplicate).
+  our word splitting; it does not verify candidates (any shared band is a duplicate). It runs as many
+  tasks and worker processes as the machine has cores (``--datatrove-workers``), as Ray Data does for
+  raysc: the same concurrency.
 - ``datatrove_rules``: the same four stages with datatrove's own filters of the same families after
   its dedup filter, each at its published default: ``GopherRepetitionFilter``,
   ``GopherQualityFilter``, ``C4QualityFilter``, ``FineWebQualityFilter`` (their English word and
@@ -149,10 +151,12 @@ def datasketch_edges(docs: list[dict]) -> set:
     return {(i, j) for i, m in enumerate(sigs) for j in lsh.query(m) if j > i and m.jaccard(sigs[j]) >= THRESHOLD}
 
 
-def datatrove_kept(docs: list[dict], work: Path, rules: bool = False) -> list[dict]:
-    """datatrove's 4-stage MinHash dedup in this process (workers=1), with our word splitting and
-    64-bit sha1 shingle hashes (its xxhash path passes str, which current xxhash rejects); with
-    ``rules``, its Gopher, C4 and FineWeb filters after the dedup filter, at their defaults."""
+def datatrove_kept(docs: list[dict], work: Path, rules: bool = False, workers: int = 1) -> list[dict]:
+    """datatrove's 4-stage MinHash dedup with our word splitting and 64-bit sha1 shingle hashes (its
+    xxhash path passes str, which current xxhash rejects); with ``rules``, its Gopher, C4 and FineWeb
+    filters after the dedup filter, at their defaults. ``workers`` > 1: as many tasks and worker
+    processes in every stage but the clustering (one task by datatrove's design), the documents split
+    by rank the same way in the signature and the filter stage (its removal lists are per rank)."""
     import datatrove.pipeline.dedup.minhash as dm
     from datatrove.data import Document
     from datatrove.executor import LocalPipelineExecutor
@@ -176,15 +180,17 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False) -> list[di
                               hash_config=HashConfig(precision=64, hash_fc="sha1"))
 
     def reader(data, rank: int = 0, world_size: int = 1):
-        for d in docs:
+        for d in docs[rank::world_size]:
             yield Document(text=d["text"], id=d["id"])
 
-    kept_ids: set[str] = set()
+    kept_dir = work / "kept"
+    kept_dir.mkdir(parents=True, exist_ok=True)
 
-    def collect(data, rank: int = 0, world_size: int = 1):
-        for doc in data:
-            kept_ids.add(doc.id)
-            yield doc
+    def collect(data, rank: int = 0, world_size: int = 1):  # a file per rank: workers are processes
+        with open(kept_dir / f"{rank:05d}.txt", "w") as f:
+            for doc in data:
+                f.write(doc.id + "\n")
+                yield doc
 
     filters = []
     if rules:
@@ -193,17 +199,20 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False) -> list[di
 
         filters = [GopherRepetitionFilter(), GopherQualityFilter(), C4QualityFilter(), FineWebQualityFilter()]
     w = str(work)
-    stages = [([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], 1),
+    stages = [([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], workers),
               ([dm.MinhashDedupBuckets(input_folder=f"{w}/sigs", output_folder=f"{w}/buckets", config=config)], BANDS),
               ([dm.MinhashDedupCluster(input_folder=f"{w}/buckets", output_folder=f"{w}/remove", config=config)], 1),
-              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), *filters, collect], 1)]
+              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), *filters, collect], workers)]
     for i, (pipeline, tasks) in enumerate(stages):
-        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=1, logging_dir=f"{w}/logs{i}",
-                              skip_completed=False).run()
+        # fork: the workers inherit the documents read once here (forkserver, datatrove's default, would
+        # pickle them into every task; a datatrove user's reader opens the files instead)
+        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=f"{w}/logs{i}",
+                              skip_completed=False, start_method="fork").run()
+    kept_ids = {line for f in kept_dir.glob("*.txt") for line in f.read_text().splitlines()}
     return [d for d in docs if d["id"] in kept_ids]
 
 
-def run_one(name: str, corpus: Path, work: Path) -> dict:
+def run_one(name: str, corpus: Path, work: Path, datatrove_workers: int = 1) -> dict:
     """One implementation from corpus to Parquet; stage seconds where it reports them."""
     if name in ("raysc", "raysc_rules"):
         from raysc.config import load_config
@@ -222,7 +231,7 @@ def run_one(name: str, corpus: Path, work: Path) -> dict:
     docs = load_docs(corpus)
     t1 = time.perf_counter()
     if name in ("datatrove", "datatrove_rules"):
-        kept = datatrove_kept(docs, work / "datatrove", rules=name == "datatrove_rules")
+        kept = datatrove_kept(docs, work / "datatrove", rules=name == "datatrove_rules", workers=datatrove_workers)
     else:
         kept = survivors(docs, sorted((kernel_edges if name == "raysc_kernel" else datasketch_edges)(docs)))
     t2 = time.perf_counter()
@@ -253,12 +262,13 @@ def tree_rss(pid: int, peaks: dict[int, tuple[str, int]], stop: threading.Event)
         stop.wait(0.2)
 
 
-def timed_run(name: str, corpus: Path, work: Path) -> dict:
+def timed_run(name: str, corpus: Path, work: Path, datatrove_workers: int) -> dict:
     """Run ``name`` in a fresh process; wall seconds from start to exit, peak memory, its output."""
     peaks: dict[int, tuple[str, int]] = {}
     stop = threading.Event()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--run", name, "--corpus", str(corpus), "--work", str(work)],
+    proc = subprocess.Popen([sys.executable, __file__, "--run", name, "--corpus", str(corpus), "--work", str(work),
+                             "--datatrove-workers", str(datatrove_workers)],
                             stdout=subprocess.PIPE, text=True, cwd=ROOT)
     sampler = threading.Thread(target=tree_rss, args=(proc.pid, peaks, stop), daemon=True)
     sampler.start()
@@ -300,12 +310,15 @@ def main() -> None:
     ap.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
                     help="the corpus's shards: JSONL, or FineWeb-like Parquet")
     ap.add_argument("--cache", default=str(ROOT / ".cache/raysc/synth"))
+    ap.add_argument("--datatrove-workers", type=int, default=os.cpu_count() or 1,
+                    help="datatrove's tasks and worker processes per stage (default: every core, as Ray Data "
+                         "uses them for raysc; 1 reproduces the single-worker figures)")
     ap.add_argument("--run", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.run:  # a child: one implementation, its figures as the last line
-        print(json.dumps(run_one(a.run, Path(a.corpus), Path(a.work))))
+        print(json.dumps(run_one(a.run, Path(a.corpus), Path(a.work), a.datatrove_workers)))
         return
     import shutil
     import tempfile
@@ -331,7 +344,7 @@ def main() -> None:
         for r in range(a.repeats):  # interleaved, so a load change hits every implementation alike
             for name in impls:
                 work = Path(tmp) / f"{name}-{r}"
-                res = timed_run(name, corpus, work)
+                res = timed_run(name, corpus, work, a.datatrove_workers)
                 import pyarrow.parquet as pq
 
                 kept = set(pq.read_table(work / "out" / "documents", columns=["id"]).column("id").to_pylist())
@@ -351,6 +364,7 @@ def main() -> None:
             wq = statistics.median(x["seconds"] - x["stages"].get("quality", 0.0) for x in rs)
             results[name]["seconds_without_quality"] = round(wq, 2)
     out = {"documents": a.docs, "format": a.format, "megabytes": round(meta["bytes"] / 1e6, 1), "cores": os.cpu_count(),
+           "datatrove_workers": a.datatrove_workers,
            "repeats": a.repeats, "shingle": SHINGLE, "num_perm": BANDS * ROWS, "bands": BANDS, "rows": ROWS,
            "threshold": THRESHOLD, **results}
     for name in impls:
