@@ -229,7 +229,7 @@ def _ray_head_death(head, out: Path, temp: Path) -> str | None:
         return None
     parts = [f"`ray start --head --block` exited {code}; its output ({out}):\n{_tail(out)}"]
     logs = temp / "session_latest" / "logs"
-    for name in ("process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out", "monitor.log"):
+    for name in ("ray_process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out", "monitor.log"):
         if (logs / name).is_file():
             parts.append(f"{name}:\n{_tail(logs / name)}")
     return "\n".join(parts)
