@@ -8,7 +8,9 @@ credited to the process's title at that moment (a Ray worker is ``default_worker
 so one process's life splits by what it was doing. Processes that were running before the command are
 left out; a process born and gone between two samples is missed (a short period keeps that small).
 Kernel threads and this machine's own agents show up too: compare them with an idle run. The last line
-is JSON: the wall seconds, the command's exit status and CPU seconds by title, largest first.
+is JSON: the wall seconds, the command's exit status, CPU seconds by title, largest first, and for each
+title its command lines (their first 160 characters) that took the most of its CPU, up to three (to
+tell what a title such as ``raysc`` was).
 """
 
 from __future__ import annotations
@@ -21,18 +23,23 @@ import subprocess
 import time
 
 TICK = os.sysconf("SC_CLK_TCK")
-KINDS = ("default_worker.py", "setup_worker.py", "gcs_server", "raylet/raylet", "dashboard/agent.py",
+# first match wins: a raylet's command line names default_worker.py (the command it starts workers with)
+KINDS = ("raylet/raylet", "gcs_server", "default_worker.py", "setup_worker.py", "dashboard/agent.py",
          "dashboard/dashboard.py", "runtime_env/agent", "log_monitor", "autoscaler/_private/monitor.py",
          "raysc train", "raysc serve", "ray start", "ray job", "prometheus", "grafana", "mlflow", "pytest",
          "execnet", "multiprocessing.spawn", "raysc")
 
 
+def command_line(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def title(pid: int) -> str:
     """A process's kind: its ``ray::`` title, a known Ray or raysc part, else its command's start."""
-    try:
-        cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return "?"
+    cmd = command_line(pid)
     if not cmd:
         try:
             return "[" + open(f"/proc/{pid}/comm").read().strip() + "]"
@@ -69,6 +76,7 @@ def main() -> None:
     before = set(cpu_seconds())  # not the command's
     last: dict[int, float] = {}
     total: dict[str, float] = {}
+    by_line: dict[str, dict[str, float]] = {}
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd)
     while True:
@@ -76,8 +84,12 @@ def main() -> None:
         for pid, cpu in cpu_seconds().items():
             if pid in before:
                 continue
-            kind = title(pid)
-            total[kind] = total.get(kind, 0.0) + max(0.0, cpu - last.get(pid, 0.0))
+            kind, spent = title(pid), max(0.0, cpu - last.get(pid, 0.0))
+            total[kind] = total.get(kind, 0.0) + spent
+            if spent:
+                lines = by_line.setdefault(kind, {})
+                line = command_line(pid)[:160]
+                lines[line] = lines.get(line, 0.0) + spent
             last[pid] = cpu
         if done:
             break
@@ -86,7 +98,9 @@ def main() -> None:
     for kind, sec in list(ranked.items())[:25]:
         print(f"{sec:9.1f}  {kind}")
     print(json.dumps({"command": cmd, "rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
-                      "cpu_s_total": round(sum(ranked.values()), 1), "cpu_s": ranked}))
+                      "cpu_s_total": round(sum(ranked.values()), 1), "cpu_s": ranked,
+                      "command_lines": {k: dict(sorted(((c, round(v, 1)) for c, v in by_line.get(k, {}).items()),
+                                                       key=lambda kv: -kv[1])[:3]) for k in ranked}}))
 
 
 if __name__ == "__main__":
