@@ -37,9 +37,9 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def title(pid: int) -> str:
-    """A process's kind: its ``ray::`` title, a known Ray or raysc part, else its command's start."""
-    cmd = command_line(pid)
+def title(pid: int, cmd: str) -> str:
+    """A process's kind from its command line ``cmd``: its ``ray::`` title, a known Ray or raysc part,
+    else the command's start."""
     if not cmd:
         try:
             return "[" + open(f"/proc/{pid}/comm").read().strip() + "]"
@@ -84,12 +84,12 @@ def main() -> None:
         for pid, cpu in cpu_seconds().items():
             if pid in before:
                 continue
-            kind, spent = title(pid), max(0.0, cpu - last.get(pid, 0.0))
+            line = command_line(pid)
+            kind, spent = title(pid, line), max(0.0, cpu - last.get(pid, 0.0))
             total[kind] = total.get(kind, 0.0) + spent
             if spent:
                 lines = by_line.setdefault(kind, {})
-                line = command_line(pid)[:160]
-                lines[line] = lines.get(line, 0.0) + spent
+                lines[line[:160]] = lines.get(line[:160], 0.0) + spent
             last[pid] = cpu
         if done:
             break
