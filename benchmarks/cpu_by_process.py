@@ -88,8 +88,8 @@ def main() -> None:
             kind, spent = title(pid, line), max(0.0, cpu - last.get(pid, 0.0))
             total[kind] = total.get(kind, 0.0) + spent
             if spent:
-                lines = by_line.setdefault(kind, {})
-                lines[line[:160]] = lines.get(line[:160], 0.0) + spent
+                lines, key = by_line.setdefault(kind, {}), line[:160]
+                lines[key] = lines.get(key, 0.0) + spent
             last[pid] = cpu
         if done:
             break

@@ -24,10 +24,11 @@ TINY = [
 ]
 
 
-# Every Ray this suite starts (the session's, `ray start` heads, local clusters; not test_newcomer's, which drops RAY_*)
-# inherits this: Ray's log monitor looks for new log files 10 times a second until there are 1,000 of
-# them (then every 0.5 s); a session's hundreds of worker logs made that 2.4% of a core per node,
-# against 1.1% at 0.5 s (measured with 207 files). New workers' output reaches drivers <= 0.5 s later.
+# Every Ray this suite starts (the session's, `ray start` heads, local clusters; not test_newcomer's,
+# which drops RAY_*) inherits this: Ray's log monitor looks for new log files 10 times a second until
+# there are 1,000 of them (then every 0.5 s); a session's hundreds of worker logs made that 2.4% of a
+# core per node, against 1.1% at 0.5 s (measured with 207 files). New workers' output reaches drivers
+# <= 0.5 s later.
 os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 GPU_NOTICE = "{n} GPU tests deselected: run `make test-gpu` (pytest -m gpu) on a CUDA machine"
@@ -48,10 +49,10 @@ def _head_tests_together(items: list) -> None:
 
 @pytest.hookimpl(trylast=True)  # after pytest's own -m selection
 def pytest_collection_modifyitems(config, items):
-    """The ``ray_head`` tests together (``_head_tests_together``). Tests marked ``gpu`` need CUDA. Without ``-m`` (``make test``) they are deselected, never
-    skipped, and one line says so; selected (``make test-gpu`` = ``-m gpu``) on a machine without
-    CUDA, the session stops with an error instead of passing with nothing run (``--collect-only``
-    still lists them)."""
+    """The ``ray_head`` tests together (``_head_tests_together``). Tests marked ``gpu`` need CUDA.
+    Without ``-m`` (``make test``) they are deselected, never skipped, and one line says so; selected
+    (``make test-gpu`` = ``-m gpu``) on a machine without CUDA, the session stops with an error instead
+    of passing with nothing run (``--collect-only`` still lists them)."""
     _head_tests_together(items)
     gpu = [item for item in items if item.get_closest_marker("gpu")]
     if not gpu:
@@ -235,7 +236,8 @@ def _ray_head_death(head, out: Path, temp: Path) -> str | None:
         return None
     parts = [f"`ray start --head --block` exited {code}; its output ({out}):\n{_tail(out)}"]
     logs = temp / "session_latest" / "logs"
-    for name in ("ray_process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out", "monitor.log"):
+    for name in ("ray_process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out",
+                 "monitor.log"):
         if (logs / name).is_file():
             parts.append(f"{name}:\n{_tail(logs / name)}")
     return "\n".join(parts)
