@@ -2,11 +2,12 @@
 sample sequence, and, on a local autoscaling cluster (Ray's own autoscaler with its fake multi-node
 provider), a tp=2 x dp_replicate=2 run that loses a node with no replacement in time, continues at
 dp_replicate=1, grows back to 2 when the autoscaler adds a node, and trains on the uninterrupted run's
-samples with its losses (the uninterrupted run: the same config in one process)."""
+samples with its losses until it is stopped (the uninterrupted run: the same config in one process)."""
 
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -70,14 +71,49 @@ def test_the_batch_fingerprint_ignores_the_split_and_sees_other_rows():
     assert rows_fingerprint(torch.cat([rows[:15], rows[:1]])) != whole  # a row twice, another missing
 
 
-def _train(st: ClusterState, run_dir: Path, cache_dir: str, *overrides: str) -> subprocess.CompletedProcess:
+def _command(run_dir: Path, cache_dir: str, steps: int, *overrides: str) -> list[str]:
     cmd = [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
-    for s in [*TINY, "train.steps=40", "checkpoint.every_steps=5", "parallel.tp=2", "parallel.dp_replicate=2",
+    for s in [*TINY, f"train.steps={steps}", "checkpoint.every_steps=5", "parallel.tp=2", "parallel.dp_replicate=2",
               f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', *overrides]:
         cmd += ["--set", s]
-    run = subprocess.run(cmd, env=st.env(), cwd=ROOT, capture_output=True, text=True, timeout=400)
-    assert run.returncode == 0, run.stderr[-4000:]
-    return run
+    return cmd
+
+
+def _records(path: Path) -> list[dict]:
+    """The complete lines of a JSONL file another process is still appending to."""
+    if not path.is_file():
+        return []
+    lines = path.read_text().split("\n")[:-1]  # the last piece may be a line being written
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: int, *overrides: str,
+                       timeout_s: float = 400) -> int:
+    """Run until the fleet has grown back and trained a step at its configured size, then stop the run as
+    `ray job stop` does (SIGTERM: it stops at a step boundary and commits that step). Waits on the event,
+    not a number of slow steps: how long the autoscaler takes to add a node depends on the machine's load
+    (a fixed 36 s of slow steps once ran out in a CI lane). The step the run stopped at."""
+    log = (run_dir.parent / f"{run_dir.name}.log").open("w")
+    run = subprocess.Popen(_command(run_dir, cache_dir, steps, *overrides), env=st.env(), cwd=ROOT,
+                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while run.poll() is None and time.monotonic() < deadline:
+            dps = [m["dp"] for m in _records(run_dir / "metrics.jsonl")]
+            grown = any(e["kind"] == "resized" and e["to"] == 2 for e in _records(run_dir / "events.jsonl"))
+            if grown and 1 in dps and dps[-1] == 2:  # a step at dp 2 after the steps at dp 1
+                run.send_signal(signal.SIGTERM)
+                break
+            time.sleep(0.5)
+        code = run.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        run.kill()
+        log.close()
+    out = (run_dir.parent / f"{run_dir.name}.log").read_text()
+    events = _records(run_dir / "events.jsonl")
+    assert code == 143, (code, out[-3000:], [{k: e.get(k) for k in ("kind", "step", "failed_step", "resumed_step",
+                                                                    "from", "to", "error")} for e in events])
+    return [e for e in events if e["kind"] == "run_stopped"][0]["step"]
 
 
 def _kept_steps(run_dir: Path) -> dict[int, dict]:
@@ -85,14 +121,14 @@ def _kept_steps(run_dir: Path) -> dict[int, dict]:
     return {m["step"]: m for m in read_jsonl(run_dir / "metrics.jsonl")}
 
 
-def _uninterrupted(cache_dir: str, steps: int) -> dict[int, dict]:
+def _uninterrupted(cache_dir: str, steps: int, total: int) -> dict[int, dict]:
     """The same run in this process, one rank, never interrupted (the parity harness holds every layout to
-    one process; tests/test_parallel.py): each step's metrics. Same data: the corpus the run packed, from
-    the shared cache."""
+    one process; tests/test_parallel.py): the metrics of its first ``steps`` steps, of ``total``. Same data:
+    the corpus the run packed, from the shared cache."""
     from raysc.data.prepare import prepare_data
     from raysc.train.trainer import Trainer
 
-    cfg = load_config(ROOT / "jobs/configs/tiny.toml", [*TINY, f"train.steps={steps}", f'data.cache_dir="{cache_dir}"'])
+    cfg = load_config(ROOT / "jobs/configs/tiny.toml", [*TINY, f"train.steps={total}", f'data.cache_dir="{cache_dir}"'])
     packed, _, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train, packed.val, measure_peak=False)
     return {m["step"]: m for m in (trainer.train_step() for _ in range(steps))}
@@ -137,11 +173,12 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_on_the_uninterrupted_runs_s
     try:
         el_dir = tmp_path / "elastic"
         # rank 2 sits on the second node (two 2-CPU nodes, ranks placed in node order); the slow steps after
-        # the loss (3 s each) give the autoscaler time to add a node while the run trains at dp_replicate=1:
-        # 12 of them (36 s), since with 5 (15 s) a loaded CI machine once ended the run before the node came
-        slow = ",".join(f"slow@{s}:0" for s in range(14, 26))
-        _train(st, el_dir, cache_dir, "parallel.elastic=true", "parallel.min_dp=1", "supervisor.node_wait_s=2",
-               f'supervisor.inject="node_loss@13:2,{slow}"')
+        # the loss (3 s each) give the autoscaler time to add a node while the run trains at dp_replicate=1,
+        # as long as it needs (up to ~3 min): the run is stopped once it has grown back
+        total = 80
+        slow = ",".join(f"slow@{s}:0" for s in range(14, total - 5))
+        stopped = _train_until_grown(st, el_dir, cache_dir, total, "parallel.elastic=true", "parallel.min_dp=1",
+                                     "supervisor.node_wait_s=2", f'supervisor.inject="node_loss@13:2,{slow}"')
         events = read_jsonl(el_dir / "events.jsonl")
         resized = [e for e in events if e["kind"] == "resized"]
         print(json.dumps(resized, indent=1))
@@ -150,8 +187,8 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_on_the_uninterrupted_runs_s
             for e in events]
         assert "node was lost" in resized[0]["why"] and resized[0]["steps_lost"] == 2  # restored step 10
         assert resized[1]["steps_lost"] == 0
-        ref, el = _uninterrupted(cache_dir, 40), _kept_steps(el_dir)
-        assert sorted(el) == sorted(ref) == list(range(1, 41))
+        ref, el = _uninterrupted(cache_dir, stopped, total), _kept_steps(el_dir)
+        assert sorted(el) == sorted(ref) == list(range(1, stopped + 1))
         assert {m["dp"] for m in el.values()} == {1, 2}
         assert [el[s]["data_fp"] for s in ref] == [ref[s]["data_fp"] for s in ref]  # the same rows, every step
         worst = max(abs(el[s]["loss"] - ref[s]["loss"]) for s in ref)

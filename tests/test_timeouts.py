@@ -1,7 +1,8 @@
 """Calibrated timeouts: measured step and collective times set the hang and process-group timeouts,
 a collective stress loop under them fires no timeout, a hang is caught by the calibrated
 process-group timeout of the surviving rank's collective (not by the supervisor's hang timeout,
-not by the 600 s default), in the first fleet and in a healed one, and a straggler is reported without a restart."""
+not by the 600 s default), in the first fleet and in a healed one, a straggler is reported without a restart, and
+the rendezvous starts once every worker is up."""
 
 from __future__ import annotations
 
@@ -52,3 +53,29 @@ def test_straggler_is_reported_not_restarted(ray_session, make_cfg):
     slow = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "slow_step"]
     assert [e["step"] for e in slow] == [8] and slow[0]["step_time_s"] >= 3.0
     assert summary["restarts"] == 0 and summary["steps"] == 12
+
+
+def test_the_rendezvous_starts_once_every_worker_is_up():
+    """Rank 0's ``setup`` waits supervisor.start_timeout_s for its peers: the fleet calls it only when every
+    worker's process is up (each start bounded by that timeout in turn), and asks rank 0 for its free port
+    last. (With fakes: starting real processes slowly on purpose would be a timing test.)"""
+    from types import SimpleNamespace
+
+    from raysc.fleet.fleet import Fleet
+
+    asked: list[str] = []
+
+    class Worker:
+        def __init__(self, rank: int) -> None:
+            self.address = SimpleNamespace(remote=lambda: f"address of rank {rank}")
+
+    def wait(refs: list, what: str, timeout: float, hang_s: float) -> list:
+        asked.append(what)
+        assert timeout == 60 and hang_s > timeout  # a start is bounded by the start-up timeout, not the hang one
+        return [("10.0.0.1", 29500, "node")] if refs == ["address of rank 0"] else [("10.0.0.2", 1, "other")]
+
+    fleet = SimpleNamespace(workers=[Worker(r) for r in range(4)])
+    touched = []
+    assert Fleet._started(fleet, wait, lambda: touched.append(1), 60.0) == ("10.0.0.1", 29500)
+    assert asked == ["start of rank 1", "start of rank 2", "start of rank 3", "start of rank 0"]
+    assert len(touched) == 4  # each rank up restarts the hang clock

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from raysc.cluster.local import DEFAULT_STATE, HEALTH_CHECKS, ClusterState, _alive, _kill_leftovers, _ray_env, \
-    refuse_if_up
+    once_more_if_overloaded, refuse_if_up
 from raysc.ports import free_ports
 
 WORKER_TYPE = "raysc.worker.cpu"
@@ -54,9 +54,16 @@ def config(max_nodes: int = 4, min_nodes: int = 0, cpus_per_node: float = 1.0, g
 def up(max_nodes: int, cpus_per_node: float, gpus_per_node: int = 0, min_nodes: int = 0,
        idle_timeout_s: float = 6.0, state: Path = DEFAULT_STATE, dashboard: bool = True,
        timeout_s: float = 120.0) -> ClusterState:
-    """Start the head and its autoscaler; returns once drivers can connect (and ``min_nodes`` have joined)."""
+    """Start the head and its autoscaler; returns once drivers can connect (and ``min_nodes`` have joined).
+    Started once more when Ray's node start timed out on a busy machine (``once_more_if_overloaded``)."""
     if not 0 <= min_nodes <= max_nodes or max_nodes < 1:
         raise ValueError(f"--min-nodes {min_nodes} / --max-nodes {max_nodes}: need 0 <= min <= max and max >= 1")
+    return once_more_if_overloaded(lambda: _up(max_nodes, cpus_per_node, gpus_per_node, min_nodes, idle_timeout_s,
+                                               state, dashboard, timeout_s), "the autoscaling cluster")
+
+
+def _up(max_nodes: int, cpus_per_node: float, gpus_per_node: int, min_nodes: int, idle_timeout_s: float,
+        state: Path, dashboard: bool, timeout_s: float) -> ClusterState:
     refuse_if_up(state)
     temp = Path(tempfile.mkdtemp(prefix="ra-", dir="/tmp"))  # Ray's socket paths must stay short
     names = ("port", "ray-client-server-port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port",

@@ -60,6 +60,7 @@ class Elastic:
         self.micro = cfg.parallel.micro_batch(cfg.train.global_batch_sequences, cfg.train.micro_batch)
         self.sizes = configured_sizes(cfg)
         self.request = None  # the pending placement group of the missing workers
+        self._placed = None  # the object ref that resolves once ``request`` is placed
         self._pp_micro = par.pp_microbatches or par.pp
         for f in parse_faults(cfg.supervisor.inject):
             if f.rank >= par.world_size:
@@ -108,14 +109,19 @@ class Elastic:
         missing = self.world(self.full) - self.world(self.size)
         self.request = placement_group([dict(bundle) for _ in range(missing)], strategy="PACK",
                                        name=f"raysc-grow-{self.cfg.run.name}")
+        self._placed = self.request.ready()
 
     def grow_ready(self) -> bool:
-        """Whether the growth request is placed: the cluster holds the configured size again."""
-        if self.request is None:
+        """Whether the growth request is placed: the cluster holds the configured size again.
+
+        One ``ready()`` per request, asked once: each ``ready()`` is a new asynchronous question to the
+        GCS, whose answer never arrives within a ``timeout=0`` wait, so asking anew at every checkpoint
+        boundary saw a placed request only by chance (an elastic run stayed small for minutes)."""
+        if self._placed is None:
             return False
         import ray
 
-        ready, _ = ray.wait([self.request.ready()], timeout=0)
+        ready, _ = ray.wait([self._placed], timeout=0)
         return bool(ready)
 
     def cancel(self) -> None:
@@ -124,4 +130,4 @@ class Elastic:
             from ray.util.placement_group import remove_placement_group
 
             remove_placement_group(self.request)
-            self.request = None
+            self.request = self._placed = None

@@ -258,11 +258,7 @@ class Fleet:
         if prepared:  # past the rendezvous and the model build, and given the current config
             infos, (ip, port) = prepared, prepared[0].master
         else:
-            # rank 0's address through ``wait`` (a worker dead at birth is a typed failure, healed), bounded
-            # by the start-up timeout alone: a process starting and importing is not a hang
-            ip, port, _ = wait([self.workers[0].address.remote()], "start of rank 0", timeout=start_s,
-                               hang_s=start_s + 1)[0]
-            touch()
+            ip, port = self._started(wait, touch, start_s)
             infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
                                          (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
                           for r, w in enumerate(self.workers)],
@@ -284,6 +280,23 @@ class Fleet:
             self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
                                                        "no rank holds a replica of another's parameters to compare")
         return infos
+
+    def _started(self, wait: Callable[..., list], touch: Callable[[], None], start_s: float) -> tuple[str, int]:
+        """Wait until every worker's process has started and done its imports (its constructor ran), then
+        rank 0's rendezvous address. The rendezvous (each rank's ``setup``, which waits up to
+        supervisor.start_timeout_s for its peers) starts only then: on a loaded 2-core machine a fleet of
+        eight new processes starts a few at a time, and rank 0, up first, once waited out its 60 s with 1
+        of 8 peers joined (a CI run). Each rank through ``wait`` (a worker dead at birth is a typed failure,
+        healed), bounded by the start-up timeout since the previous rank was up: a process starting and
+        importing is not a hang, and neither is a fleet that keeps starting. Rank 0 is asked last, so
+        that the free port it names is still free when its ``setup`` binds it."""
+        address = None
+        for rank in [*range(1, len(self.workers)), 0]:
+            address = wait([self.workers[rank].address.remote()], f"start of rank {rank}", timeout=start_s,
+                           hang_s=start_s + 1)[0]
+            touch()
+        ip, port, _ = address
+        return ip, port
 
     def _cfg_dict(self) -> dict:
         """The config workers get at setup: the run's, with the first fleet's measured peak FLOP/s."""
