@@ -1,6 +1,6 @@
 """Dedup at scale, its cheap parts: the synthetic corpus and its ground truth, the per-partition
-kernel of the dedup shuffle (exact copies, verified band pairs, forest), and connected
-components by one union-find task or by hash-to-min rounds."""
+kernel of the dedup shuffle (exact copies, verified band pairs, forest; vectorised, equal to the per-key
+definition), and connected components by one union-find task or by hash-to-min rounds."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import pyarrow.parquet as pq
 
 from raysc.config.schema import DedupConfig
 from raysc.curate.audit import pair_detected
-from raysc.curate.dedup import bucket_forest, key_rows
-from raysc.curate.graph import union_find
+from raysc.curate.dedup import bucket_forest, key_rows, similar_pairs
+from raysc.curate.graph import forest_edges, union_find
 from raysc.curate.inputs import normalise
 from raysc.curate.minhash import MinHasher, jaccard
 from raysc.curate.synth import Synth, SynthSpec, line_pools, read_truth, write_corpus
@@ -92,6 +92,64 @@ def test_dedup_kernel_removes_exact_and_near_copies_only():
     assert sum(pair_detected(p, kept) for p in high) / len(high) >= 0.95
     assert not any(pair_detected(p, kept) for p in truth if p["jaccard"] <= 0.5)
     assert {p["original"] for p in truth} <= kept
+
+
+def bucket_forest_per_key(t: pa.Table, threshold: float) -> set:
+    """``bucket_forest``'s definition, one key at a time in Python (what it was before it was vectorised):
+    its edges as a set of (a, b, exact)."""
+    keys: dict = {}
+    for bucket, node, sig, exact in zip(*(t[c].to_pylist() for c in ("bucket", "node", "sig", "exact"))):
+        keys.setdefault(bucket, []).append((node, sig, exact))
+    near, copies = ([], []), set()
+    for rows in keys.values():
+        by_node = {n: s for n, s, _ in rows}
+        nodes = sorted(by_node)
+        if len(nodes) < 2:
+            continue
+        if rows[0][2]:  # a content hash: every copy pairs with the smallest node
+            copies |= {(nodes[0], x, True) for x in nodes[1:]}
+            continue
+        sig = np.frombuffer(b"".join(by_node[x] for x in nodes), dtype=np.uint32).reshape(len(nodes), -1)
+        i, j = similar_pairs(sig, threshold)
+        near[0].extend(nodes[x] for x in i)
+        near[1].extend(nodes[x] for x in j)
+    forest = forest_edges(*near)
+    return {(a, b, False) for a, b in zip(forest["a"].to_pylist(), forest["b"].to_pylist())} | copies
+
+
+def test_the_vectorised_kernel_equals_the_per_key_definition():
+    """Keys of two documents (compared at once), of many (one by one), a node twice in a key, exact keys,
+    signatures on both sides of the threshold, rows in any order, and nothing to pair."""
+    rng = np.random.default_rng(11)
+    base = rng.integers(0, 2**32, size=(60, 112), dtype=np.uint64).astype(np.uint32)
+    rows = []
+    for k in range(400):
+        members = rng.choice(60, size=int(rng.choice([1, 2, 2, 2, 3, 5])), replace=False)
+        if rng.random() < 0.1:
+            members = [*members, members[0]]  # a node twice in one key (two of its bands share a key)
+        if rng.random() < 0.2:  # an exact key: empty signatures
+            rows += [(10**9 + k, f"d{m:03d}", b"", True) for m in members]
+            continue
+        for m in members:
+            sig = base[members[0]].copy()
+            agree = rng.choice([0.5, 0.69, 0.7, 0.72, 0.9, 1.0])
+            sig[rng.random(112) >= agree] += 1  # agrees with the key's first member on ~``agree`` of them
+            rows.append((k, f"d{m:03d}", (base[m] if m == members[0] else sig).tobytes(), False))
+    rows = [rows[i] for i in rng.permutation(len(rows))]
+    table = pa.table({"bucket": pa.array([r[0] for r in rows], pa.int64()), "node": [r[1] for r in rows],
+                      "sig": pa.array([r[2] for r in rows], pa.binary()), "exact": [r[3] for r in rows]})
+    # one signature per node: a node's rows in different keys carry its own signature (as key_rows makes them)
+    sig_of = {}
+    for r in rows:
+        if r[2]:
+            sig_of.setdefault(r[1], r[2])
+    table = table.set_column(2, "sig", pa.array([sig_of[n] if s else b"" for n, s in
+                                                 zip(table["node"].to_pylist(), table["sig"].to_pylist())], pa.binary()))
+    got = bucket_forest(table, 0.7)
+    edges = set(zip(got["a"].to_pylist(), got["b"].to_pylist(), got["exact"].to_pylist()))
+    want = bucket_forest_per_key(table, 0.7)
+    assert edges == want and len(want) > 50 and any(e[2] for e in want) and any(not e[2] for e in want)
+    assert len(bucket_forest(table.slice(0, 0), 0.7)) == 0
 
 
 def test_components_by_one_task_or_hash_to_min_agree(ray_session, monkeypatch):

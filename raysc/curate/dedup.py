@@ -138,36 +138,71 @@ def gathered_forest(t: pa.Table, bands: int, threshold: float) -> pa.Table:
                                    "exact": is_exact[rows]}), threshold)
 
 
-def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
-    """One partition of key rows: the forest edges (a, b) of its duplicate pairs, and ``exact``
-    rows (smallest node, copy) for every exact copy."""
+def _signature_rows(sig: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
+    """The signatures of a binary column whose rows are ``width`` bytes or empty (an exact key's row), as
+    a matrix of uint32 (one row per non-empty row, in order) and each row's index into it (-1: empty)."""
     import pyarrow as pa
 
+    sig = sig.cast(pa.binary()) if pa.types.is_large_binary(sig.type) else sig
+    lengths = pa.compute.binary_length(sig).fill_null(0).to_numpy(zero_copy_only=False)
+    full = lengths == width
+    if not np.all(full | (lengths == 0)):
+        raise ValueError(f"signatures of {sorted(set(lengths.tolist()) - {0, width})} bytes, expected {width}")
+    if not full.any():
+        return np.zeros((0, width // 4), dtype=np.uint32), np.full(len(sig), -1)
+    offsets = np.frombuffer(sig.buffers()[1], dtype=np.int32)[sig.offset:sig.offset + len(sig) + 1]
+    data = np.frombuffer(sig.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]  # the empty rows add nothing
+    return data.view(np.uint32).reshape(-1, width // 4), np.where(full, np.cumsum(full) - 1, -1)
+
+
+def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
+    """One partition of key rows: the forest edges (a, b) of its duplicate pairs, and ``exact``
+    rows (smallest node, copy) for every exact copy.
+
+    Vectorised: rows are ordered by key and node (Arrow's dense rank of the node strings: byte order,
+    which is code point order, as Python sorts them), a node's repeat within a key is dropped, an exact
+    key's copies pair with its smallest node, and the signatures of the two-document band keys (nearly
+    all of them) are compared in one numpy operation; only keys of three or more documents go through
+    ``similar_pairs`` one by one (a Python loop over every key was 12.6 of 13.5 s at 100k documents)."""
+    import pyarrow as pa
+
+    n = len(t)
+    nodes = t["node"].combine_chunks() if n else pa.array([], pa.string())
+    rank = (pa.compute.rank(nodes, sort_keys="ascending", tiebreaker="dense").to_numpy() if n
+            else np.zeros(0, dtype=np.uint64))
     buckets = t["bucket"].to_numpy()
-    order = np.argsort(buckets, kind="stable")
-    b = buckets[order]
+    order = np.lexsort((rank, buckets))
+    b, r = buckets[order], rank[order]
+    first = np.r_[True, (b[1:] != b[:-1]) | (r[1:] != r[:-1])] if n else np.zeros(0, dtype=bool)
+    order, b = order[first], b[first]  # each node once per key
     starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if len(b) else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.r_[starts, len(b)])
-    pairs: tuple[list[str], list[str]] = ([], [])
-    copies: tuple[list[str], list[str]] = ([], [])
-    for s, n in zip(starts[sizes > 1], sizes[sizes > 1]):  # the few keys with more than one row
-        rows = pa.array(order[s:s + n])
-        by_node = dict(zip(t["node"].take(rows).to_pylist(), t["sig"].take(rows).to_pylist()))
-        nodes = sorted(by_node)
-        if len(nodes) < 2:
-            continue
-        if t["exact"][int(order[s])].as_py():  # a content hash: all copies of the smallest node
-            copies[0].extend([nodes[0]] * (len(nodes) - 1))
-            copies[1].extend(nodes[1:])
-            continue
-        sig = np.frombuffer(b"".join(by_node[x] for x in nodes), dtype=np.uint32).reshape(len(nodes), -1)
-        i, j = similar_pairs(sig, threshold)
-        pairs[0].extend(nodes[x] for x in i)
-        pairs[1].extend(nodes[x] for x in j)
-    forest = forest_edges(*pairs)
-    exact = pa.table({"a": pa.array(copies[0], pa.string()), "b": pa.array(copies[1], pa.string())})
+    group_start = np.repeat(starts, sizes)  # each row's key's first row (its smallest node)
+    exact = t["exact"].combine_chunks().to_numpy(zero_copy_only=False)[order] if n else np.zeros(0, dtype=bool)
+    node_of = nodes.take(pa.array(order))
+    rest = np.flatnonzero((np.arange(len(order)) != group_start) & np.repeat(sizes > 1, sizes))
+    copies = rest[exact[rest]]  # an exact key: every other copy pairs with its smallest node
+    near = ~exact & np.repeat(sizes > 1, sizes)
+    if near.any():
+        sig = t["sig"].combine_chunks()
+        width = pa.compute.max(pa.compute.binary_length(sig)).as_py()
+        sigs, row = _signature_rows(sig, width)
+        row = row[order]
+        two = starts[(sizes == 2) & near[starts]]  # keys of two documents: one comparison each
+        agree = (sigs[row[two]] == sigs[row[two + 1]]).mean(axis=1) >= threshold
+        near_a, near_b = [two[agree]], [two[agree] + 1]
+        for s, k in zip(starts[(sizes > 2) & near[starts]], sizes[(sizes > 2) & near[starts]]):
+            i, j = similar_pairs(sigs[row[s:s + k]], threshold)
+            near_a.append(s + i)
+            near_b.append(s + j)
+        pairs_a, pairs_b = np.concatenate(near_a), np.concatenate(near_b)
+    else:
+        pairs_a = pairs_b = np.zeros(0, dtype=np.int64)
+    copy_a, copy_b = group_start[copies], copies
+    forest = forest_edges(node_of.take(pa.array(pairs_a)).to_pylist(), node_of.take(pa.array(pairs_b)).to_pylist())
+    exact_edges = pa.table({"a": node_of.take(pa.array(copy_a)), "b": node_of.take(pa.array(copy_b))})
     return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest), pa.bool_())),
-                             exact.append_column("exact", pa.array([True] * len(exact), pa.bool_()))])
+                             exact_edges.append_column("exact", pa.array([True] * len(exact_edges), pa.bool_()))])
 
 
 def dedup(docs: Dataset, count: int, d: DedupConfig,
