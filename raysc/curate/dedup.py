@@ -209,6 +209,8 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
           log: Callable[[str], None] = print) -> tuple[Dataset, DedupStats]:
     """``docs`` (``count`` rows) with one survivor per exact-copy group and near-duplicate
     cluster (the smallest node key), and the stats."""
+    from ray.data.expressions import col
+
     if not (d.exact or d.near) or not count:
         return docs, DedupStats(count, 0, 0, 0, 0, 0)
     hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
@@ -230,7 +232,7 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     n_exact = count_by(edges, "exact").get("true", 0)  # one content-hash row per document: no repeats
     roots, rounds, shuffles = components(edges.select_columns(["a", "b"]), n_edges, d.max_rounds, log)
     roots = roots.materialize()
-    losers = roots.filter(expr="node != root").select_columns(["node"]).materialize()
+    losers = roots.filter(expr=col("node") != col("root")).select_columns(["node"]).materialize()
     removed = losers.count()
     clusters = roots.count() - removed
     docs = drop_nodes(docs, losers, removed)

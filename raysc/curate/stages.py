@@ -59,13 +59,14 @@ def read_documents(files: list[str], options: dict, c: CurateConfig,
     """Parsed and normalised documents of ``files`` (one task per file) and the read stats; bad
     records are counted, sampled (``curate.bad_samples``) and left out."""
     import ray
+    from ray.data.expressions import col
 
     files_ds = ray.data.from_items([{"uri": f} for f in files], override_num_blocks=min(len(files), 64))
     args = (options, c.text_field, c.id_field, c.domain_field, c.url_field)
     parsed = files_ds.flat_map(lambda r: parse_file(r["uri"], *args)).map_batches(
         normalise_batch, batch_format="pyarrow").materialize()
-    bad = parsed.filter(lambda r: bool(r["bad"]))
-    docs = parsed.filter(lambda r: not r["bad"]).drop_columns(["bad", "sample"]).materialize()
+    bad = parsed.filter(expr=col("bad") != "")  # Arrow kernels, not a Python call per row
+    docs = parsed.filter(expr=col("bad") == "").drop_columns(["bad", "sample"]).materialize()
     n_bad = bad.count()
     stats = ReadStats(docs.count(), n_bad, count_by(bad, "bad") if n_bad else {},
                       bad.take(c.bad_samples) if n_bad else [])
@@ -121,8 +122,10 @@ def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[s
         scored_by = report_fragment(ref, q, limits)
     judged = docs.map_batches(judge_batch, batch_format="numpy",
                               fn_kwargs={"rules": rules, "enabled": q.enabled, "ppl_limits": limits}).materialize()
-    kept = judged.filter(lambda r: bool(r["q_keep"]))
-    dropped = judged.filter(lambda r: not r["q_keep"])
+    from ray.data.expressions import col
+
+    kept = judged.filter(expr=col("q_keep"))  # Arrow kernels, not a Python call per row
+    dropped = judged.filter(expr=~col("q_keep"))
     reasons = count_by(dropped, "q_reason") if dropped.count() else {}
     fields = HIST_FIELDS + (("q_ppl",) if limits is not None else ())
     return kept, dropped, QualityStats(q.enabled, reasons, histograms(judged, count, fields), scored_by)
