@@ -314,8 +314,11 @@ class Fleet:
             self.spares = [self._new_worker(rank, spare=True) for rank in range(self.world)]
             self.spare_setup = []
             if self.data is not None and self.cfg.supervisor.prepare_spares and self.cfg.parallel.device == "cpu":
-                master = self.spares[0].address.remote()  # resolved by Ray before each setup runs
-                self.spare_setup = [s.setup.remote(master, self.data, self._cfg_dict()) for s in self.spares]
+                # every spare's address, resolved by Ray before each setup runs: the rendezvous (spare rank 0
+                # waits supervisor.start_timeout_s for its peers) starts once every spare is up, as in ``start``
+                up = [s.address.remote() for s in self.spares]
+                self.spare_setup = [s.setup.remote(up[0], self.data, self._cfg_dict(), None, None, *up[1:])
+                                    for s in self.spares]
             refs = self.spare_setup or [s.address.remote() for s in self.spares]
             threading.Thread(target=self._announce_spares, args=(refs, time.monotonic()), daemon=True,
                              name="spares-ready").start()

@@ -49,10 +49,12 @@ class TrainWorker:
         return _portably(rendezvous_address)
 
     def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
-              gpu_ids: list | None = None, attach: tuple[int, int, ray.actor.ActorHandle] | None = None
-              ) -> WorkerInfo:
+              gpu_ids: list | None = None, attach: tuple[int, int, ray.actor.ActorHandle] | None = None,
+              *peers_up: Any) -> WorkerInfo:
         """Join the run's process group and build the shard; ``attach`` = (rank, world size,
-        supervisor) gives a pooled process its rank first."""
+        supervisor) gives a pooled process its rank first. ``peers_up``: unused; passed as object refs
+        (the peers' ``address`` calls), which Ray resolves before this call runs, they hold it back until
+        every peer's process is up."""
         if attach is not None:
             from raysc.fleet.rank import RankWorker
 
