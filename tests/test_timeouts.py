@@ -69,8 +69,9 @@ def test_the_rendezvous_starts_once_every_worker_is_up():
         def __init__(self, rank: int) -> None:
             self.address = SimpleNamespace(remote=lambda: f"address of rank {rank}")
 
-    def wait(refs: list, what: str, timeout: float, hang_s: float) -> list:
+    def wait(refs: list, what: str, timeout: float, hang_s: float, ranks: list[int], hang_why: str) -> list:
         asked.append(what)
+        assert what == f"start of rank {ranks[0]}"  # a failure names the rank, not its place in the call
         assert timeout == 60 and hang_s > timeout  # a start is bounded by the start-up timeout, not the hang one
         return [("10.0.0.1", 29500, "node")] if refs == ["address of rank 0"] else [("10.0.0.2", 1, "other")]
 
@@ -79,3 +80,36 @@ def test_the_rendezvous_starts_once_every_worker_is_up():
     assert Fleet._started(fleet, wait, lambda: touched.append(1), 60.0) == ("10.0.0.1", 29500)
     assert asked == ["start of rank 1", "start of rank 2", "start of rank 3", "start of rank 0"]
     assert len(touched) == 4  # each rank up restarts the hang clock
+
+
+def test_a_wait_counts_silence_from_its_own_start(monkeypatch):
+    """After a fault, rank 0's last report is from before the hang's detection, the salvage and the new
+    fleet's reservation: the new fleet's start must not inherit that silence (a CI run's restart read 71 s
+    of it into its first new rank's start and failed), and a failure names the rank it waited on."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from raysc.fleet import watch as watch_mod
+    from raysc.fleet.errors import RunFailed
+
+    ticks = {"n": 0}
+
+    def fake_wait(pending, num_returns, timeout):
+        ticks["n"] += 1
+        return (list(pending), []) if ticks["n"] >= 3 else ([], list(pending))
+
+    monkeypatch.setattr(watch_mod, "ray", SimpleNamespace(wait=fake_wait, get=lambda r, timeout=None: r,
+                                                          exceptions=watch_mod.ray.exceptions))
+    events = []
+    w = watch_mod.Watch(lambda kind, **kw: events.append((kind, kw)), silent_s=lambda: 1000.0,
+                        node=lambda r: f"node-{r}", default_hang_s=5.0)
+    assert w.wait(["address"], "start of rank 3", timeout=60, hang_s=61, ranks=[3]) == ["address"]
+    # a wait that is silent past its hang bound still fails, naming the rank (not its position in the call)
+    t0 = watch_mod.time.monotonic()
+    monkeypatch.setattr(watch_mod, "time", SimpleNamespace(monotonic=lambda: t0 + 100.0 * ticks["n"]))
+    ticks["n"] = -10
+    with pytest.raises(RunFailed, match=r"during start of rank 3; waiting on ranks \[3\]") as e:
+        w.wait(["address"], "start of rank 3", hang_s=61, ranks=[3], hang_why="supervisor.start_timeout_s")
+    assert "(hang timeout 61.0s: supervisor.start_timeout_s)" in str(e.value)
+    assert e.value.failure.rank == 3 and events[-1][1]["nodes"] == ["node-3"]

@@ -262,7 +262,8 @@ class Fleet:
             infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
                                          (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
                           for r, w in enumerate(self.workers)],
-                         "setup (rendezvous and model build)", timeout=start_s + 60, hang_s=start_s + 61)
+                         "setup (rendezvous and model build)", timeout=start_s + 60, hang_s=start_s + 61,
+                         hang_why="supervisor.start_timeout_s + 60 s")
             # (bounded by the start-up timeout alone, as the start above: a fleet setting up beside other
             # work is slow, not hung; a small hang_timeout_s, meant for steps, failed a CI run in setup)
         self.infos = infos
@@ -293,7 +294,7 @@ class Fleet:
         address = None
         for rank in [*range(1, len(self.workers)), 0]:
             address = wait([self.workers[rank].address.remote()], f"start of rank {rank}", timeout=start_s,
-                           hang_s=start_s + 1)[0]
+                           hang_s=start_s + 1, ranks=[rank], hang_why="supervisor.start_timeout_s")[0]
             touch()
         ip, port, _ = address
         return ip, port

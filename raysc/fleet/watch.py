@@ -69,7 +69,10 @@ def root_cause_first(done: list, pending: list) -> list:
 
 
 class Watch:
-    """Waits on per-rank calls. ``silent_s()`` is the time since rank 0 last reported,
+    """Waits on per-rank calls. ``silent_s()`` is the time since rank 0 last reported (a wait counts
+    silence from its own start at the earliest: after a fault the last report is from before the
+    fault's detection, the salvage and the new fleet's reservation, and a CI run's restart once read
+    71 s of that into its first new rank's start and failed the run),
     ``node(rank)`` names a rank's node, ``poll()`` runs while waiting (checkpoint commits),
     ``default_hang_s`` is supervisor.hang_timeout_s."""
 
@@ -81,9 +84,13 @@ class Watch:
         self.default_hang_s = default_hang_s
         self.poll: Callable[[], None] = lambda: None
 
-    def wait(self, refs: list, what: str, timeout: float | None = None, hang_s: float | None = None) -> list:
-        """Every result of ``refs`` (one per rank), or RunFailed naming the rank(s) and how."""
+    def wait(self, refs: list, what: str, timeout: float | None = None, hang_s: float | None = None,
+             ranks: list[int] | None = None, hang_why: str = "") -> list:
+        """Every result of ``refs`` (one per rank: ``ranks`` names them, else their positions), or
+        RunFailed naming the rank(s) and how; ``hang_why`` says where ``hang_s`` comes from when it is
+        neither calibrated nor supervisor.hang_timeout_s."""
         hang_s = hang_s or self.default_hang_s
+        rank_of = dict(zip(refs, ranks or range(len(refs))))
         pending = list(refs)
         t0 = time.monotonic()
         while pending:
@@ -91,21 +98,22 @@ class Watch:
             if pending:
                 self.poll()
             for ref in root_cause_first(done, pending):
-                self._raise_if_failed(ref, refs.index(ref), what)
-            silent = self.silent_s()
+                self._raise_if_failed(ref, rank_of[ref], what)
+            silent = min(self.silent_s(), time.monotonic() - t0)
             if pending and timeout is not None and time.monotonic() - t0 > timeout:
-                ranks = sorted(refs.index(r) for r in pending)
-                self.event(EventKind.WORKER_TIMEOUT, during=what, ranks=ranks, seconds=round(timeout, 1))
-                raise RunFailed(f"ranks {ranks} did not finish {what} within {timeout:.0f}s.",
-                                Failure(FailureKind.TIMED_OUT, ranks[0]))
+                late = sorted(rank_of[r] for r in pending)
+                self.event(EventKind.WORKER_TIMEOUT, during=what, ranks=late, seconds=round(timeout, 1))
+                raise RunFailed(f"ranks {late} did not finish {what} within {timeout:.0f}s.",
+                                Failure(FailureKind.TIMED_OUT, late[0]))
             if pending and silent > hang_s:
-                ranks = sorted(refs.index(r) for r in pending)
-                self.event(EventKind.WORKER_HANG, during=what, silent_s=round(silent, 1), ranks=ranks,
-                           nodes=sorted({self.node(r) for r in ranks}), timeout_s=round(hang_s, 2))
-                raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {ranks} "
+                late = sorted(rank_of[r] for r in pending)
+                self.event(EventKind.WORKER_HANG, during=what, silent_s=round(silent, 1), ranks=late,
+                           nodes=sorted({self.node(r) for r in late}), timeout_s=round(hang_s, 2))
+                raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {late} "
                                 f"(hang timeout {hang_s:.1f}s: "
-                                + ("calibrated" if hang_s != self.default_hang_s else "supervisor.hang_timeout_s")
-                                + ").", Failure(FailureKind.HUNG, ranks[0]))
+                                + (hang_why or ("calibrated" if hang_s != self.default_hang_s
+                                                else "supervisor.hang_timeout_s"))
+                                + ").", Failure(FailureKind.HUNG, late[0]))
         return ray.get(refs)
 
     def _raise_if_failed(self, ref, rank: int, what: str) -> None:
