@@ -1,8 +1,8 @@
 """Calibrated timeouts: measured step and collective times set the hang and process-group timeouts,
 a collective stress loop under them fires no timeout, a hang is caught by the calibrated
 process-group timeout of the surviving rank's collective (not by the supervisor's hang timeout,
-not by the 600 s default), in the first fleet and in a healed one, a straggler is reported without a restart, and
-the rendezvous starts once every worker is up."""
+not by the 600 s default), in the first fleet and in a healed one, a straggler is reported without a restart,
+the rendezvous starts once every worker is up, and a healed fleet's start is bounded by the measured first start."""
 
 from __future__ import annotations
 
@@ -42,6 +42,15 @@ def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cf
         # its fault, a few ms here); the error then crosses Ray to the supervisor
         assert 0.8 * pg_s <= delay <= pg_s + 2.0 < hang_s, (f["fault"], delay, pg_s, hang_s)
     assert summary["steps"] == 14 and summary["restarts"] == 2
+    # each healed fleet (cold: no warm spares) is started under the bound its predecessors' measured starts
+    # set: 5 x the longest of them, or supervisor.start_timeout_s (60 s) when that is more
+    ready = [e for e in events if e["kind"] == "workers_ready"]
+    measured = 0.0
+    for e in ready:
+        assert abs(e["start_bound_s"] - max(60.0, 5.0 * measured)) < 0.1, (e, measured)
+        assert e["started_s"] > 0
+        measured = max(measured, e["started_s"])
+    assert len(ready) == 3
 
 
 def test_straggler_is_reported_not_restarted(ray_session, make_cfg):
@@ -113,3 +122,22 @@ def test_a_wait_counts_silence_from_its_own_start(monkeypatch):
         w.wait(["address"], "start of rank 3", hang_s=61, ranks=[3], hang_why="supervisor.start_timeout_s")
     assert "(hang timeout 61.0s: supervisor.start_timeout_s)" in str(e.value)
     assert e.value.failure.rank == 3 and events[-1][1]["nodes"] == ["node-3"]
+
+
+def test_a_later_fleet_start_is_bounded_by_the_measured_first_start():
+    """A restart starts as many processes on the same machine as the first start did: its bound is
+    supervisor.timeout_factor x the run's measured fleet start when that is more than
+    supervisor.start_timeout_s (a fixed 60 s failed three restarts in a row on a busy 2-core machine,
+    tests/test_training.py's recovery covers the path end to end)."""
+    from types import SimpleNamespace
+
+    from raysc.config import load_config
+    from raysc.fleet.fleet import Fleet
+
+    cfg = load_config(None, ["supervisor.start_timeout_s=60", "supervisor.timeout_factor=4"])
+    fleet = SimpleNamespace(cfg=cfg, start_measured_s=0.0)
+    assert Fleet.start_bound_s(fleet) == 60.0  # the first fleet
+    fleet.start_measured_s = 10.0  # a quick first start: the configured bound stays
+    assert Fleet.start_bound_s(fleet) == 60.0
+    fleet.start_measured_s = 38.0  # a slow one: 4 x 38 s
+    assert Fleet.start_bound_s(fleet) == 152.0

@@ -199,7 +199,10 @@ class SupervisorConfig:
     hang_timeout_s: float = opt(600.0, "treat the fleet as hung when no worker reports progress for this long "
                                        "(before calibration, and while saving or restoring; a fleet's start-up and setup are "
                                        "bounded by start_timeout_s instead)", gt=0.0)
-    start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time", gt=0.0)
+    start_timeout_s: float = opt(60.0, "fail when the worker placement group cannot be scheduled in time, or a "
+                                       "worker process has not started within this long (a restart's fleet: "
+                                       "timeout_factor × the run's measured fleet start, when that is more)",
+                                 gt=0.0)
     node_wait_s: float = opt(300.0, "after a node is lost, how long the restart waits for the fleet to fit again "
                                     "(on the surviving nodes, or on a replacement node joining) before the run fails",
                              gt=0.0)
@@ -238,7 +241,8 @@ class SupervisorConfig:
     sdc_every_steps: int = opt(0, "compare parameter fingerprints across data-parallel replicas "
                                   "(dp_replicate > 1) every N steps; 0 = off", min=0)
     timeout_factor: float = opt(4.0, "hang and process-group timeouts = this × the step and collective times "
-                                     "measured in the first steps (with timeout_floor_s as the minimum)",
+                                     "measured in the first steps (with timeout_floor_s as the minimum); a later "
+                                     "fleet's start bound = this × the run's measured fleet start",
                                 min=3.0, max=5.0)
     calibrate_steps: int = opt(5, "steps (after the first) whose times calibrate the timeouts; 0 = keep "
                                   "hang_timeout_s", min=0)

@@ -29,6 +29,10 @@ from raysc.fleet.worker import TrainWorker
 from raysc.parallel.dims import rank_table
 
 
+# where a fleet's start bound comes from (``Fleet.start_bound_s``), as errors name it
+START_BOUND = "the start bound: supervisor.start_timeout_s, or timeout_factor x this run's measured fleet start"
+
+
 class Fleet:
     def __init__(self, cfg: Config, run_dir: Path, event: Callable[..., dict], supervisor) -> None:
         self.cfg = cfg
@@ -50,6 +54,9 @@ class Fleet:
         self.pool = None  # the cluster's WorkerPool, for CPU runs with supervisor.worker_pool_idle_s > 0
         self.lent: list = []  # the workers of self.workers the pool lent (they get a rank in ``setup``)
         self.reused = 0  # how many of them ran a run before
+        self._created_at = 0.0  # when the current cold fleet's workers were created (``_new_fleet``)
+        self.start_measured_s = 0.0  # the longest a cold fleet of this run took from creation to all up
+        self._last_start_s = 0.0  # the latest cold fleet's
 
     @property
     def world(self) -> int:
@@ -224,6 +231,7 @@ class Fleet:
         """A worker for each rank: lent by the cluster's pool (``raysc.fleet.pool``) on the node of the
         rank's bundle, or, without a pool, a new process in the bundle."""
         self.lent, self.reused = [], 0
+        self._created_at = time.monotonic()
         idle_s = self.cfg.supervisor.worker_pool_idle_s
         if idle_s and self.cfg.parallel.device == "cpu":
             from raysc.fleet.pool import worker_pool
@@ -254,16 +262,19 @@ class Fleet:
         spawned, self._spawned = self._spawned, False
         self.workers = spares or (self.workers if spawned else self._new_fleet())
         lent = {w._actor_id.hex() for w in self.lent} if not spares else set()
-        start_s = self.cfg.supervisor.start_timeout_s
+        start_s = self.start_bound_s()
         if prepared:  # past the rendezvous and the model build, and given the current config
             infos, (ip, port) = prepared, prepared[0].master
         else:
             ip, port = self._started(wait, touch, start_s)
+            if not spares:  # a cold fleet: how long its processes took to start calibrates the next one's bound
+                self._last_start_s = time.monotonic() - self._created_at
+                self.start_measured_s = max(self.start_measured_s, self._last_start_s)
             infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
                                          (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
                           for r, w in enumerate(self.workers)],
                          "setup (rendezvous and model build)", timeout=start_s + 60, hang_s=start_s + 61,
-                         hang_why="supervisor.start_timeout_s + 60 s")
+                         hang_why=f"{START_BOUND} + 60 s")
             # (bounded by the start-up timeout alone, as the start above: a fleet setting up beside other
             # work is slow, not hung; a small hang_timeout_s, meant for steps, failed a CI run in setup)
         self.infos = infos
@@ -271,6 +282,7 @@ class Fleet:
         self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), prepared=bool(prepared),
                    pooled=len(lent),
                    reused=self.reused if lent else 0, master=f"{ip}:{port}",
+                   started_s=None if spares else round(self._last_start_s, 2), start_bound_s=round(start_s, 1),
                    pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
                    device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
         dims = self.cfg.parallel.dims
@@ -281,6 +293,16 @@ class Fleet:
             self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
                                                        "no rank holds a replica of another's parameters to compare")
         return infos
+
+    def start_bound_s(self) -> float:
+        """How long a cold fleet's start (each rank's process up, then the rendezvous and model build)
+        may take: supervisor.start_timeout_s, or supervisor.timeout_factor x the longest start of this
+        run's fleets so far when that is more. Calibrated as the step timeouts are: a restart starts as
+        many processes on the same machine as the first start did, and a busy 2-core machine (a CI run)
+        took 38 s for eight of them with one other core's worth of work beside it and over 60 s with
+        two, so a fixed 60 s failed restart after restart of a fleet that was starting, not stuck."""
+        sup = self.cfg.supervisor
+        return max(sup.start_timeout_s, sup.timeout_factor * self.start_measured_s)
 
     def _started(self, wait: Callable[..., list], touch: Callable[[], None], start_s: float) -> tuple[str, int]:
         """Wait until every worker's process has started and done its imports (its constructor ran), then
@@ -294,7 +316,7 @@ class Fleet:
         address = None
         for rank in [*range(1, len(self.workers)), 0]:
             address = wait([self.workers[rank].address.remote()], f"start of rank {rank}", timeout=start_s,
-                           hang_s=start_s + 1, ranks=[rank], hang_why="supervisor.start_timeout_s")[0]
+                           hang_s=start_s + 1, ranks=[rank], hang_why=START_BOUND)[0]
             touch()
         ip, port, _ = address
         return ip, port
