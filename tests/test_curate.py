@@ -47,6 +47,20 @@ def test_minhash_estimates_jaccard_and_lsh_follows_theory():
         MinHasher(num_perm=100, bands=14, rows=8)
 
 
+def test_signatures_are_the_min_of_each_multiply_shift_hash():
+    """Each signature value is min over the document's shingles of ((a·h + b) mod 2^64) >> 32, as Python
+    integers compute it: the vectorised blocks (here several: one document longer than a block) and the
+    shift taken after the minimum change no value."""
+    rng = random.Random(1)
+    texts = [" ".join(f"w{rng.randrange(300)}" for _ in range(n)) for n in (0, 3, 5, 40, 3000, 7)]
+    mh = MinHasher()
+    hashes, starts = mh.shingle_hashes(texts)
+    ends = [*starts[1:], len(hashes)]
+    want = [[min(((int(a) * int(h) + int(b)) % 2**64) >> 32 for h in hashes[lo:hi])
+             for a, b in zip(mh._a, mh._b)] for lo, hi in zip(starts, ends)]
+    assert mh.signatures(texts).tolist() == want
+
+
 def test_gopher_c4_fineweb_rules_on_hand_made_documents():
     rules = QualityRules()
     assert rules.judge(GOOD)["keep"], rules.judge(GOOD)

@@ -113,8 +113,10 @@ class MinHasher:
             buf = np.empty((self.num_perm, hi - lo), dtype=np.uint64)  # in place: one pass of memory per op
             np.multiply(self._a[:, None], hashes[None, lo:hi], out=buf)
             np.add(buf, self._b[:, None], out=buf)
-            np.right_shift(buf, np.uint64(32), out=buf)
-            sig[doc:last + 1] = np.minimum.reduceat(buf, starts[doc:last + 1] - lo, axis=1).T
+            # ``>> 32`` is monotone, so it commutes with the minimum: shifting the reduced signatures
+            # instead of the whole (num_perm, shingles) buffer saves one pass over it
+            low = np.minimum.reduceat(buf, starts[doc:last + 1] - lo, axis=1)
+            sig[doc:last + 1] = (low >> np.uint64(32)).T
             doc = last + 1
         return sig
 
