@@ -127,8 +127,8 @@ def test_a_wait_counts_silence_from_its_own_start(monkeypatch):
 def test_a_later_fleet_start_is_bounded_by_the_measured_first_start():
     """A restart starts as many processes on the same machine as the first start did: its bound is
     supervisor.timeout_factor x the run's measured fleet start when that is more than
-    supervisor.start_timeout_s (a fixed 60 s failed three restarts in a row on a busy 2-core machine,
-    tests/test_training.py's recovery covers the path end to end)."""
+    supervisor.start_timeout_s (a fixed 60 s failed three restarts in a row on a busy 2-core machine).
+    The calibrated-timeouts test above checks the bound each healed fleet of a real run reports."""
     from types import SimpleNamespace
 
     from raysc.config import load_config
