@@ -29,7 +29,8 @@ class EventKind(str, Enum):
     WORKERS_READY = "workers_ready", ("every worker joined the process group and built its shard (warm: spares used, "
                                       "prepared: they had joined and built theirs before the failure; "
                                       "pooled: workers lent by the cluster's worker pool, reused: how many of those "
-                                      "served a run before)")
+                                      "served a run before; started_s: a cold fleet's seconds from its workers' "
+                                      "creation to all up; start_bound_s: the bound its start was held to)")
     SPARES_READY = "spares_ready", ("the warm spares started after a chunk of training answer (seconds since their "
                                     "start; prepared: on CPU they also joined a process group of their own and built "
                                     "their shards); until then their start-up shares the node's CPUs with training")
