@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from conftest import TINY, live_actors, pool_actor_ids
 from raysc.checkpoint.store import CheckpointStore
 from raysc.fleet.records import read_jsonl
@@ -34,10 +36,27 @@ def _start(ray_head: dict, cache_dir: str, run_dir: Path, *args: str) -> subproc
     return _popen(ray_head, [*cmd, *args])
 
 
+_STARTED: list[subprocess.Popen] = []  # this test's `raysc train` processes (``_no_run_left_behind``)
+
+
+@pytest.fixture(autouse=True)
+def _no_run_left_behind():
+    """A test that fails mid-run leaves no run training on the shared head: its actors would fail the next
+    test's "every actor but the pool's idle ones is dead" check (a CI run's second failure was that)."""
+    yield
+    while _STARTED:
+        proc = _STARTED.pop()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _popen(ray_head: dict, cmd: list[str]) -> subprocess.Popen:
     env = {**ray_head["env"], "RAY_ADDRESS": ray_head["gcs"]}
-    return subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
+    _STARTED.append(proc)
+    return proc
 
 
 def _wait(predicate, what: str, proc: subprocess.Popen | None = None, timeout: float = 120):

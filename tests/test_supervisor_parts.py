@@ -124,3 +124,22 @@ def test_status_goodput_leaves_out_the_time_between_a_stop_and_its_resume(tmp_pa
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev[:3]))
     st = run_status(tmp_path)
     assert st["state"] == "running" and st["wall_s"] == 20.0
+
+
+def test_a_record_still_being_written_is_left_out(tmp_path):
+    """A live run appends to metrics.jsonl while `raysc status` (or a test) reads it: the last line without
+    its newline is a record not finished yet, left out instead of failing the reader (a CI run read half a
+    metrics line); finished records all come back."""
+    import json
+
+    from raysc.fleet.records import read_jsonl
+
+    rows = [{"step": s, "loss": 1.0 / s} for s in (1, 2, 3)]
+    path = tmp_path / "metrics.jsonl"
+    done = "".join(json.dumps(r) + "\n" for r in rows)
+    path.write_text(done + json.dumps({"step": 4, "loss": 0.25})[:20])
+    assert read_jsonl(path) == rows
+    path.write_text(done)
+    assert read_jsonl(path) == rows
+    path.write_text("")
+    assert read_jsonl(path) == []

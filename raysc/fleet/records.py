@@ -90,9 +90,14 @@ class RunRecords:
 
 
 def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSON-lines file; a last line without its newline is one still being written (a
+    live run's metrics or events, read by `raysc status` or a test while the run appends) and is left
+    out, not parsed half-way (a CI run once read half a metrics line and failed)."""
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = text.split("\n")[:-1]  # the part after the last newline: empty, or a record not finished yet
+    return [json.loads(line) for line in lines if line.strip()]
 
 
 SERVING_RECORD = "serve/serving.json"  # in a run directory: what serves the run now (raysc serve writes it)
