@@ -79,14 +79,6 @@ def _command(run_dir: Path, cache_dir: str, steps: int, *overrides: str) -> list
     return cmd
 
 
-def _records(path: Path) -> list[dict]:
-    """The complete lines of a JSONL file another process is still appending to."""
-    if not path.is_file():
-        return []
-    lines = path.read_text().split("\n")[:-1]  # the last piece may be a line being written
-    return [json.loads(line) for line in lines if line.strip()]
-
-
 def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: int, *overrides: str,
                        timeout_s: float = 400) -> int:
     """Run until the fleet has grown back and trained a step at its configured size, then stop the run as
@@ -99,8 +91,8 @@ def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: i
     deadline = time.monotonic() + timeout_s
     try:
         while run.poll() is None and time.monotonic() < deadline:
-            dps = [m["dp"] for m in _records(run_dir / "metrics.jsonl")]
-            grown = any(e["kind"] == "resized" and e["to"] == 2 for e in _records(run_dir / "events.jsonl"))
+            dps = [m["dp"] for m in read_jsonl(run_dir / "metrics.jsonl")]
+            grown = any(e["kind"] == "resized" and e["to"] == 2 for e in read_jsonl(run_dir / "events.jsonl"))
             if grown and 1 in dps and dps[-1] == 2:  # a step at dp 2 after the steps at dp 1
                 run.send_signal(signal.SIGTERM)
                 break
@@ -110,7 +102,7 @@ def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: i
         run.kill()
         log.close()
     out = (run_dir.parent / f"{run_dir.name}.log").read_text()
-    events = _records(run_dir / "events.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
     assert code == 143, (code, out[-3000:], [{k: e.get(k) for k in ("kind", "step", "failed_step", "resumed_step",
                                                                     "from", "to", "error")} for e in events])
     return [e for e in events if e["kind"] == "run_stopped"][0]["step"]
