@@ -25,12 +25,9 @@ from raysc.config.schema import Config
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.messages import WorkerInfo
+from raysc.fleet.start_bound import START_BOUND, start_bound_s
 from raysc.fleet.worker import TrainWorker
 from raysc.parallel.dims import rank_table
-
-
-# where a fleet's start bound comes from (``Fleet.start_bound_s``), as errors name it
-START_BOUND = "the start bound: supervisor.start_timeout_s, or timeout_factor x this run's measured fleet start"
 
 
 class Fleet:
@@ -295,14 +292,8 @@ class Fleet:
         return infos
 
     def start_bound_s(self) -> float:
-        """How long a cold fleet's start (each rank's process up, then the rendezvous and model build)
-        may take: supervisor.start_timeout_s, or supervisor.timeout_factor x the longest start of this
-        run's fleets so far when that is more. Calibrated as the step timeouts are: a restart starts as
-        many processes on the same machine as the first start did, and a busy 2-core machine (a CI run)
-        took 38 s for eight of them with one other core's worth of work beside it and over 60 s with
-        two, so a fixed 60 s failed restart after restart of a fleet that was starting, not stuck."""
-        sup = self.cfg.supervisor
-        return max(sup.start_timeout_s, sup.timeout_factor * self.start_measured_s)
+        """``raysc.fleet.start_bound``'s bound for this run's next cold fleet."""
+        return start_bound_s(self.cfg.supervisor, self.start_measured_s)
 
     def _started(self, wait: Callable[..., list], touch: Callable[[], None], start_s: float) -> tuple[str, int]:
         """Wait until every worker's process has started and done its imports (its constructor ran), then
