@@ -41,6 +41,7 @@ from raysc.data import megatron
 from raysc.fleet.elastic import min_world
 from raysc.fleet.errors import RunFailed, RunStopped
 from raysc.fleet.events import EventKind
+from raysc.fleet.groups import remove_groups_of
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
 from raysc.preflight_gate import require_passing
@@ -200,13 +201,22 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
         raise _remote_cause(e) from None
     except _Abort as e:
         if sup is not None:
-            ray.kill(sup)  # its workers, spares and placement group are owned by it and die with it
+            _kill_supervisor(sup)
         raise _aborted(cfg, e, step) from None
     finally:
         if bar is not None:
             bar.close()
         if sup is not None:
-            ray.kill(sup)
+            _kill_supervisor(sup)
+
+
+def _kill_supervisor(sup) -> None:
+    """Kill the supervisor (its workers and spares die with it) and remove the placement groups it left
+    standing: Ray keeps those until this driver's job ends (``raysc.fleet.groups``)."""
+    ray.kill(sup)
+    left = remove_groups_of(sup._actor_id.hex())
+    if left:
+        print(f"[raysc] the supervisor was stopped holding placement group(s) {left}; removed", flush=True)
 
 
 def _remote_cause(e: ray.exceptions.RayTaskError) -> BaseException:

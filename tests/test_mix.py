@@ -4,6 +4,7 @@ losses of known shape, and the command end to end on the packed bundled corpus."
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -79,7 +80,10 @@ def test_mix_tune_end_to_end_on_the_packed_corpus(packed_corpus, make_cfg, tmp_p
                  "checkpoint.async=false"]
     cfg = make_cfg(*overrides, run="mix")
     base = _overrides_of(cfg, overrides)
-    opts = TuneOptions(target="prose", proxies=5, steps=16, validate_seeds=[1], eval_rows=16, out=str(tmp_path / "t"))
+    # as many at once as the machine has cores: the session's Ray counts 8 CPUs, and five proxies starting
+    # at once on 2 cores beside the other lane overran the 60 s start bound in a CI run
+    opts = TuneOptions(target="prose", proxies=5, steps=16, validate_seeds=[1], eval_rows=16, out=str(tmp_path / "t"),
+                       concurrency=os.cpu_count() or 1)
     lines: list[str] = []
     report = tune_mixture(None, base, opts, log=lines.append)
     out = tmp_path / "t"

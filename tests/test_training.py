@@ -182,6 +182,50 @@ def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
     assert hang and hang[0]["silent_s"] >= 3
 
 
+def test_a_driver_interrupted_mid_run_leaves_no_placement_group_behind(ray_session, make_cfg):
+    """An exception in the driver mid-run (pytest-timeout's SIGALRM here; an interrupt in a notebook) kills
+    the supervisor, and the fleet's placement group goes with it: Ray keeps a killed actor's groups until
+    the driver's job ends, and a CI run's next 4-worker test could not reserve its workers beside a parity
+    fleet's leftover bundles (raysc.fleet.groups)."""
+    import signal
+    import threading
+    import time
+
+    import ray
+
+    from raysc.driver import train
+    from raysc.fleet.groups import standing_groups
+
+    class Interrupted(Exception):
+        pass
+
+    def interrupt(*_):
+        raise Interrupted
+
+    cfg = make_cfg("train.steps=100000", "parallel.dp_replicate=2")
+    events = Path(cfg.run_dir) / "events.jsonl"
+
+    def alarm_once_training() -> None:  # the fleet has reserved its bundles once its workers report
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and "workers_ready" not in (events.read_text() if events.exists() else ""):
+            time.sleep(0.2)
+        signal.setitimer(signal.ITIMER_REAL, 0.5)
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        threading.Thread(target=alarm_once_training, daemon=True).start()
+        with pytest.raises(Exception) as raised:  # raised inside Ray's wait it arrives as the cause of a SystemError
+            train(cfg, progress=False)
+        assert Interrupted in (type(raised.value), type(raised.value.__cause__)), raised.value
+    finally:
+        signal.signal(signal.SIGALRM, previous)
+    assert standing_groups() == {}
+    deadline = time.monotonic() + 30  # the bundles' CPUs come back once the GCS has removed the group
+    while ray.available_resources().get("CPU", 0) < 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU", 0) >= 2
+
+
 def test_bad_fault_spec_is_a_config_error(make_cfg):
     from raysc.config import ConfigError
 

@@ -104,11 +104,12 @@ class Elastic:
         from ray.util.placement_group import placement_group
 
         from raysc.cluster.fit import worker_bundle
+        from raysc.fleet.groups import group_name
 
         bundle = worker_bundle(self.cfg.parallel)
         missing = self.world(self.full) - self.world(self.size)
         self.request = placement_group([dict(bundle) for _ in range(missing)], strategy="PACK",
-                                       name=f"raysc-grow-{self.cfg.run.name}")
+                                       name=group_name("grow"))
         self._placed = self.request.ready()
 
     def grow_ready(self) -> bool:

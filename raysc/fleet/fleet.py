@@ -24,6 +24,7 @@ from raysc.config.load import config_to_dict
 from raysc.config.schema import Config
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
+from raysc.fleet.groups import group_name
 from raysc.fleet.messages import WorkerInfo
 from raysc.fleet.start_bound import START_BOUND, start_bound_s
 from raysc.fleet.worker import TrainWorker
@@ -75,7 +76,7 @@ class Fleet:
             self._quarantine_ignored()
         selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in range(self.world)] if avoid else None
         self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
-                                  bundle_label_selector=selector)
+                                  bundle_label_selector=selector, name=group_name("fleet"))
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             avail = ray.available_resources()
