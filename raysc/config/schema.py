@@ -246,8 +246,9 @@ class SupervisorConfig:
                                 min=3.0, max=5.0)
     calibrate_steps: int = opt(5, "steps (after the first) whose times calibrate the timeouts; 0 = keep "
                                   "hang_timeout_s", min=0)
-    timeout_floor_s: float = opt(10.0, "smallest calibrated timeout (covers report batching and scheduling "
-                                       "jitter)", gt=0.0)
+    timeout_floor_s: float = opt(30.0, "smallest calibrated timeout (covers report batching, scheduling jitter "
+                                       "and a shared machine's slow spells)",
+                                 gt=0.0)
     stress_s: float = opt(0.0, "after calibration, run collectives at full rate for this long under the "
                                "calibrated timeout and record any timeout (0 = skip)", min=0.0)
     inject: str = opt("", "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
