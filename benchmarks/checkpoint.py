@@ -130,7 +130,7 @@ def stall(bucket: str, options: dict) -> dict:
     import ray
 
     from raysc.config import load_config
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
 
     ray.init(num_cpus=2, include_dashboard=False, configure_logging=False, log_to_driver=False)

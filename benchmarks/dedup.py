@@ -217,7 +217,7 @@ def run_one(name: str, corpus: Path, work: Path, datatrove_workers: int = 1) -> 
     if name in ("raysc", "raysc_rules"):
         from raysc.config import load_config
         from raysc.curate.pipeline import curate
-        from raysc.driver import ensure_ray
+        from raysc.fleet.driver import ensure_ray
 
         cfg = load_config(None, [f'curate.input="{corpus / "docs"}"', f'curate.output="{work / "out"}"',
                                  f"quality.enabled={str(name == 'raysc_rules').lower()}",

@@ -58,7 +58,7 @@ def layout_throughput() -> dict:
     import ray
 
     from raysc.config import load_config
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
     from raysc.parity import layout_overrides
 

@@ -101,7 +101,7 @@ def main() -> None:
 
     from raysc.config import load_config
     from raysc.curate.pipeline import curate
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     ray.init(include_dashboard=False, configure_logging=False, log_to_driver=False)
     t0 = time.perf_counter()

@@ -75,7 +75,7 @@ RAYSC_SCENARIOS = {"warm_hot": (True, True, ()),
 
 
 def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> dict:
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
 
     warm, disk_loss, extra = RAYSC_SCENARIOS[scenario]
@@ -95,7 +95,7 @@ def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> di
 
 
 def raysc_goodput(tmp: Path, bucket: str, opts: str) -> dict:
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     kills = ",".join(f"kill@{s}:1" for s in range(GOODPUT_EVERY, GOODPUT_STEPS, GOODPUT_EVERY))
     out = {}

@@ -1,7 +1,7 @@
 """What does the actor path cost? Plain torch loop vs. supervisor + TrainWorker, side by side.
 
 Both train the same model on the same data for the same steps with the same
-torch thread count: (a) ``Trainer`` in this process, (b) ``raysc.driver.train``
+torch thread count: (a) ``Trainer`` in this process, (b) ``raysc.fleet.driver.train``
 (supervisor actor, placement group, one TrainWorker, per-step metric reports,
 checkpoint at the end). Throughput is steady-state tokens/s from the wall-clock
 stamps of the steps after warm-up (the first 10%, and on the actor path until its warm spares
@@ -60,7 +60,7 @@ def plain_loop(cfg) -> dict:
 
 
 def actor_path(cfg) -> dict:
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     t0 = time.time()
     summary = train(cfg, progress=False)

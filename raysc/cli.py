@@ -43,7 +43,7 @@ EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last check
 
 def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
                  progress: bool = True, overwrite: bool = False) -> dict:
-    from raysc.driver import check_inputs, train
+    from raysc.fleet.driver import check_inputs, train
 
     cfg = load_config(config, overrides)
     check_inputs(cfg)

@@ -19,7 +19,7 @@ PROMPTS = ["def read_config(path):\n", "The built-in function"]
 
 def run_demo(overrides: list[str] = ()) -> dict:
     from raysc.data.corpus import build_bundled_corpus, corpus_meta
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.export.hf import export_hf
     from raysc.export.restore import load_run, sample_text
 

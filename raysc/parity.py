@@ -116,7 +116,7 @@ def ensure_reference(config: str | Path | None, overrides: list[str], steps: int
     """The world-size-1 run of ``config`` + ``overrides`` in ``ref_dir``, trained unless it is
     there. Whoever calls first decides its overrides: callers that share a ``ref_dir`` train it
     up front with the plain overrides (a layout run with extra overrides would otherwise do it)."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     if not (ref_dir / "metrics.jsonl").is_file():
         train(load_config(config, [*_common(overrides, steps), f'run.dir="{ref_dir}"']), progress=progress,
@@ -128,7 +128,7 @@ def run_parity(config: str | Path | None, layout: str, overrides: list[str] = ()
                rtol: float = 1e-4, work_dir: str | Path = "runs/parity", ref_dir: str | Path | None = None,
                progress: bool = False) -> ParityReport:
     """Train the reference (unless ``ref_dir`` holds one) and the layout, then compare."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     work = Path(work_dir)
     common = _common(overrides, steps)

@@ -31,7 +31,7 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     """A run that stopped after step 10 resumes from its S3 checkpoint and continues the uninterrupted
     run's loss curve, schedule, data cursor and parameters bit for bit (the one bit-exact resume test:
     the local store's resume is exercised by the corrupted-checkpoint fallback in test_training)."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     bucket = _bucket(s3_server)
     opts = s3_options(s3_server["endpoint"])
@@ -73,7 +73,7 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
 
 
 def test_missing_bucket_fails_before_step_one(ray_session, s3_server, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg('checkpoint.uri="s3://no-such-bucket-raysc/run"', s3_options(s3_server["endpoint"]))
     with pytest.raises(RunFailed, match="bucket or directory does not exist"):
@@ -89,7 +89,7 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
 
     import boto3
 
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.ports import free_port
 
     port = free_port()
@@ -146,7 +146,7 @@ def test_large_files_download_as_parallel_ranges(s3_server, tmp_path):
 
 
 def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.ports import free_port
 
     # one try per request: botocore's default retries of a refused connection, with backoff, take
@@ -165,7 +165,7 @@ def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
 
 
 def test_save_killed_halfway_is_never_loaded(ray_session, s3_server, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     bucket = _bucket(s3_server)
     opts = s3_options(s3_server["endpoint"])
@@ -185,7 +185,7 @@ def test_save_killed_halfway_is_never_loaded(ray_session, s3_server, make_cfg):
 
 def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
     from raysc.cli import main
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     bucket = _bucket(s3_server)
     cfg = make_cfg(f'checkpoint.uri="s3://{bucket}/run"', s3_options(s3_server["endpoint"]), "train.steps=6",
@@ -211,7 +211,7 @@ def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server
     """The store refuses every upload of step 10 (503): retries with backoff, no manifest for step 10,
     training goes on, the step-15 save succeeds and the older checkpoints still restore."""
     from raysc.export.restore import load_run
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     wsgi = s3_server["server"]._server
     original = wsgi.app

@@ -239,7 +239,7 @@ def test_restores_fall_back_past_planted_payloads_on_s3_and_signed_local(ray_ses
                                                                          tmp_path, monkeypatch):
     """The attack end to end: payloads planted in the newest checkpoints of a real run, then `--resume`.
     S3 without a key: the parsers refuse both files. Local store with a key: the signature refuses first."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     marker = tmp_path / "marker"
     payload = pickle.dumps(Payload(marker))

@@ -217,7 +217,7 @@ def test_curated_corpus_trains_on_a_schedule_and_resumes_it_exactly(packed_corpu
     """data.source = the packed directory, a two-phase schedule, dp=2: the loss falls, the run
     records its domains and schedule, and a worker killed at step 15 resumes the mixture from the
     step-10 checkpoint: every step's loss equals the uninterrupted run's, bit for bit."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
 
     base = [f'data.source="{packed_corpus["packed"]}"', "parallel.dp_shard=2", "checkpoint.every_steps=10",

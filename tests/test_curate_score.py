@@ -82,7 +82,7 @@ def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile
     from raysc.curate.perplexity import load_reference
     from raysc.curate.pipeline import curate
     from raysc.data.corpus import iter_documents
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.export.restore import load_run
     from tokenizers import Tokenizer
 

@@ -104,7 +104,7 @@ def test_a_run_masks_documents_at_the_eos_it_packed_with(ray_session, make_cfg):
     ``data.eos_token``, so that the first batch holds many documents), and the run's first loss is a
     masked Trainer's at that id, not an unmasked one's."""
     from raysc.data.prepare import prepare_data
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
     from raysc.train.trainer import Trainer
 

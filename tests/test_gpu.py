@@ -94,7 +94,7 @@ def test_supervised_nccl_run_checkpoints_and_resumes_bit_exactly(ray_cuda, make_
     11-20 and its final parameters bit for bit."""
     from raysc.export.restore import load_run
     from raysc.checkpoint.store import CheckpointStore
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     common = [*CUDA_BF16, "train.steps=20", "checkpoint.every_steps=10"]
     full = make_cfg(*common, run="full")

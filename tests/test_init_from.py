@@ -342,7 +342,7 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
 
 def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_path):
     from raysc.data.prepare import prepare_data
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     params, out = export
     s3_server["client"].create_bucket(Bucket="hf-models")
@@ -376,7 +376,7 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
 def test_a_corpus_packed_with_another_tokenizer_is_refused_before_ray(export, packed_corpus):
     """``raysc train --init-from`` on a ``raysc pack`` directory packed with another tokenizer than the
     checkpoint's stops in the CLI's input checks, naming both; its own tokenizer passes them."""
-    from raysc.driver import check_inputs
+    from raysc.fleet.driver import check_inputs
 
     _, out = export
     packed = Path(packed_corpus["packed"])

@@ -36,7 +36,7 @@ def _alive(pids: list[int]) -> list[int]:
 
 
 def test_a_run_takes_the_processes_a_finished_run_gave_back_and_trains_exactly_as_fresh_ones(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     # dp_shard=2: every rank saves its own shard (a process serving another rank than before broke DCP's
     # save plan in torch 2.13, so the pool keeps each process on one rank)
@@ -66,7 +66,7 @@ def test_a_run_takes_the_processes_a_finished_run_gave_back_and_trains_exactly_a
 
 
 def test_idle_processes_and_then_the_pool_go_after_the_idle_time(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     run_dir = Path(train(make_cfg("train.steps=3", "supervisor.worker_pool_idle_s=600", run="a"),
                          progress=False)["run_dir"])

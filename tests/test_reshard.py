@@ -20,7 +20,7 @@ STEPS = 12
 @pytest.fixture(scope="module")
 def reshard_env(ray_session, tmp_path_factory, cache_dir):
     from raysc.config import load_config
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     work = tmp_path_factory.mktemp("reshard")
     base = [*PARITY, f'data.cache_dir="{cache_dir}"', f"train.steps={STEPS}", "checkpoint.every_steps=4",

@@ -126,7 +126,7 @@ def test_a_supervisor_defect_reaches_the_user_with_the_line_that_raised_it(ray_s
     """The driver re-raises what the supervisor actor raised. That TypeError came with the driver's
     frames only, naming no line of the supervisor's; now a defect carries the actor's traceback (a
     RunFailed, whose message is the whole story, does not)."""
-    from raysc.driver import _remote_cause
+    from raysc.fleet.driver import _remote_cause
 
     def raised(failure: bool) -> BaseException:
         with pytest.raises(ray.exceptions.RayTaskError) as err:

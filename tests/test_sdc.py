@@ -54,7 +54,7 @@ def test_bitflip_in_one_of_three_replicas_is_repaired_from_the_majority(ray_sess
     the run equals a clean run. Rank 1's flipped weight fed its gradients into the all-reduce of
     steps 7-10, which every replica applied; no repair can take that back without a rollback
     (the two-replica test below is the bit-identity claim)."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("parallel.dp_replicate=3", "train.global_batch=12", "train.steps=20",
                    "supervisor.sdc_every_steps=5", 'supervisor.inject="bitflip@7:1"')
@@ -78,7 +78,7 @@ def test_two_replicas_roll_back_and_match_a_clean_run_exactly(ray_session, make_
     """With tp=2 × dp_replicate=2, a flipped bit on replica 1 cannot be outvoted: both replicas roll
     back to the checkpoint at the last passing check and the run ends bit-identical to a clean run,
     which itself reports no mismatch (no false positives at a check every step)."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     base = ["parallel.dp_replicate=2", "parallel.tp=2", "train.steps=12", "checkpoint.every_steps=4",
             "checkpoint.async=false"]

@@ -72,7 +72,7 @@ def _cli(*argv: str):
 @pytest.fixture(scope="module")
 def served(ray_session, s3_server, tmp_path_factory, cache_dir):
     """A run trained with its checkpoints in S3, exported there, and served with ``raysc serve s3://...``."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.serve.command import deploy, undeploy
     from raysc.serve.source import export_run
 
@@ -254,7 +254,7 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
     equals the new checkpoint's, token for token (speculation exact at T=0)."""
     import ray
 
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.status import run_status
     from raysc.serve.command import keep_serving
 

@@ -12,7 +12,7 @@ from raysc.fleet.records import read_jsonl
 
 
 def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("parallel.dp_replicate=2", "train.steps=14", "checkpoint.every_steps=5",
                    "checkpoint.async=false", "supervisor.calibrate_steps=3", "supervisor.timeout_floor_s=1",
@@ -54,7 +54,7 @@ def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cf
 
 
 def test_straggler_is_reported_not_restarted(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("parallel.dp_replicate=2", "train.steps=12", "supervisor.calibrate_steps=3",
                    'supervisor.inject="slow@8:1"')  # (no warm spares: their start-up slows steps too)

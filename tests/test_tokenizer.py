@@ -105,7 +105,7 @@ def test_config_keys_override_the_folder_and_bad_ones_name_the_fix(hf_folders, t
 
 
 def test_a_tokenizer_larger_than_the_embedding_stops_before_ray(hf_folders, make_cfg):
-    from raysc.driver import check_inputs
+    from raysc.fleet.driver import check_inputs
 
     cfg = make_cfg(f'data.tokenizer="{hf_folders["qwen2"] / "tokenizer.json"}"', "model.vocab_size=65536")
     with pytest.raises(ValueError, match=r"has 151936 tokens but model.vocab_size is 65536.*model.vocab_size >= 151936"):
@@ -181,7 +181,7 @@ def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_ses
     from raysc.cli import main
     from raysc.data.prepare import prepare_data
     from raysc.data.special_tokens import run_special_tokens
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.export.restore import sample_text
 
     src = hf_folders["llama-bpe"]

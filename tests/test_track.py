@@ -112,7 +112,7 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.track.mlflow_sink import history
 
     s3_server["client"].create_bucket(Bucket="raysc-tb")

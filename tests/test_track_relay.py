@@ -123,7 +123,7 @@ def test_a_tracker_that_is_not_installed_stops_training_before_ray_but_not_readi
     from raysc.config import load_config
     from raysc.config.checks import ConfigError
     from raysc.config.load import dump_config
-    from raysc.driver import check_inputs
+    from raysc.fleet.driver import check_inputs
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))

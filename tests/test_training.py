@@ -52,7 +52,7 @@ def test_gradient_accumulation_matches_full_batch(make_cfg):
 
 
 def test_supervised_run_lowers_loss_and_writes_records(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("train.steps=40", "checkpoint.every_steps=20", "optim.lr=5e-3")
     summary = train(cfg, progress=False)
@@ -73,7 +73,7 @@ def test_supervised_run_lowers_loss_and_writes_records(ray_session, make_cfg):
 
 
 def test_resume_falls_back_from_a_corrupted_checkpoint(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3")
     train(cfg, progress=False)
@@ -145,7 +145,7 @@ def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session,
     before any work (raysc.cluster.fit); on a cluster that might grow (a joined one, simulated here) the
     fleet waits supervisor.start_timeout_s and fails naming the bundle."""
     from raysc.cluster.fit import ClusterTooSmall
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("parallel.cpus_per_worker=64", "supervisor.start_timeout_s=2")
     with pytest.raises(ClusterTooSmall, match=r"the run needs 1 actor\(s\) of 64 CPU .* hold 0"):
@@ -159,7 +159,7 @@ def test_unschedulable_workers_fail_fast_with_the_missing_resources(ray_session,
 
 
 def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("checkpoint.every_steps=5", 'supervisor.inject="raise@8"', "supervisor.max_restarts=0")
     with pytest.raises(RunFailed, match="worker rank 0 raised during steps 6..10: injected fault raise@8"):
@@ -170,7 +170,7 @@ def test_worker_exception_names_the_rank_and_keeps_the_checkpoint(ray_session, m
 
 
 def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     with pytest.raises(RunFailed, match=r"worker rank 0 died during steps 1\.\.\d+"):
         train(make_cfg('supervisor.inject="kill@3"', "supervisor.max_restarts=0", run="kill"), progress=False)
@@ -193,7 +193,7 @@ def test_a_driver_interrupted_mid_run_leaves_no_placement_group_behind(ray_sessi
 
     import ray
 
-    from raysc.driver import train
+    from raysc.fleet.driver import train
     from raysc.fleet.groups import standing_groups
 
     class Interrupted(Exception):
@@ -250,7 +250,7 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     next save began), so every restore reads the hot copy in Ray's object store; the node keeps
     keep_last copies."""
     from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     # a 6 s timeout floor (the hang is found within it): on 2 cores the steps while a healed fleet's
     # new spares start up take ~3 s against a 0.2 s median, and a 2 s floor tripped on them in CI
@@ -327,7 +327,7 @@ def test_node_local_copies_are_pruned_to_keep_last(tmp_path):
 
 
 def test_restarts_are_bounded(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("train.steps=10", 'supervisor.inject="raise@3,raise@4"', "supervisor.max_restarts=1",
                    "supervisor.restart_backoff_s=0.1")
@@ -349,7 +349,7 @@ def test_nan_and_spike_are_skipped_on_every_rank(ray_session, make_cfg):
     finishes with a finite loss. At the shipped defaults the detector flags nothing else: steps 1-39
     are a healthy run (5-6x grad-norm jumps with a falling loss) and no other step is skipped or
     marked a level shift (this run is also the false-alarm test)."""
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg(*HEALTHY, 'supervisor.inject="spike@40,nan@45"')
     assert cfg.optim.lr == 3e-3 and cfg.supervisor.spike_policy == "skip"  # defaults, not tuned settings
@@ -367,7 +367,7 @@ def test_nan_and_spike_are_skipped_on_every_rank(ray_session, make_cfg):
 
 
 def test_rollback_after_consecutive_spikes_restores_and_skips_data(ray_session, make_cfg):
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     cfg = make_cfg("train.steps=40", "checkpoint.every_steps=5", "checkpoint.async=false", "optim.lr=1e-3",
                    'supervisor.spike_policy="rollback"', "supervisor.spike_patience=3", "supervisor.skip_batches=10",

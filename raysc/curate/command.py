@@ -13,7 +13,7 @@ from raysc.config.load import load_config
 
 def cmd_curate(args: argparse.Namespace) -> int:
     from raysc.curate.pipeline import curate
-    from raysc.driver import ensure_ray
+    from raysc.fleet.driver import ensure_ray
 
     cfg = load_config(args.config, args.overrides)
     ensure_ray()
@@ -31,7 +31,7 @@ def cmd_curate(args: argparse.Namespace) -> int:
 def cmd_pack(args: argparse.Namespace) -> int:
     from raysc.curate.pack import pack_curated
     from raysc.data.prepare import special_tokens
-    from raysc.driver import ensure_ray
+    from raysc.fleet.driver import ensure_ray
 
     cfg = load_config(args.config, args.overrides)
     curated = cfg.curated_uri

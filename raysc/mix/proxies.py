@@ -87,7 +87,7 @@ def _key(config_path: str | None, overrides: list[str], p: Proxy) -> str:
 
 def run_one(config_path: str | None, overrides: list[str], p: Proxy, out_dir: Path,
             rows: dict[str, torch.Tensor]) -> dict:
-    from raysc.driver import train
+    from raysc.fleet.driver import train
 
     run_dir = out_dir / p.name
     result_path = run_dir / "result.json"

@@ -83,7 +83,7 @@ def mixing_domains(cfg: Config, opts: TuneOptions) -> tuple[list[str], dict[str,
 def tune_mixture(config_path: str | None, overrides: list[str], opts: TuneOptions,
                  log: Callable[[str], None] = print) -> dict:
     from raysc.cluster.fit import require_fleet_fit
-    from raysc.driver import ensure_ray
+    from raysc.fleet.driver import ensure_ray
 
     t0 = time.perf_counter()
     cfg = load_config(config_path, overrides)

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"best layout -> {path} (use it with --set or paste it into the config)", flush=True)
     out["best"] = {"layout": best.describe(), "fragment": str(path)}
     if args.profile:
-        from raysc.driver import ensure_ray
+        from raysc.fleet.driver import ensure_ray
         from raysc.plan.profile import calibrate, profile_layouts
 
         ensure_ray()

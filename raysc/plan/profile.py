@@ -1,7 +1,7 @@
 """``raysc plan --profile``: run candidate layouts for a few steps on the real fleet, compare the
 estimates with what they measure, and calibrate the planner from the measurement.
 
-Each candidate runs as an ordinary supervised training run (``raysc.driver.train``: the same
+Each candidate runs as an ordinary supervised training run (``raysc.fleet.driver.train``: the same
 workers, process groups and model shards a real run uses) of ``steps`` steps with
 ``train.measure_memory`` on, under ``<run_dir>/plan/<n>``. Measured: every rank's peak memory
 (``raysc.train.memory``) and the median step time after the first two steps. Calibration:
@@ -18,7 +18,7 @@ from pathlib import Path
 
 from raysc.config.measure import measurement_config
 from raysc.config.schema import Config
-from raysc.driver import train
+from raysc.fleet.driver import train
 from raysc.fleet.records import read_jsonl
 from raysc.plan.layout import Cluster, Layout
 from raysc.plan.memory import estimate_memory

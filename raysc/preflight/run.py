@@ -29,7 +29,7 @@ from raysc.checkpoint.storage import Storage, StorageError
 from raysc.config.measure import measurement_config
 from raysc.config.paths import absolutize
 from raysc.config.schema import Config
-from raysc.driver import train
+from raysc.fleet.driver import train
 from raysc.fleet.records import read_jsonl
 from raysc.plan.layout import Layout
 from raysc.plan.memory import estimate_memory

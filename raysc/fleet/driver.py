@@ -10,7 +10,8 @@ While a run is in progress it owns SIGINT and SIGTERM (Ctrl-C, `ray job stop`,
 schedulers): the first asks the supervisor to stop at a step boundary, save and
 shut the fleet down (``RunStopped`` is raised when it has); a second one, or
 ``train.stop_timeout_s`` passing, aborts at once by killing the supervisor (its
-workers and placement group die with it; an uncommitted save stays invisible).
+workers die with it, its placement groups are removed here: ``raysc.fleet.groups``; an uncommitted save
+stays invisible).
 SIGUSR1 and ``raysc ckpt now RUN_DIR`` ask for a checkpoint at the next step
 boundary. The previous handlers are restored when ``train`` returns.
 """
