@@ -25,8 +25,17 @@ TINY = [
 ]
 
 
-# Every Ray this suite starts (the session's, `ray start` heads, local clusters; not test_newcomer's,
-# which drops RAY_*) inherits this: Ray's log monitor looks for new log files 10 times a second until
+# Every Ray this suite starts (the session's, the `ray start` head's, the local clusters') inherits these
+# two; test_newcomer's, which drops other RAY_* settings to run the README's commands as a user does, the first.
+# Ray starts its worker processes at niceness 15 (the raylet's `worker_niceness`) so its own daemons stay
+# responsive; beside the other lane's processes at niceness 0 (forked gloo ranks, vLLM and llama.cpp
+# servers, in-process training) a worker gets 1/28 of their share of a core. Measured on 2 cores: the
+# 8-rank parity run through Ray took 20.5 s alone and 255 s beside two busy processes (start 94 s, median
+# step 5.8 s against 0.38 s), 30 s with its workers at 0; the forked 8-rank test 16.4 s and 26 s. That
+# starvation, not a fault, is what cut the 8-rank layout off at pytest's 300 s in the landing CIs of
+# sessions 29-32. On a user's training nodes nothing at niceness 0 competes (docs/operations.md).
+os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray's log monitor looks for new log files 10 times a second until
 # there are 1,000 of them (then every 0.5 s); a session's hundreds of worker logs made that 2.4% of a
 # core per node, against 1.1% at 0.5 s (measured with 207 files). New workers' output reaches drivers
 # <= 0.5 s later.
@@ -204,9 +213,22 @@ def pytest_runtest_makereport(item, call):
     """A failed ``ray_head`` test's report says whether that cluster is still up, and if not, why."""
     outcome = yield
     report = outcome.get_result()
+    if report.failed:
+        _lead_with_the_run_trail(report)
     why = item.config.stash.get(_HEAD_WHY, None)
     if report.failed and call.when == "call" and why is not None and "ray_head" in getattr(item, "fixturenames", ()):
         report.sections.append(("ray_head cluster", why() or "still up"))
+
+
+def _lead_with_the_run_trail(report, lines: int = 40) -> None:
+    """A failed test's report leads with the last ``[raysc]`` lines its runs printed (the supervisor's
+    events as the driver relayed them): CI's record keeps the head and the tail of the output only, and
+    a run's own account (restarts, hangs, timeouts) scrolled out of it behind Ray's worker logs."""
+    trail = [line for name, text in report.sections if name.startswith("Captured stdout")
+             for line in text.splitlines() if line.startswith("[raysc]")]
+    if trail:
+        report.sections.insert(0, (f"raysc events (last {min(lines, len(trail))} of {len(trail)})",
+                                   "\n".join(line[:300] for line in trail[-lines:])))
 
 
 @pytest.fixture
@@ -239,6 +261,8 @@ def _ray_head_cluster(request, tmp_path_factory):
     temp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))  # Ray's socket paths must stay short
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_DEDUP_LOGS"] = "0"
+    for name in ("RAY_worker_niceness", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD"):  # as every Ray of the suite
+        env[name] = os.environ[name]
     env["RAY_AUTH_MODE"] = "disabled"  # a loopback-only test cluster: no token to distribute
     # metrics reach the node's exporter every second, not every 10 s (tests/test_grafana.py scrapes them)
     env["RAY_metrics_report_interval_ms"] = "1000"

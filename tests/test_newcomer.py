@@ -31,6 +31,9 @@ def _newcomer_env() -> dict[str, str]:
     # a new local Ray sized by Ray from this machine, as `ray.init()` with no cluster running starts (not a
     # test cluster that `ray start` on this machine may have recorded as the one to join)
     env["RAY_ADDRESS"] = "local"
+    # its workers at the suite's niceness (tests/conftest.py): at Ray's 15 they would queue behind the
+    # other lane's processes, a contention a newcomer's own machine does not have
+    env["RAY_worker_niceness"] = os.environ["RAY_worker_niceness"]
     return env
 
 

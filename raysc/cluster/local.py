@@ -70,8 +70,10 @@ class ClusterState:
 
 
 def _ray_env() -> dict[str, str]:
-    """This process's environment without any RAY_ setting, for a loopback-only cluster."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    """This process's environment without any RAY_ setting but the workers' niceness (a user's
+    ``RAY_worker_niceness``: Ray's own default, 15, lets every process at 0 on this machine go first),
+    for a loopback-only cluster."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_worker_niceness"}
     env.update(RAY_AUTH_MODE="disabled", RAY_DEDUP_LOGS="0")
     return env
 
