@@ -201,8 +201,9 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
     except ray.exceptions.RayTaskError as e:
         raise _remote_cause(e) from None
     except _Abort as e:
-        if sup is not None:
+        if sup is not None:  # before the record: the supervisor writes no event after it
             _kill_supervisor(sup)
+            sup = None  # the `finally` has nothing left to stop
         raise _aborted(cfg, e, step) from None
     finally:
         if bar is not None:
