@@ -14,8 +14,9 @@ calibration) is in Ray's default group, one thread, so it always runs on the sam
 threaded actor this was before (``max_concurrency=2``) each call went to whichever of two threads was
 free, and a run whose steps came on a thread other than the one before trained the tiny config at
 12.4k tokens/s against 17.3k on one thread (the plain ``Trainer`` loop in an actor, 2 torch threads,
-2 cores; the first call in a process is fast on either thread, later ones on two threads are not: torch's
-OpenMP thread teams are per calling thread, the exact cause is not pinned down). ``side`` (two threads)
+2 cores). A living thread that has run a parallel torch op keeps an OpenMP team, and libgomp waits less
+eagerly once it manages more threads than there are CPUs (docs/operations.md: a checkpoint save still
+leaves one behind). ``side`` (two threads)
 serves what must answer while ``train`` runs: ``save_wait``, ``save_pending``, ``request``,
 ``read_file`` (the hot copy of a save still uploading) and ``address``.
 """
