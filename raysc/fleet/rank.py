@@ -37,6 +37,7 @@ from raysc.fleet.stopping import StepVote
 from raysc.ports import free_port
 from raysc.parallel.dims import build_mesh
 from raysc.parallel.describe import describe_shard
+from raysc.train.cpu_threads import own_intraop_threads
 from raysc.train.memory import PeakMemory
 from raysc.train.signals import SilentCorruption
 from raysc.train.trainer import Trainer
@@ -76,8 +77,6 @@ class RankWorker:
                                     node_copies_root(self.cfg.data.cache_dir, ray.get_runtime_context().get_node_id()))
         if self.trainer is not None:
             self._hook_faults()
-        threads = max(1, int(self.cfg.parallel.cpus_per_worker))
-        torch.set_num_threads(threads)
 
     def _hook_faults(self) -> None:
         """Fire this rank's injected faults from inside the trainer's step (and its loss)."""
@@ -99,6 +98,8 @@ class RankWorker:
         t_setup = [time.perf_counter()]
         if cfg_dict is not None:
             self._configure(cfg_dict)
+        # this thread trains (Ray's default concurrency group); gloo's and DCP's threads get one each
+        own_intraop_threads(max(1, int(self.cfg.parallel.cpus_per_worker)))
         if gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         backend = "nccl" if self.cfg.parallel.device == "cuda" else "gloo"
