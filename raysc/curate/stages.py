@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from raysc.config.schema import CurateConfig, QualityConfig
-from raysc.curate.inputs import normalise_batch, parse_file
+from raysc.curate.inputs import normalise_batch, parse_file_table
 from raysc.curate.output import arrow_fs, clear_outputs
 from raysc.curate.perplexity import judge_perplexity, report_fragment, score_documents, thresholds
 from raysc.curate.quality import QualityRules
@@ -44,6 +44,13 @@ def count_by(ds: Dataset, key: str, weight: str | None = None) -> dict:
 
 
 # ---- read ----
+def _parse_files(batch: pa.Table, args: tuple) -> pa.Table:
+    import pyarrow as pa
+
+    return pa.concat_tables([parse_file_table(uri, *args) for uri in batch["uri"].to_pylist()])
+
+
+
 @dataclass(frozen=True)
 class ReadStats:
     """After reading: good documents, bad input records, bad records per reason and a sample."""
@@ -63,7 +70,7 @@ def read_documents(files: list[str], options: dict, c: CurateConfig,
 
     files_ds = ray.data.from_items([{"uri": f} for f in files], override_num_blocks=min(len(files), 64))
     args = (options, c.text_field, c.id_field, c.domain_field, c.url_field)
-    parsed = files_ds.flat_map(lambda r: parse_file(r["uri"], *args)).map_batches(
+    parsed = files_ds.map_batches(lambda b: _parse_files(b, args), batch_format="pyarrow", batch_size=1).map_batches(
         normalise_batch, batch_format="pyarrow").materialize()
     bad = parsed.filter(expr=col("bad") != "")  # Arrow kernels, not a Python call per row
     docs = parsed.filter(expr=col("bad") == "").drop_columns(["bad", "sample"]).materialize()
