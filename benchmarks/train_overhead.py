@@ -10,11 +10,13 @@ shares the 2 cores with training, is reported apart as ``ratio_incl_spare_startu
 (Ray, actors, data) is reported separately. The actor path also saves a checkpoint halfway (the
 default asynchronous save, as a run does every ``checkpoint.every_steps``): its tokens/s are counted
 up to that step, and the steps after it are reported apart (``ratio_after_save``; before
-``raysc.train.cpu_threads`` a run trained ~30% slower after its first save). Runs alternate a, b, a, b, a, b (``BENCH_REPS``, default 3) and the
-median of each counts. Both paths must run the same number of torch threads (the worker's
-``workers_ready`` event says how many it used; a different count also changes the floats, so
-the final losses would differ): the benchmark checks it before comparing losses.
-Prints JSON on its last line: tokens/s of both and the ratio b/a (target >= 0.95).
+``raysc.train.cpu_threads`` a run trained ~30% slower after its first save). Runs alternate a, b, a,
+b, a, b (``BENCH_REPS``, default 3) and the median of each counts. Both paths must run the same
+number of torch threads (the worker's ``workers_ready`` event says how many it used; a different
+count also changes the floats, so the final losses would differ): the benchmark checks it before
+comparing losses.
+Prints JSON on its last line: tokens/s of both and the ratio b/a (target >= 0.95), before and after
+the save.
 """
 
 from __future__ import annotations
