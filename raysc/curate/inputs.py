@@ -220,8 +220,9 @@ def _jsonl_table(data: bytes, name: str, text_field: str, id_field: str, domain_
     lines = data.count(b"\n") + (1 if data and not data.endswith(b"\n") else 0)
     if not lines:
         return None
-    try:  # one block: a column's type is inferred from the whole file
-        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False, block_size=len(data) + 1))
+    block = min(len(data) + 1, 2**31 - 1)  # one block (up to its int32 limit): types inferred from the whole file
+    try:
+        table = pj.read_json(io.BytesIO(data), read_options=pj.ReadOptions(use_threads=False, block_size=block))
     except pa.ArrowException:  # a malformed line, bytes that are not UTF-8, a type that changes
         return None
     if table.num_rows != lines:

@@ -50,7 +50,6 @@ def _parse_files(batch: pa.Table, args: tuple) -> pa.Table:
     return pa.concat_tables([parse_file_table(uri, *args) for uri in batch["uri"].to_pylist()])
 
 
-
 @dataclass(frozen=True)
 class ReadStats:
     """After reading: good documents, bad input records, bad records per reason and a sample."""
