@@ -1,5 +1,5 @@
 """The training thread keeps its intra-op threads, and a checkpoint's collectives leave no OpenMP
-team behind (raysc.train.cpu_threads): without it every CPU run trained ~40% slower after its
+team behind (raysc.train.cpu_threads): without it every CPU run trained 35-45% slower after its
 first checkpoint save."""
 
 from __future__ import annotations
