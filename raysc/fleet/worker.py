@@ -15,8 +15,8 @@ threaded actor this was before (``max_concurrency=2``) each call went to whichev
 free, and a run whose steps came on a thread other than the one before trained the tiny config at
 12.4k tokens/s against 17.3k on one thread (the plain ``Trainer`` loop in an actor, 2 torch threads,
 2 cores). A living thread that has run a parallel torch op keeps an OpenMP team, and libgomp waits less
-eagerly once it manages more threads than there are CPUs (docs/operations.md: a checkpoint save still
-leaves one behind). ``side`` (two threads)
+eagerly once it manages more threads than there are CPUs; ``RankWorker.setup`` therefore gives every
+thread but the training one a single intra-op thread (``raysc.train.cpu_threads``). ``side`` (two threads)
 serves what must answer while ``train`` runs: ``save_wait``, ``save_pending``, ``request``,
 ``read_file`` (the hot copy of a save still uploading) and ``address``.
 """
