@@ -189,7 +189,7 @@ def _arrow_rows(table: pa.Table, name: str, first: int, text_field: str, fields:
     if not (pa.types.is_string(text.type) or pa.types.is_large_string(text.type)) or text.null_count:
         return None
     n = table.num_rows
-    empty = pa.array([""] * n, pa.string()) if n else pa.array([], pa.string())
+    empty = pa.array([""] * n, pa.string())
     out = {"text": pc.cast(text, pa.string())}
     for ours, (theirs, falsy) in fields.items():
         if theirs not in table.column_names:
@@ -200,7 +200,7 @@ def _arrow_rows(table: pa.Table, name: str, first: int, text_field: str, fields:
             return None
         out[ours] = col
     numbers = pc.cast(pa.array(np.arange(first, first + n)), pa.string())
-    out["source"] = pc.binary_join_element_wise(pa.scalar(f"{name}:"), numbers, "") if n else empty
+    out["source"] = pc.binary_join_element_wise(pa.scalar(f"{name}:"), numbers, "")
     out["bad"] = out["sample"] = empty
     rows = pa.table({f: out[f] for f in ROW_FIELDS})
     try:  # pyarrow's JSON reader lets bytes that are not UTF-8 through into its strings
