@@ -138,7 +138,7 @@ def kernel_edges(docs: list[dict]) -> set:
 def datasketch_edges(docs: list[dict]) -> set:
     from datasketch import MinHash, MinHashLSH
 
-    from raysc.curate.minhash import words
+    from raysc.curate.words import words
 
     lsh = MinHashLSH(num_perm=BANDS * ROWS, params=(BANDS, ROWS))
     sigs = []
@@ -163,7 +163,7 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False, workers: i
     from datatrove.utils.hashing import HashConfig
     from datatrove.utils.word_tokenizers import WordTokenizer
 
-    from raysc.curate.minhash import words
+    from raysc.curate.words import words
 
     class OurWords(WordTokenizer):
         def word_tokenize(self, text: str) -> list[str]:

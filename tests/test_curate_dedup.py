@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 
 from raysc.config.schema import DedupConfig
 from raysc.curate.audit import pair_detected
-from raysc.curate.dedup import bucket_forest, key_rows, similar_pairs
+from raysc.curate.dedup import bucket_forest, doc_keys, key_rows, similar_pairs
 from raysc.curate.graph import forest_edges, union_find
 from raysc.curate.inputs import normalise
 from raysc.curate.minhash import MinHasher, jaccard
@@ -70,11 +70,10 @@ def test_dedup_kernel_removes_exact_and_near_copies_only():
     import hashlib
 
     texts = [normalise(d["text"]) for d in docs]
-    batch = {"text": np.array(texts, dtype=object), "node": np.array([d["id"] for d in docs], dtype=object),
-             "hash": np.array([hashlib.sha1(t.encode()).hexdigest() for t in texts], dtype=object)}
+    batch = pa.table({"text": texts, "node": [d["id"] for d in docs],
+                      "hash": [hashlib.sha1(t.encode()).hexdigest() for t in texts]})
     d = DedupConfig()
-    rows = key_rows(batch, MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed), True, True)
-    table = pa.table({k: pa.array(list(v)) if v.dtype == object else v for k, v in rows.items()})
+    table = key_rows(doc_keys(batch, MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed), True, True))
     order = list(range(len(table)))
     random.Random(0).shuffle(order)  # a partition's rows come in any order
     edges = bucket_forest(table.take(order), d.threshold)
@@ -173,7 +172,8 @@ def test_components_by_one_task_or_hash_to_min_agree(ray_session, monkeypatch):
 
 def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_session, monkeypatch):
     """Up to GATHER_MAX_DOCS documents their keys go to one task (no shuffle); past it, the hash
-    shuffle of key rows. Both keep the same documents and count the same copies; each removes the
+    shuffle of key rows. Both keep the same documents and count the same copies, whether dedup computes
+    the keys or finds them computed with the documents (``keyer``: raysc curate); each removes the
     seeded exact copies and keeps every original."""
     import raysc.curate.dedup as dd
     from raysc.curate.inputs import normalise_batch
@@ -186,15 +186,22 @@ def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_se
     batch = normalise_batch(pa.table({"text": [d["text"] for d in docs], "id": [d["id"] for d in docs],
                                       "domain": ["prose"] * len(docs), "bad": [""] * len(docs)}))
     ds = ray_session.data.from_arrow(batch.select(["id", "text", "hash", "node"])).repartition(4)
+    # the keys computed where the documents are read (raysc curate: dd.keyer), or by dedup itself
+    keyed = ds.map_batches(dd.keyer(DedupConfig()), batch_format="pyarrow").materialize()
     kept, stats = {}, {}
-    for path, limit in (("one task", dd.GATHER_MAX_DOCS), ("shuffle", 0)):
+    for path, limit, given in (("one task", dd.GATHER_MAX_DOCS, ds), ("shuffle", 0, ds),
+                               ("one task, keys read", dd.GATHER_MAX_DOCS, keyed), ("shuffle, keys read", 0, keyed)):
         monkeypatch.setattr(dd, "GATHER_MAX_DOCS", limit)
-        out, stats[path] = dd.dedup(ds, len(docs), DedupConfig(), log=lambda *_: None)
-        kept[path] = {r["id"] for r in out.take_all()}
-    assert kept["one task"] == kept["shuffle"]
-    a, b = stats["one task"], stats["shuffle"]
-    assert (a.documents, a.exact_removed, a.near_removed, a.clusters) == (b.documents, b.exact_removed,
-                                                                         b.near_removed, b.clusters)
-    assert (a.shuffles, b.shuffles) == (0, 1) and a.exact_removed > 0 and a.near_removed > 0
+        out, stats[path] = dd.dedup(given, len(docs), DedupConfig(), log=lambda *_: None)
+        rows = out.take_all()
+        kept[path] = {r["id"] for r in rows}
+        assert set(rows[0]) == {"id", "text", "hash", "node"}, path  # no key column goes on to the output
+    a = stats["one task"]
+    for path in ("shuffle", "one task, keys read", "shuffle, keys read"):
+        b = stats[path]
+        assert kept[path] == kept["one task"], path
+        assert (a.documents, a.exact_removed, a.near_removed, a.clusters) == (b.documents, b.exact_removed,
+                                                                             b.near_removed, b.clusters), path
+    assert (a.shuffles, stats["shuffle"].shuffles) == (0, 1) and a.exact_removed > 0 and a.near_removed > 0
     assert {p["original"] for p in truth} <= kept["one task"]
     assert not {p["copy"] for p in truth if p["kind"] == "exact"} & kept["one task"]

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from raysc.curate.minhash import words
+from raysc.curate.words import words
 from raysc.curate.ngrams import ngram_repetition, ngram_repetition_reference
 
 TOP, DUP = [2, 3, 4], [5, 6, 7, 8, 9, 10]

@@ -18,7 +18,8 @@ import random
 import numpy as np
 
 from raysc.config.schema import Config
-from raysc.curate.minhash import candidate_probability, jaccard, words
+from raysc.curate.minhash import candidate_probability, jaccard
+from raysc.curate.words import words
 
 TARGETS = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 1.0)
 BANDS = ((0.0, 0.5), (0.5, 0.7), (0.7, 0.85), (0.85, 0.95), (0.95, 1.01))

@@ -1,13 +1,15 @@
 """The dedup stage, exact and near together: a document's LSH band keys (MinHash over word
-shingles, ``raysc.curate.minhash``) and, for exact dedup, one more key from its content hash.
-Up to ``GATHER_MAX_DOCS`` documents, one row per document (node, signature, keys; ``doc_keys``)
-goes to one task, which keeps only the keys held by more than one document (``gathered_forest``);
-past it, the keys are rows (key, node, signature; ``key_rows``) and one hash shuffle brings every
-key's rows into one partition. Either way, vectorised, keys of one row are skipped with numpy, a
+shingles, ``raysc.curate.minhash``) and, for exact dedup, one more key from its content hash, as
+columns of each document (``doc_keys``): ``raysc curate`` adds them where it reads the documents, in the
+same task (``keyer``, ``with_keys``: the texts are not read again), else dedup computes them.
+Up to ``GATHER_MAX_DOCS`` documents, those columns of every document go to one task, which keeps
+only the keys held by more than one document (``gathered_forest``); past it, the keys are rows (key,
+node, signature; ``key_rows``) and one hash shuffle brings every key's rows into one partition.
+Either way, vectorised (``_forest``), keys of one row are skipped with numpy, a
 content-hash key's rows are exact duplicates (the smallest node key survives), a band key's pairs
 are duplicates when their signatures agree on at least ``dedup.threshold`` of the hash functions,
 and a union-find (per partition) reduces these pairs to a forest (one edge per non-root node;
-``bucket_forest``). Clusters are the connected components of the forests
+``_forest``). Clusters are the connected components of the forests
 (``raysc.curate.graph.components``: one union-find task, or hash-to-min rounds past
 ``GATHER_MAX_EDGES``); the smallest node key of a cluster survives, the rest leave by a broadcast
 filter (``graph.drop_nodes``).
@@ -23,6 +25,7 @@ calls per document, nearly all on one-row buckets): one call per partition is wh
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
@@ -41,6 +44,7 @@ if TYPE_CHECKING:
 # stage 11.1 and 12.2 s with the hash shuffle of their 450k key rows (each row carrying its signature),
 # 4.8 and 4.6 s in one task, same survivors. Past it, the shuffle: no task holds every document's keys.
 GATHER_MAX_DOCS = 1_000_000
+KEY_COLUMNS = ("sig", "keys", "hash_key")  # what doc_keys adds to a document (with_keys)
 PAIRWISE_MAX = 2048  # buckets up to this size compare every pair; larger ones pair with their smallest member
 _EXACT_KEY = np.uint64(0x5EED0F00D15EA5E5)  # mixed into content-hash keys so they never meet a band key
 
@@ -70,72 +74,110 @@ def similar_pairs(sig: np.ndarray, threshold: float) -> tuple[np.ndarray, np.nda
     return np.zeros_like(j), j
 
 
-def key_rows(batch: dict, hasher: MinHasher, exact: bool, near: bool) -> dict:
-    """Per document, one row per LSH band (``near``) and one for its content hash (``exact``):
-    the key as ``bucket``, the node key, the signature (band rows only) and ``exact``."""
-    nodes = np.asarray(batch["node"], dtype=object)
-    cols: dict[str, list] = {"bucket": [], "node": [], "sig": [], "exact": []}
-    if near:
-        sig = hasher.signatures(list(batch["text"]))
-        cols["bucket"].append(hasher.band_keys(sig).ravel().view(np.int64))
-        cols["node"].append(np.repeat(nodes, hasher.bands))
-        cols["sig"].append(np.repeat(np.array([s.tobytes() for s in sig], dtype=object), hasher.bands))
-        cols["exact"].append(np.zeros(len(nodes) * hasher.bands, dtype=bool))
-    if exact:
-        keys = np.array([int(h[:16], 16) for h in batch["hash"]], dtype=np.uint64) ^ _EXACT_KEY
-        cols["bucket"].append(keys.view(np.int64))
-        cols["node"].append(nodes)
-        cols["sig"].append(np.array([b""] * len(nodes), dtype=object))
-        cols["exact"].append(np.ones(len(nodes), dtype=bool))
-    return {k: np.concatenate(v) for k, v in cols.items()}
-
-
-def doc_keys(batch: dict, hasher: MinHasher, exact: bool, near: bool) -> pa.Table:
+def doc_keys(batch: pa.Table, hasher: MinHasher, exact: bool, near: bool) -> pa.Table:
     """Per document, one row: the node key, its signature and band keys as bytes (``near``) and its
-    content-hash key (``exact``): what ``key_rows`` spreads over ``bands + 1`` rows, held once."""
+    content-hash key (``exact``). An Arrow batch: the texts go to ``MinHasher`` as UTF-8 buffers, never as
+    Python strings (ASCII ones)."""
     import pyarrow as pa
 
-    out = {"node": pa.array(list(batch["node"]), pa.string())}
+    out = {"node": batch["node"].combine_chunks()}
     if near:
-        sig = hasher.signatures(list(batch["text"]))
+        sig = hasher.signatures(batch["text"].combine_chunks())
         out["sig"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(sig.shape[1] * 4), len(sig),
                                                           [None, pa.py_buffer(sig.tobytes())])
         keys = hasher.band_keys(sig)
         out["keys"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(keys.shape[1] * 8), len(keys),
                                                            [None, pa.py_buffer(keys.tobytes())])
     if exact:
-        out["hash_key"] = (np.array([int(h[:16], 16) for h in batch["hash"]], dtype=np.uint64) ^ _EXACT_KEY
-                           ).view(np.int64)
+        out["hash_key"] = (np.array([int(h[:16], 16) for h in batch["hash"].to_pylist()], dtype=np.uint64)
+                           ^ _EXACT_KEY).view(np.int64)
     return pa.table(out)
 
 
-def gathered_forest(t: pa.Table, bands: int, threshold: float) -> pa.Table:
-    """Every document's ``doc_keys`` row in one task: the keys held by more than one row become
-    ``key_rows`` rows (only those: nearly every key is held by one document) for ``bucket_forest``."""
+def with_keys(batch: pa.Table, hasher: MinHasher, exact: bool, near: bool) -> pa.Table:
+    """The batch with its ``doc_keys`` columns added (``KEY_COLUMNS``): computed where the documents are
+    read, in the same task (``keyer``), so dedup does not read the texts again."""
+    keys = doc_keys(batch, hasher, exact, near)
+    for name in KEY_COLUMNS:
+        if name in keys.column_names:
+            batch = batch.append_column(name, keys[name])
+    return batch
+
+
+def keyer(d: DedupConfig) -> Callable[[pa.Table], pa.Table] | None:
+    """``with_keys`` for ``dedup.*`` (for ``stages.read_documents``), or None when dedup is off."""
+    if not (d.exact or d.near):
+        return None
+    hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
+    return partial(with_keys, hasher=hasher, exact=d.exact, near=d.near)
+
+
+def _fixed_rows(col: pa.Array | pa.ChunkedArray, dtype: type) -> np.ndarray:
+    """A fixed-size binary column as a matrix of ``dtype`` (a view of its buffer), one row per value."""
+    import pyarrow as pa
+
+    arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
+    width = arr.type.byte_width // np.dtype(dtype).itemsize
+    flat = np.frombuffer(arr.buffers()[1], dtype=dtype)
+    return flat[arr.offset * width:(arr.offset + len(arr)) * width].reshape(len(arr), width)
+
+
+def key_rows(keys: pa.Table) -> pa.Table:
+    """``doc_keys`` rows spread to one row per key, for the hash shuffle: per LSH band (``keys``) and per
+    content hash (``hash_key``), the key as ``bucket``, the node key, the signature (band rows only,
+    else empty) and ``exact``."""
+    import pyarrow as pa
+
+    parts, n = [], len(keys)
+    node = keys["node"].combine_chunks()
+    if "keys" in keys.column_names:
+        band = _fixed_rows(keys["keys"], np.int64)
+        take = pa.array(np.repeat(np.arange(n), band.shape[1]))
+        parts.append(pa.table({"bucket": band.ravel(), "node": node.take(take),
+                               "sig": keys["sig"].combine_chunks().take(take).cast(pa.binary()),
+                               "exact": np.zeros(band.size, dtype=bool)}))
+    if "hash_key" in keys.column_names:
+        parts.append(pa.table({"bucket": keys["hash_key"].combine_chunks(), "node": node,
+                               "sig": pa.array([b""] * n, pa.binary()), "exact": np.ones(n, dtype=bool)}))
+    return pa.concat_tables(parts)
+
+
+def gathered_forest(t: pa.Table, threshold: float) -> pa.Table:
+    """Every document's ``doc_keys`` row in one task: the keys held by more than one row (nearly every
+    key is held by one document) go through ``_forest`` with the signature matrix as it is (a view of
+    the column's buffer: a row per key would copy ~90 MB of signatures at 100k documents) and the nodes
+    ranked once per document."""
     import pyarrow as pa
 
     n = len(t)
     buckets, docs, exact = [], [], []
     if "keys" in t.column_names:
-        keys = np.frombuffer(t["keys"].combine_chunks().buffers()[1], dtype=np.int64, count=n * bands)
-        buckets.append(keys)
-        docs.append(np.repeat(np.arange(n), bands))
-        exact.append(np.zeros(n * bands, dtype=bool))
+        band = _fixed_rows(t["keys"], np.int64)
+        buckets.append(band.ravel())
+        docs.append(np.repeat(np.arange(n), band.shape[1]))
+        exact.append(np.zeros(band.size, dtype=bool))
     if "hash_key" in t.column_names:
         buckets.append(t["hash_key"].to_numpy())
         docs.append(np.arange(n))
         exact.append(np.ones(n, dtype=bool))
     bucket, doc, is_exact = np.concatenate(buckets), np.concatenate(docs), np.concatenate(exact)
-    order = np.argsort(bucket, kind="stable")
+    order = np.argsort(bucket)  # SIMD quicksort, 1/4 of a stable sort's time; _forest orders each key's rows
     b = bucket[order]
     shared = np.r_[b[1:] == b[:-1], False] | np.r_[False, b[1:] == b[:-1]]
     rows = order[shared]
-    take = pa.array(doc[rows])
-    sig = (t["sig"].take(take).cast(pa.binary()) if "sig" in t.column_names
-           else pa.nulls(len(rows), pa.binary()))
-    sig = pa.compute.if_else(pa.array(is_exact[rows]), pa.scalar(b"", pa.binary()), sig)
-    return bucket_forest(pa.table({"bucket": bucket[rows], "node": t["node"].take(take), "sig": sig,
-                                   "exact": is_exact[rows]}), threshold)
+    nodes = t["node"].combine_chunks()
+    sigs = _fixed_rows(t["sig"], np.uint32) if "sig" in t.column_names else np.zeros((n, 0), dtype=np.uint32)
+    return _forest(bucket[rows], _rank(nodes)[doc[rows]], is_exact[rows], sigs, doc[rows],
+                   lambda i: nodes.take(pa.array(doc[rows][i])), threshold)
+
+
+def _rank(nodes: pa.Array) -> np.ndarray:
+    """Each node's dense rank in byte order (code point order, as Python sorts strings)."""
+    import pyarrow as pa
+
+    if not len(nodes):
+        return np.zeros(0, dtype=np.uint64)
+    return pa.compute.rank(nodes, sort_keys="ascending", tiebreaker="dense").to_numpy()
 
 
 def _signature_rows(sig: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
@@ -156,21 +198,33 @@ def _signature_rows(sig: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
-    """One partition of key rows: the forest edges (a, b) of its duplicate pairs, and ``exact``
-    rows (smallest node, copy) for every exact copy.
+    """One partition of key rows (bucket, node, sig, exact): the forest edges (a, b) of its duplicate
+    pairs, and ``exact`` rows (smallest node, copy) for every exact copy (``_forest``)."""
+    import pyarrow as pa
 
-    Vectorised: rows are ordered by key and node (Arrow's dense rank of the node strings: byte order,
-    which is code point order, as Python sorts them), a node's repeat within a key is dropped, an exact
+    nodes = t["node"].combine_chunks() if len(t) else pa.array([], pa.string())
+    exact = t["exact"].combine_chunks().to_numpy(zero_copy_only=False) if len(t) else np.zeros(0, dtype=bool)
+    sigs, row = np.zeros((0, 0), dtype=np.uint32), np.full(len(t), -1)
+    if (~exact).any():
+        sig = t["sig"].combine_chunks()
+        sigs, row = _signature_rows(sig, pa.compute.max(pa.compute.binary_length(sig)).as_py())
+    return _forest(t["bucket"].to_numpy(), _rank(nodes), exact, sigs, row, lambda i: nodes.take(pa.array(i)),
+                   threshold)
+
+
+def _forest(buckets: np.ndarray, rank: np.ndarray, exact: np.ndarray, sigs: np.ndarray, sig_row: np.ndarray,
+            node_of: Callable[[np.ndarray], pa.Array], threshold: float) -> pa.Table:
+    """Key rows (each row's key, its node's rank, whether the key is a content hash, its signature as
+    ``sigs[sig_row]``; ``node_of(rows)`` gives rows' node keys): the forest edges (a, b) of the duplicate
+    pairs and ``exact`` rows (smallest node, copy) for every exact copy.
+
+    Vectorised: rows are ordered by key and node rank, a node's repeat within a key is dropped, an exact
     key's copies pair with its smallest node, and the signatures of the two-document band keys (nearly
     all of them) are compared in one numpy operation; only keys of three or more documents go through
     ``similar_pairs`` one by one (a Python loop over every key was 12.6 of 13.5 s at 100k documents)."""
     import pyarrow as pa
 
-    n = len(t)
-    nodes = t["node"].combine_chunks() if n else pa.array([], pa.string())
-    rank = (pa.compute.rank(nodes, sort_keys="ascending", tiebreaker="dense").to_numpy() if n
-            else np.zeros(0, dtype=np.uint64))
-    buckets = t["bucket"].to_numpy()
+    n = len(buckets)
     order = np.lexsort((rank, buckets))
     b, r = buckets[order], rank[order]
     first = np.r_[True, (b[1:] != b[:-1]) | (r[1:] != r[:-1])] if n else np.zeros(0, dtype=bool)
@@ -178,16 +232,12 @@ def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
     starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]]) if len(b) else np.zeros(0, dtype=np.int64)
     sizes = np.diff(np.r_[starts, len(b)])
     group_start = np.repeat(starts, sizes)  # each row's key's first row (its smallest node)
-    exact = t["exact"].combine_chunks().to_numpy(zero_copy_only=False)[order] if n else np.zeros(0, dtype=bool)
-    node_of = nodes.take(pa.array(order))
+    exact = exact[order]
     rest = np.flatnonzero((np.arange(len(order)) != group_start) & np.repeat(sizes > 1, sizes))
     copies = rest[exact[rest]]  # an exact key: every other copy pairs with its smallest node
     near = ~exact & np.repeat(sizes > 1, sizes)
     if near.any():
-        sig = t["sig"].combine_chunks()
-        width = pa.compute.max(pa.compute.binary_length(sig)).as_py()
-        sigs, row = _signature_rows(sig, width)
-        row = row[order]
+        row = sig_row[order]
         two = starts[(sizes == 2) & near[starts]]  # keys of two documents: one comparison each
         agree = (sigs[row[two]] == sigs[row[two + 1]]).mean(axis=1) >= threshold
         near_a, near_b = [two[agree]], [two[agree] + 1]
@@ -198,9 +248,8 @@ def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
         pairs_a, pairs_b = np.concatenate(near_a), np.concatenate(near_b)
     else:
         pairs_a = pairs_b = np.zeros(0, dtype=np.int64)
-    copy_a, copy_b = group_start[copies], copies
-    forest = forest_edges(node_of.take(pa.array(pairs_a)).to_pylist(), node_of.take(pa.array(pairs_b)).to_pylist())
-    exact_edges = pa.table({"a": node_of.take(pa.array(copy_a)), "b": node_of.take(pa.array(copy_b))})
+    forest = forest_edges(node_of(order[pairs_a]).to_pylist(), node_of(order[pairs_b]).to_pylist())
+    exact_edges = pa.table({"a": node_of(order[group_start[copies]]), "b": node_of(order[copies])})
     return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest), pa.bool_())),
                              exact_edges.append_column("exact", pa.array([True] * len(exact_edges), pa.bool_()))])
 
@@ -211,18 +260,22 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     cluster (the smallest node key), and the stats."""
     from ray.data.expressions import col
 
+    present = [name for name in KEY_COLUMNS if name in docs.schema().names]  # with_keys ran where they were read
     if not (d.exact or d.near) or not count:
-        return docs, DedupStats(count, 0, 0, 0, 0, 0)
-    hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
-    per_doc = d.bands * d.near + d.exact
-    keyed = {"hasher": hasher, "exact": d.exact, "near": d.near}
-    if count <= GATHER_MAX_DOCS:  # one task: no shuffle
-        edges = docs.map_batches(doc_keys, batch_format="numpy", fn_kwargs=keyed).repartition(1).map_batches(
-            gathered_forest, batch_size=None, batch_format="pyarrow",
-            fn_kwargs={"bands": d.bands, "threshold": d.threshold}).materialize()
+        return docs.drop_columns(present) if present else docs, DedupStats(count, 0, 0, 0, 0, 0)
+    if present:
+        keys = docs.select_columns(["node", *present])
     else:
-        edges = docs.map_batches(key_rows, batch_format="numpy", fn_kwargs=keyed).repartition(
-            partitions(count * per_doc), keys=["bucket"]).map_batches(
+        hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
+        keys = docs.map_batches(doc_keys, batch_format="pyarrow",
+                                fn_kwargs={"hasher": hasher, "exact": d.exact, "near": d.near})
+    docs = docs.drop_columns(present) if present else docs
+    if count <= GATHER_MAX_DOCS:  # one task: no shuffle
+        edges = keys.repartition(1).map_batches(gathered_forest, batch_size=None, batch_format="pyarrow",
+                                                fn_kwargs={"threshold": d.threshold}).materialize()
+    else:
+        edges = keys.map_batches(key_rows, batch_format="pyarrow").repartition(
+            partitions(count * (d.bands * d.near + d.exact)), keys=["bucket"]).map_batches(
             bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold}).materialize()
     n_edges = edges.count()
     log(f"curate: dedup: {n_edges} forest edge(s) of exact copies and pairs above dedup.threshold={d.threshold}")

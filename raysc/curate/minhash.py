@@ -1,16 +1,16 @@
 """MinHash signatures and LSH band keys for near-duplicate detection, vectorised with numpy.
 
-A document is the set of its word ``n``-gram shingles (``dedup.shingle``, default 5).
-Each word gets a stable 32-bit hash (``zlib.crc32``: Python's own ``hash`` differs
-between processes); a shingle's 64-bit hash combines its words' hashes with fixed
-odd multipliers, computed for all windows of all documents of a batch at once.
+A document is the set of its word ``n``-gram shingles (``dedup.shingle``, default 5) of ``words()``.
+Each word gets a stable 64-bit hash (``raysc.curate.words.word_hashes``: from the UTF-8 bytes of a whole
+batch at once; Python's own ``hash`` differs between processes); a shingle's 64-bit hash combines its
+words' hashes with fixed odd multipliers, computed for all windows of all documents of a batch at once
+(shifted slices of the batch's word hashes).
 
 The ``num_perm`` hash functions are multiply-shift hashes ``(a·x + b) mod 2^64 >> 32``
 with random odd ``a`` (a 2-universal family, Dietzfelbinger et al. 1997): applied to the
 shingle hashes of a whole batch as one ``(num_perm, shingles)`` array and reduced per
-document with ``np.minimum.reduceat``. No Python loop runs over hash functions or
-shingles; the only per-document Python work is splitting words (each distinct word of a batch
-is hashed once).
+document with ``np.minimum.reduceat``. No Python loop runs over hash functions, shingles or the
+words of ASCII text.
 
 LSH: the signature is cut into ``bands`` bands of ``rows`` values; two documents become a
 candidate pair when any band matches. Each band is folded to one 64-bit key, so buckets
@@ -20,28 +20,17 @@ are a group-by on (band, key). The probability that a pair with Jaccard similari
 
 from __future__ import annotations
 
-import re
-import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-_WORD = re.compile(r"\w+", re.UNICODE)
+from raysc.curate.words import word_hashes, words
+
+if TYPE_CHECKING:
+    import pyarrow as pa
+
 _MAX_BATCH_CELLS = 1 << 18  # num_perm × shingles per numpy block (2 MiB of uint64: stays in cache)
-
-
-class _WordHashes(dict):
-    """word -> ``zlib.crc32`` of its UTF-8 bytes, computed on a word's first lookup. Looked up through
-    ``map(d.__getitem__, ...)``, a seen word costs a dict probe in C, not an encode and a crc32 call
-    from Python (a batch's words are mostly repeats: Zipf)."""
-
-    def __missing__(self, word: str) -> int:
-        h = self[word] = zlib.crc32(word.encode())
-        return h
-
-
-def words(text: str) -> list[str]:
-    return _WORD.findall(text.lower())
 
 
 def candidate_probability(s: float | np.ndarray, bands: int, rows: int):
@@ -67,38 +56,38 @@ class MinHasher:
         object.__setattr__(self, "_mix", rng.integers(1, 2**63, self.shingle, dtype=np.uint64) * 2 + 1)
         object.__setattr__(self, "_band_mix", rng.integers(1, 2**63, self.rows, dtype=np.uint64) * 2 + 1)
 
-    def shingle_hashes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    def shingle_hashes(self, texts: list[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """64-bit hashes of every document's word shingles, concatenated, and each document's
         start offset. A document shorter than ``shingle`` words is one shingle of all its words;
         one without words gets the hash of nothing, so it matches only other empty documents."""
         n = self.shingle
-        word_hashes: list[int] = []
-        bounds = [0]
-        hash_of = _WordHashes().__getitem__  # a word's crc32 once per batch: text repeats its words
-        for text in texts:
-            word_hashes.extend(map(hash_of, words(text)))
-            bounds.append(len(word_hashes))
-        wh = np.asarray(word_hashes + [0], dtype=np.uint64)  # a pad so empty documents index safely
-        lengths = np.diff(np.asarray(bounds, dtype=np.int64))
+        wh, bounds = word_hashes(texts)
+        lengths = np.diff(bounds)
         counts = np.maximum(1, lengths - n + 1)  # windows per document
         starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-        total = int(counts.sum())
-        doc_of = np.repeat(np.arange(len(texts)), counts)
-        win_start = np.asarray(bounds[:-1], dtype=np.int64)[doc_of] + (np.arange(total) - starts[doc_of])
-        width = np.minimum(n, lengths)[doc_of]  # short documents: one window of all their words
-        acc = np.zeros(total, dtype=np.uint64)
         with np.errstate(over="ignore"):
-            for k in range(n):  # n (=5) passes over every window of the batch at once
-                vals = wh[np.minimum(win_start + k, len(wh) - 1)] * self._mix[k]
-                acc += np.where(k < width, vals, np.uint64(0))
+            # every full window of the concatenated words, by n shifted slices (contiguous, no gathers)
+            full = np.zeros(max(0, len(wh) - n + 1), dtype=np.uint64)
+            for k in range(n):
+                full += wh[k:k + len(full)] * self._mix[k]
+            short = np.flatnonzero(lengths < n)  # one window of all their words (none: the hash of nothing)
+            short_acc = np.zeros(len(short), dtype=np.uint64)
+            for k in range(n):
+                has = lengths[short] > k
+                short_acc[has] += wh[bounds[short[has]] + k] * self._mix[k]
+            # a document's windows start at each of its words but the last n - 1
+            doc_of = np.repeat(np.arange(len(lengths)), counts)
+            index = bounds[:-1][doc_of] + (np.arange(int(counts.sum())) - starts[doc_of])
+            index[starts[short]] = len(full) + np.arange(len(short))
+            acc = np.concatenate([full, short_acc])[index]
             acc ^= acc >> np.uint64(29)  # a finaliser (splitmix64) spreads the sum's bits
             acc *= np.uint64(0xBF58476D1CE4E5B9)
             acc ^= acc >> np.uint64(32)
         return acc, starts
 
-    def signatures(self, texts: list[str]) -> np.ndarray:
+    def signatures(self, texts: list[str] | pa.Array) -> np.ndarray:
         """MinHash signatures, shape (documents, num_perm), uint32."""
-        if not texts:
+        if not len(texts):
             return np.zeros((0, self.num_perm), dtype=np.uint32)
         hashes, starts = self.shingle_hashes(texts)
         sig = np.empty((len(texts), self.num_perm), dtype=np.uint32)

@@ -7,7 +7,8 @@ returns the next one with its stats):
    from any fsspec URI, one task per file; a malformed JSON line, non-UTF-8 bytes, a missing field
    or an empty document is counted, sampled into the report and skipped; the text is normalised
    (Unicode NFC, whitespace), hashed, given the input id (or the hash) and the domain from the
-   input's field or tagged by rules (code / prose);
+   input's field or tagged by rules (code / prose); in the same task, the document's dedup keys
+   (``dedup.keyer``);
 2. dedup (``dedup``): exact copies (same content hash) and near duplicates (MinHash signatures
    and LSH band keys, ``raysc.curate.minhash``) gathered in one task up to ``dedup.GATHER_MAX_DOCS``
    documents, else in one hash shuffle of small key rows, verified pairs reduced to a forest by a
@@ -39,7 +40,7 @@ from typing import Callable
 from raysc.cluster.fit import require_fit
 from raysc.config.schema import Config
 from raysc.curate.inputs import list_inputs
-from raysc.curate.dedup import DedupStats, dedup
+from raysc.curate.dedup import DedupStats, dedup, keyer
 from raysc.curate.output import write_report
 from raysc.curate.perplexity import check_reference
 from raysc.curate.stages import (QualityStats, ReadStats, WriteStats, quality_filter, read_documents,
@@ -81,7 +82,7 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     clock = Stopwatch(log)
     _, options, files = list_inputs(cfg)
     log(f"curate: {len(files)} input file(s) from {c.input}")
-    docs, read = read_documents(files, options, c, log)
+    docs, read = read_documents(files, options, c, log, derive=keyer(cfg.dedup))
     clock.lap("read_normalise", read.documents)
     docs, near = dedup(docs, read.documents, cfg.dedup, log)
     clock.lap("dedup", near.documents)

@@ -24,7 +24,7 @@ import re
 
 from raysc.config.schema import QualityConfig
 from raysc.config.syntax import parse_ngram_limits
-from raysc.curate.minhash import words as split_words
+from raysc.curate.words import words as split_words
 from raysc.curate.ngrams import ngram_repetition
 
 STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}

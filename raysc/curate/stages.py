@@ -44,10 +44,13 @@ def count_by(ds: Dataset, key: str, weight: str | None = None) -> dict:
 
 
 # ---- read ----
-def _parse_files(batch: pa.Table, args: tuple) -> pa.Table:
+def _read_files(batch: pa.Table, args: tuple, derive: Callable[[pa.Table], pa.Table] | None) -> pa.Table:
+    """The files of a batch of URIs parsed (``inputs.parse_file_table``), normalised
+    (``inputs.normalise_batch``) and given ``derive``'s columns, in one task."""
     import pyarrow as pa
 
-    return pa.concat_tables([parse_file_table(uri, *args) for uri in batch["uri"].to_pylist()])
+    docs = normalise_batch(pa.concat_tables([parse_file_table(uri, *args) for uri in batch["uri"].to_pylist()]))
+    return derive(docs) if derive else docs
 
 
 @dataclass(frozen=True)
@@ -60,22 +63,27 @@ class ReadStats:
     bad_samples: list[dict]
 
 
-def read_documents(files: list[str], options: dict, c: CurateConfig,
-                   log: Callable[[str], None] = print) -> tuple[Dataset, ReadStats]:
+def read_documents(files: list[str], options: dict, c: CurateConfig, log: Callable[[str], None] = print,
+                   derive: Callable[[pa.Table], pa.Table] | None = None) -> tuple[Dataset, ReadStats]:
     """Parsed and normalised documents of ``files`` (one task per file) and the read stats; bad
-    records are counted, sampled (``curate.bad_samples``) and left out."""
+    records are counted, sampled (``curate.bad_samples``) and left out. ``derive`` adds columns to each
+    batch of normalised documents in the same task (the dedup keys: ``raysc.curate.dedup.keyer``)."""
     import ray
     from ray.data.expressions import col
 
     files_ds = ray.data.from_items([{"uri": f} for f in files], override_num_blocks=min(len(files), 64))
     args = (options, c.text_field, c.id_field, c.domain_field, c.url_field)
-    parsed = files_ds.map_batches(lambda b: _parse_files(b, args), batch_format="pyarrow", batch_size=1).map_batches(
-        normalise_batch, batch_format="pyarrow").materialize()
-    bad = parsed.filter(expr=col("bad") != "")  # Arrow kernels, not a Python call per row
-    docs = parsed.filter(expr=col("bad") == "").drop_columns(["bad", "sample"]).materialize()
-    n_bad = bad.count()
-    stats = ReadStats(docs.count(), n_bad, count_by(bad, "bad") if n_bad else {},
-                      bad.take(c.bad_samples) if n_bad else [])
+    parsed = files_ds.map_batches(_read_files, fn_args=(args, derive), batch_format="pyarrow",
+                                  batch_size=1).materialize()
+    by_reason = count_by(parsed, "bad")  # "" counts the good documents
+    n_good = by_reason.pop("", 0)
+    n_bad = sum(by_reason.values())
+    if n_bad:  # Arrow kernels, not a Python call per row
+        docs = parsed.filter(expr=col("bad") == "").drop_columns(["bad", "sample"]).materialize()
+        samples = parsed.filter(expr=col("bad") != "").take(c.bad_samples)
+    else:  # no pass over the documents to filter nothing out (0.5-0.8 s at 100k documents)
+        docs, samples = parsed.drop_columns(["bad", "sample"]), []
+    stats = ReadStats(n_good, n_bad, by_reason, samples)
     log(f"curate: {stats.documents} documents, {n_bad} bad input record(s) skipped")
     return docs, stats
 
