@@ -27,19 +27,25 @@ HIST_SAMPLE = 200_000  # documents whose scores go into the report's histograms
 
 
 def count_by(ds: Dataset, key: str, weight: str | None = None) -> dict:
-    """{value of ``key``: rows} of a Dataset, or the sum of column ``weight`` per value. Per-block
+    """{value of ``key``: rows} of a Dataset, or the sum of column ``weight`` per value (``totals_by``)."""
+    return {k: v[1 if weight else 0] for k, v in totals_by(ds, key, weight).items()}
+
+
+def totals_by(ds: Dataset, key: str, weight: str | None = None) -> dict[str, tuple[int, int]]:
+    """{value of ``key``: (rows, sum of column ``weight`` or 0)} of a Dataset, in one pass. Per-block
     partial counts summed here (a few values): a Ray Data aggregate would start a hash shuffle,
     seconds of fixed cost for a handful of numbers."""
     import pyarrow as pa
 
     def partial(t: pa.Table) -> pa.Table:
-        g = t.group_by(key).aggregate([(weight, "sum")] if weight else [(key, "count")])
-        return pa.table({"k": g[key].cast(pa.string()), "n": g[f"{weight}_sum" if weight else f"{key}_count"]
-                         .cast(pa.int64())})
+        g = t.group_by(key).aggregate([(key, "count")] + ([(weight, "sum")] if weight else []))
+        return pa.table({"k": g[key].cast(pa.string()), "n": g[f"{key}_count"].cast(pa.int64()),
+                         "w": g[f"{weight}_sum"].cast(pa.int64()) if weight else pa.nulls(len(g), pa.int64())})
 
     totals: dict = {}
     for row in ds.map_batches(partial, batch_format="pyarrow", batch_size=None).take_all():
-        totals[row["k"]] = totals.get(row["k"], 0) + row["n"]
+        n, w = totals.get(row["k"], (0, 0))
+        totals[row["k"]] = (n + row["n"], w + (row["w"] or 0))
     return totals
 
 
@@ -168,11 +174,11 @@ class WriteStats:
 
 def write_documents(kept: Dataset, dropped: Dataset | None, out_uri: str, options: dict) -> WriteStats:
     """Replace ``documents/`` (and ``dropped/``, with the reason) under ``out_uri`` by Parquet."""
-    kept = kept.drop_columns(["node"]).materialize()
-    n_kept = kept.count()
+    kept = kept.drop_columns(["node"])  # not materialized: the write and the totals each filter again (cheap)
     clear_outputs(out_uri, options)
     kept.write_parquet(f"{out_uri}/documents", filesystem=arrow_fs(out_uri, options))
     if dropped is not None and dropped.count():
         dropped.drop_columns(["node"]).write_parquet(f"{out_uri}/dropped", filesystem=arrow_fs(out_uri, options))
-    return WriteStats(n_kept, count_by(kept, "domain") if n_kept else {},
-                      sum(count_by(kept, "domain", "bytes").values()) if n_kept else 0)
+    totals = totals_by(kept, "domain", "bytes")  # one pass: documents and bytes per domain
+    return WriteStats(sum(n for n, _ in totals.values()), {d: n for d, (n, _) in totals.items()},
+                      sum(b for _, b in totals.values()))
