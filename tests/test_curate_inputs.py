@@ -76,3 +76,30 @@ def test_files_arrow_cannot_take_go_record_by_record_with_their_bad_rows(tmp_pat
     for path in sorted(tmp_path.iterdir()):
         want = parse_file(str(path), {}, *FIELDS)
         assert _rows(str(path), arrow=False) == want, path.name
+
+
+def test_a_json_file_may_be_one_array_or_one_record(tmp_path):
+    """A ``.json`` file holding one JSON array (pretty-printed, as exports write it) gives one row per
+    element, each named ``file[i]``, bad elements as bad rows; one object gives one row; a malformed array
+    is one bad row for the file (not one per line); JSON lines in a ``.json`` file read line by line."""
+    records = [{"text": "first", "id": "a"}, {"text": 3, "id": "b"}, "not an object", {"text": "last"}]
+    arr = tmp_path / "export.json"
+    arr.write_text("  \n" + json.dumps(records, indent=2))
+    rows = _rows(str(arr))
+    assert [(r["id"], r["text"], r["source"], r["bad"]) for r in rows] == [
+        ("a", "first", "export.json[0]", ""),
+        ("", "", "export.json[1]", "missing or non-string field 'text'"),
+        ("", "", "export.json[2]", "missing or non-string field 'text'"),
+        ("", "last", "export.json[3]", "")]
+    assert rows == parse_file(str(arr), {}, *FIELDS)
+    one = tmp_path / "one.json"
+    one.write_text(json.dumps({"text": "a single\nrecord", "id": 7, "url": "u"}, indent=1))
+    assert [(r["id"], r["text"], r["url"], r["source"]) for r in _rows(str(one))] == [
+        ("7", "a single\nrecord", "u", "one.json")]
+    broken = tmp_path / "broken.json"
+    broken.write_text(json.dumps(records, indent=2)[:-10])
+    bad = _rows(str(broken))
+    assert len(bad) == 1 and bad[0]["bad"].startswith("malformed JSON array (") and bad[0]["source"] == "broken.json"
+    lines = tmp_path / "lines.json"
+    lines.write_text('{"text": "x", "id": "1"}\n{"text": "y", "id": "2"}\n')
+    assert [(r["id"], r["source"]) for r in _rows(str(lines))] == [("1", "lines.json:1"), ("2", "lines.json:2")]
