@@ -82,6 +82,7 @@ def test_a_run_gets_its_nodes_from_the_autoscaler_and_they_go_when_idle(cache_di
     assert down.returncode == 0, down.stderr
     left = subprocess.run(["pgrep", "-f", st.temp_dir], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the cluster still running: {left}"
+    assert not Path(st.temp_dir).exists(), "down leaves the cluster's temp dir (Ray's session logs) behind"
 
 
 def test_bad_node_limits_and_a_hand_added_node_are_refused_before_anything_starts(tmp_path):

@@ -69,8 +69,9 @@ def cmd_cluster_add_node(args: argparse.Namespace) -> int:
 def cmd_cluster_down(args: argparse.Namespace) -> int:
     from raysc.cluster.local import down
 
-    st = down(_state(args))
-    print(f"local cluster at {st.address} stopped (holder pid {st.pid}, {st.temp_dir})", flush=True)
+    st = down(_state(args), keep_logs=args.keep_logs)
+    where = f"its logs kept in {st.temp_dir}" if args.keep_logs else f"{st.temp_dir} removed"
+    print(f"local cluster at {st.address} stopped (holder pid {st.pid}; {where})", flush=True)
     return 0
 
 
@@ -94,4 +95,5 @@ CLUSTER = Command("cluster", "a multi-node Ray cluster on this machine, to rehea
                 STATE, JSON)),
     Command("add-node", "one more worker node, as a replacement joining after a node loss", cmd_cluster_add_node,
             (STATE, JSON)),
-    Command("down", "stop exactly the cluster `up` started (never `ray stop`)", cmd_cluster_down, (STATE,)))),))
+    Command("down", "stop exactly the cluster `up` started (never `ray stop`) and remove its temp dir", cmd_cluster_down, (
+        STATE, arg("--keep-logs", action="store_true", help="leave the cluster's temp dir (its Ray session logs)"))))),))

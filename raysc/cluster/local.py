@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -156,8 +157,9 @@ def add_node(state: Path = DEFAULT_STATE, timeout_s: float = 120.0) -> ClusterSt
     raise RuntimeError(f"no node joined within {timeout_s:.0f}s; see {current.temp_dir}/holder.log")
 
 
-def down(state: Path = DEFAULT_STATE, timeout_s: float = 30.0) -> ClusterState:
-    """Stop the cluster ``up`` recorded at ``state``: its holder, then anything under its temp dir."""
+def down(state: Path = DEFAULT_STATE, timeout_s: float = 30.0, keep_logs: bool = False) -> ClusterState:
+    """Stop the cluster ``up`` recorded at ``state``: its holder, then anything under its temp dir, then
+    the temp dir itself (its Ray session logs; ``keep_logs`` leaves it)."""
     current = ClusterState.read(state)
     if _alive(current.pid):
         os.kill(current.pid, signal.SIGTERM)
@@ -165,6 +167,11 @@ def down(state: Path = DEFAULT_STATE, timeout_s: float = 30.0) -> ClusterState:
         while _alive(current.pid) and time.monotonic() < deadline:
             time.sleep(0.2)
     _kill_leftovers(current.temp_dir)
+    if not keep_logs:
+        deadline = time.monotonic() + 10  # a process killed by SIGKILL may still be going away
+        while _named(current.temp_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        shutil.rmtree(current.temp_dir, ignore_errors=True)
     _forget_address(current.address)  # in case the holder died before it could
     state.unlink(missing_ok=True)
     return current
@@ -202,6 +209,11 @@ def _alive(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _named(temp_dir: str) -> bool:
+    """Whether a process whose command line names ``temp_dir`` still runs."""
+    return subprocess.run(["pgrep", "-f", temp_dir], capture_output=True).returncode == 0
 
 
 def _kill_leftovers(temp_dir: str) -> None:
