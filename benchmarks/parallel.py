@@ -60,7 +60,7 @@ def layout_throughput() -> dict:
     from raysc.config import load_config
     from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
-    from raysc.parity import layout_overrides
+    from raysc.fleet.parity import layout_overrides
 
     ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-par-"))
@@ -155,7 +155,7 @@ def _bubble_worker(rank: int, world: int, port: int, results) -> None:
 
 
 def bubbles() -> dict:
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     manager = mp.Manager()
     results = manager.dict()
@@ -236,7 +236,7 @@ def _gradnorm_worker(rank: int, port: int, results) -> None:
 
 
 def gradnorm() -> dict:
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     results = mp.Manager().dict()
     mp.start_processes(_gradnorm_worker, args=(free_port(), results), nprocs=4, start_method="fork")

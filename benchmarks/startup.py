@@ -104,7 +104,7 @@ def raysc_train(address: str, work: Path, cache: Path, i: int) -> tuple[float, d
 
 
 def start_head(temp: Path) -> tuple[subprocess.Popen, str]:
-    from raysc.ports import free_ports
+    from raysc.cluster.ports import free_ports
 
     port, agent_port = free_ports(2)
     head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", f"--port={port}",

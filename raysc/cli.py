@@ -115,7 +115,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from raysc.parity import run_parity
+    from raysc.fleet.parity import run_parity
 
     report = run_parity(args.config, args.layout, args.overrides, steps=args.steps, rtol=args.rtol,
                         work_dir=args.work_dir, progress=False)
@@ -335,7 +335,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     from raysc.cluster.connect import ClusterAddressError
     from raysc.cluster.fit import ClusterTooSmall
     from raysc.fleet.errors import RunFailed
-    from raysc.preflight_gate import PreflightRequired
+    from raysc.fleet.preflight_gate import PreflightRequired
     from raysc.serve.fit import ServeNotReady
 
     connected = _ray_connected()

@@ -255,7 +255,7 @@ def _ray_head_cluster(request, tmp_path_factory):
     import tempfile
     import time
 
-    from raysc.ports import free_ports
+    from raysc.cluster.ports import free_ports
 
     ray_bin = str(Path(sys.executable).parent / "ray")
     temp = Path(tempfile.mkdtemp(prefix="rj-", dir="/tmp"))  # Ray's socket paths must stay short
@@ -270,7 +270,7 @@ def _ray_head_cluster(request, tmp_path_factory):
     names = ["port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
              "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
              "object-manager-port"]
-    ports = dict(zip(names, free_ports(len(names))))  # distinct, outside the ephemeral range (raysc.ports)
+    ports = dict(zip(names, free_ports(len(names))))  # distinct, outside the ephemeral range (raysc.cluster.ports)
     kept = tmp_path_factory.mktemp("ray-head")  # outlives the temp dir: its output, and its logs if it died
     out = kept / "ray-start.out"
     with open(out, "w") as log:

@@ -90,7 +90,7 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
     import boto3
 
     from raysc.fleet.driver import train
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"}  # only the create_bucket below is unauthenticated
@@ -147,7 +147,7 @@ def test_large_files_download_as_parallel_ranges(s3_server, tmp_path):
 
 def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
     from raysc.fleet.driver import train
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     # one try per request: botocore's default retries of a refused connection, with backoff, take
     # 8-11 s on 2 cores and are not what this asserts

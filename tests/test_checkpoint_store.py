@@ -117,7 +117,7 @@ def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cann
     from raysc.cli import main
     from raysc.config import load_config
     from raysc.config.load import dump_config
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     run = tmp_path / "run"
     run.mkdir()

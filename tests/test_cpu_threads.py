@@ -12,7 +12,7 @@ SCRIPT = r"""
 import json, os, threading
 import torch
 import torch.distributed as dist
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 from raysc.train.cpu_threads import own_intraop_threads
 
 own_intraop_threads(2)

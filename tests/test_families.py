@@ -29,8 +29,8 @@ from raysc.config import load_config
 from raysc.data.special_tokens import read_special_tokens
 from raysc.export.hf import export_hf
 from raysc.parallel.dims import build_mesh
-from raysc.parity import layout_overrides
-from raysc.ports import free_port
+from raysc.fleet.parity import layout_overrides
+from raysc.cluster.ports import free_port
 from raysc.train.trainer import Trainer
 
 from greedy_check import forced_mismatches

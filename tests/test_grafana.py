@@ -17,7 +17,7 @@ from pathlib import Path
 import requests
 import yaml
 
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")

@@ -24,8 +24,8 @@ from raysc.model import hf_checkpoint
 from raysc.model.hf_checkpoint import CheckpointMismatch, content_sha256
 from raysc.model.llama import Llama
 from raysc.parallel.dims import build_mesh
-from raysc.parity import layout_overrides
-from raysc.ports import free_port
+from raysc.fleet.parity import layout_overrides
+from raysc.cluster.ports import free_port
 from raysc.train.trainer import Trainer
 
 from conftest import TINY

@@ -17,8 +17,8 @@ from raysc.model.llama import build_model
 from raysc.parallel import materialise as mat
 from raysc.parallel.dims import build_mesh
 from raysc.parallel.parallelize import build_model_shard
-from raysc.parity import layout_overrides
-from raysc.ports import free_port
+from raysc.fleet.parity import layout_overrides
+from raysc.cluster.ports import free_port
 from raysc.train.trainer import Trainer
 
 from forked import run_forked

@@ -104,7 +104,7 @@ def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypat
     import ray
 
     from raysc.fleet.healing import raylet_answers
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     listening = socket.create_server(("127.0.0.1", 0))
     nodes = [{"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",

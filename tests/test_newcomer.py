@@ -19,7 +19,7 @@ from pathlib import Path
 import openai
 
 from greedy_check import greedy_mismatches
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")

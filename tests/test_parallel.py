@@ -21,7 +21,7 @@ from raysc.parallel.cp import local_positions
 from raysc.config.dims import ParallelDims
 from raysc.parallel.dims import rank_table
 from raysc.fleet.records import read_jsonl
-from raysc.parity import ensure_reference, layout_overrides, run_parity
+from raysc.fleet.parity import ensure_reference, layout_overrides, run_parity
 
 from forked import run_forked
 
@@ -185,7 +185,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
 
     from raysc.config import load_config
     from raysc.data.prepare import prepare_data
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     overrides = [*PARITY, f'data.cache_dir="{cache_dir}"']
     cases = [(lay, []) for lay in LAYOUTS if _world(lay) == world]
@@ -226,7 +226,7 @@ def test_parity_detects_a_real_difference(ray_session, parity_dirs, tmp_path):
     import json
     import shutil
 
-    from raysc.parity import compare_runs
+    from raysc.fleet.parity import compare_runs
 
     work, _ = parity_dirs
     ref = work / "reference"

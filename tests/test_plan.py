@@ -185,7 +185,7 @@ def test_memory_estimate_within_25_percent_of_measured_peak_on_cpu(make_cfg, tmp
     running the layout with Ray: test_cli_plan_ranks_writes_the_fragment_and_profiles.)"""
     from raysc.data.prepare import prepare_data
     from raysc.plan.profile import calibrate
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     cfg = make_cfg(*CPU_MODEL)
     rows = prepare_data(cfg)[0].train

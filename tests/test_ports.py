@@ -1,10 +1,10 @@
-"""``raysc.ports``: the ports a local cluster's services and a process group's rendezvous are given."""
+"""``raysc.cluster.ports``: the ports a local cluster's services and a process group's rendezvous are given."""
 
 from __future__ import annotations
 
 import socket
 
-from raysc.ports import RAY_WORKER_PORTS_END, _ephemeral_low, free_ports
+from raysc.cluster.ports import RAY_WORKER_PORTS_END, _ephemeral_low, free_ports
 
 
 def test_free_ports_are_distinct_bindable_and_outside_the_ephemeral_range():

@@ -17,7 +17,7 @@ FLEET = ["parallel.dp_replicate=2", "parallel.tp=2", "parallel.cpus_per_worker=0
 def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_session, make_cfg, tmp_path, capsys):
     from raysc.cli import main
     from raysc.fleet.driver import train
-    from raysc.preflight_gate import PreflightRequired, require_passing
+    from raysc.fleet.preflight_gate import PreflightRequired, require_passing
 
     cfg = make_cfg(*FLEET, "checkpoint.every_steps=0", "checkpoint.capacity_gb=0.0001")  # and a 100 kB quota
     path = tmp_path / "cfg.toml"

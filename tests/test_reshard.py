@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 
 from raysc.fleet.records import read_jsonl
-from raysc.parity import layout_overrides
+from raysc.fleet.parity import layout_overrides
 from test_parallel import PARITY
 
 STEPS = 12

@@ -26,10 +26,10 @@ import torch.multiprocessing as mp
 from raysc.config import load_config
 from raysc.model.flops import param_count
 from raysc.parallel.dims import build_mesh
-from raysc.parity import layout_overrides
+from raysc.fleet.parity import layout_overrides
 from raysc.plan.layout import Layout
 from raysc.plan.memory import estimate_memory
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 from raysc.train.memory import StartupPeak
 from raysc.train.trainer import Trainer
 

@@ -207,7 +207,7 @@ def test_ranks_agree_on_the_step_a_request_takes_effect():
     """A request seen by one rank only takes effect on every rank after the same step."""
     import torch.multiprocessing as mp
 
-    from raysc.ports import free_port
+    from raysc.cluster.ports import free_port
 
     out = mp.Manager().dict()
     mp.spawn(_vote_rank, args=(free_port(), out), nprocs=2)

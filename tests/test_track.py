@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from raysc.fleet.records import read_jsonl
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 from raysc.track.run_tracker import read_track_ids
 
 

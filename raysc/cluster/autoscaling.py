@@ -25,7 +25,7 @@ from pathlib import Path
 
 from raysc.cluster.local import DEFAULT_STATE, HEALTH_CHECKS, ClusterState, _alive, _kill_leftovers, _ray_env, \
     once_more_if_overloaded, refuse_if_up
-from raysc.ports import free_ports
+from raysc.cluster.ports import free_ports
 
 WORKER_TYPE = "raysc.worker.cpu"
 OBJECT_STORE_BYTES = 200_000_000  # per worker node: a small machine runs several

@@ -34,7 +34,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 
 DEFAULT_STATE = Path(tempfile.gettempdir()) / "raysc-local-cluster.json"
 HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,

@@ -2,7 +2,7 @@
 
 The driver holds no training state. It resolves relative paths against its own
 working directory (actors may run elsewhere), refuses to start without a passing
-pre-flight report when ``train.require_preflight`` is set (``raysc.preflight_gate``),
+pre-flight report when ``train.require_preflight`` is set (``raysc.fleet.preflight_gate``),
 pins the supervisor to its node so the run directory is where the user looks, and
 polls the supervisor for a progress bar.
 
@@ -45,7 +45,7 @@ from raysc.fleet.events import EventKind
 from raysc.fleet.groups import remove_groups_of
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
-from raysc.preflight_gate import require_passing
+from raysc.fleet.preflight_gate import require_passing
 
 
 def check_inputs(cfg: Config) -> None:

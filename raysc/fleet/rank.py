@@ -34,7 +34,7 @@ from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import REPORT_EVERY_S, WorkerInfo
 from raysc.fleet.reuse import forget_rank_caches
 from raysc.fleet.stopping import StepVote
-from raysc.ports import free_port
+from raysc.cluster.ports import free_port
 from raysc.parallel.dims import build_mesh
 from raysc.parallel.describe import describe_shard
 from raysc.train.cpu_threads import own_intraop_threads

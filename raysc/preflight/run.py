@@ -13,7 +13,7 @@ The eight items (``raysc.preflight.checklist``) are judged from that evidence an
 ``<run.dir>/preflight.json`` and ``preflight.md``; the command exits non-zero on a fail.
 
 ``train.require_preflight = true`` makes ``raysc train`` refuse to start unless that
-``preflight.json`` passed for the same config (``raysc.preflight_gate``: the config hash without
+``preflight.json`` passed for the same config (``raysc.fleet.preflight_gate``: the config hash without
 ``train.require_preflight`` itself); this module writes the report that gate reads.
 """
 
@@ -37,7 +37,7 @@ from raysc.preflight.checklist import (FAIL, Evidence, Item, check_checkpoint, c
                                        check_hyperparameters, check_profile, check_serving, check_timeouts,
                                        check_topology)
 from raysc.preflight.quantized import measure_quantization
-from raysc.preflight_gate import preflight_hash
+from raysc.fleet.preflight_gate import preflight_hash
 
 
 def _store_speed(cfg: Config, nbytes: int) -> dict:
