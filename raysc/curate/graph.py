@@ -156,13 +156,13 @@ BROADCAST_MAX_IDS = 1_000_000  # up to this many removed ids are broadcast as a 
 def drop_nodes(docs: Dataset, losers: Dataset, count: int) -> Dataset:
     """``docs`` without the rows whose ``node`` is in ``losers``. Near duplicates are a small share
     of a corpus: up to ``BROADCAST_MAX_IDS`` ids go to every task as one object (a filter, no
-    shuffle); beyond that, the shuffle-based ``anti_join``."""
+    shuffle, run again by each later use: cheap); beyond that, the shuffle-based ``anti_join``, run once."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import ray
 
-    if count > BROADCAST_MAX_IDS:
-        return anti_join(docs, losers, "node")
+    if count > BROADCAST_MAX_IDS:  # materialized: the write and its totals must not each run the shuffle again
+        return anti_join(docs, losers, "node").materialize()
     ids_ref = ray.put(pa.concat_tables(ray.get(losers.to_arrow_refs()))["node"].combine_chunks())
 
     def keep(t: pa.Table) -> pa.Table:
