@@ -84,7 +84,8 @@ def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: i
     """Run until the fleet has grown back and trained a step at its configured size, then stop the run as
     `ray job stop` does (SIGTERM: it stops at a step boundary and commits that step). Waits on the event,
     not a number of slow steps: how long the autoscaler takes to add a node depends on the machine's load
-    (a fixed 36 s of slow steps once ran out in a CI lane). The step the run stopped at."""
+    (a fixed 36 s of slow steps once ran out in a CI lane). Once the run has shrunk, the cluster may grow to
+    three nodes (`_two_nodes` holds it at two until then). The step the run stopped at."""
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
     run = subprocess.Popen(_command(run_dir, cache_dir, steps, *overrides), env=st.env(), cwd=ROOT,
                            stdout=log, stderr=subprocess.STDOUT, text=True)
@@ -92,7 +93,10 @@ def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: i
     try:
         while run.poll() is None and time.monotonic() < deadline:
             dps = [m["dp"] for m in read_jsonl(run_dir / "metrics.jsonl")]
-            grown = any(e["kind"] == "resized" and e["to"] == 2 for e in read_jsonl(run_dir / "events.jsonl"))
+            resized = [e["to"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resized"]
+            if 1 in resized:
+                _node_limits(st, max_nodes=3)  # a replacement may come now, after the shrink
+            grown = 2 in resized
             if grown and 1 in dps and dps[-1] == 2:  # a step at dp 2 after the steps at dp 1
                 run.send_signal(signal.SIGTERM)
                 break
@@ -126,6 +130,22 @@ def _uninterrupted(cache_dir: str, steps: int, total: int) -> dict[int, dict]:
     return {m["step"]: m for m in (trainer.train_step() for _ in range(steps))}
 
 
+def _node_limits(st: ClusterState, **limits: int) -> None:
+    """Change the autoscaling cluster's node limits (min_nodes, max_nodes) while it runs: its monitor reads
+    the config again on every update, as after `ray up` on a running cluster."""
+    from raysc.cluster.autoscaling import WORKER_TYPE
+
+    config = Path(st.autoscale["config"])
+    kept = json.loads(config.read_text())
+    workers = kept["available_node_types"][WORKER_TYPE]
+    if "min_nodes" in limits:
+        workers["min_workers"] = limits["min_nodes"]
+    if "max_nodes" in limits and workers["max_workers"] != limits["max_nodes"]:
+        workers["max_workers"] = kept["max_workers"] = limits["max_nodes"]
+    config.with_suffix(".tmp").write_text(json.dumps(kept, indent=1))
+    config.with_suffix(".tmp").replace(config)  # the monitor never reads half a file
+
+
 def _two_nodes(state: Path, tries: int = 3) -> ClusterState:
     """An autoscaling cluster with two 2-CPU nodes up before the run (its placement asks the autoscaler for
     nothing) and room for a third, which may be launched for the run once a node is lost. On a loaded
@@ -135,9 +155,12 @@ def _two_nodes(state: Path, tries: int = 3) -> ClusterState:
     autoscaler keeps no node by itself (min_workers 0 in its config, which its monitor reads again on every
     update, as after `ray up` on a running cluster): kept at 2, it launched a replacement the moment the
     lost node was declared dead, seconds before the restart looked for room, and in a landing CI the
-    replacement was up in time and the run never shrank. Now a node comes only for the run's own request
-    (the restart's placement, then the growth request), as on a cloud that has to be asked."""
-    from raysc.cluster.autoscaling import WORKER_TYPE, alive_worker_nodes
+    replacement was up in time and the run never shrank. With min_workers 0 the restart's own placement
+    request still had a node launched and up within its 2 s wait (2 of 5 CIs: `workers_ready` 4 after the
+    loss, no resize): the fake provider starts a node in seconds, a cloud in minutes. So the cluster is
+    held at two nodes (max_workers 2) until the run has shrunk, then may grow to three for its growth
+    request (`_train_until_grown`), as on a cloud whose replacement comes after the restart gave up waiting."""
+    from raysc.cluster.autoscaling import alive_worker_nodes
 
     for _ in range(tries):
         up = subprocess.run([RAYSC, "cluster", "local", "up", "--autoscale", "--nodes", "2", "--max-nodes", "3",
@@ -149,11 +172,7 @@ def _two_nodes(state: Path, tries: int = 3) -> ClusterState:
         while time.monotonic() < deadline and len(alive_worker_nodes(st)) == 2:
             time.sleep(1)
         if len(alive_worker_nodes(st)) == 2:
-            config = Path(st.autoscale["config"])
-            kept = json.loads(config.read_text())
-            kept["available_node_types"][WORKER_TYPE]["min_workers"] = 0
-            config.with_suffix(".tmp").write_text(json.dumps(kept, indent=1))
-            config.with_suffix(".tmp").replace(config)  # the monitor never reads half a file
+            _node_limits(st, min_nodes=0, max_nodes=2)
             return st
         subprocess.run([RAYSC, "cluster", "local", "down", "--state", str(state)], capture_output=True, timeout=120)
     raise AssertionError(f"the autoscaler started more than the 2 nodes asked for, {tries} times")
