@@ -214,17 +214,18 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False, workers: i
 
 def run_one(name: str, corpus: Path, work: Path, datatrove_workers: int = 1) -> dict:
     """One implementation from corpus to Parquet; stage seconds where it reports them."""
-    if name in ("raysc", "raysc_rules"):
-        from raysc.config import load_config
-        from raysc.curate.pipeline import curate
-        from raysc.fleet.driver import ensure_ray
+    if name in ("raysc", "raysc_rules"):  # what a user runs: `raysc curate CONFIG`, Ray started by the command
+        from raysc.cli import main
 
-        cfg = load_config(None, [f'curate.input="{corpus / "docs"}"', f'curate.output="{work / "out"}"',
-                                 f"quality.enabled={str(name == 'raysc_rules').lower()}",
-                                 f"dedup.threshold={THRESHOLD}", f'run.dir="{work / "run"}"',
-                                 f'data.cache_dir="{ROOT / ".cache/raysc"}"'])
-        ensure_ray()
-        report = curate(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
+        config = work / "curate.toml"
+        config.parent.mkdir(parents=True, exist_ok=True)
+        config.write_text(f'[curate]\ninput = "{corpus / "docs"}"\noutput = "{work / "out"}"\n'
+                          f"[quality]\nenabled = {str(name == 'raysc_rules').lower()}\n"
+                          f"[dedup]\nthreshold = {THRESHOLD}\n"
+                          f'[run]\ndir = "{work / "run"}"\n[data]\ncache_dir = "{ROOT / ".cache/raysc"}"\n')
+        if main(["curate", str(config)]):
+            raise RuntimeError("raysc curate failed")
+        report = json.loads((work / "out" / "report.json").read_text())
         return {"stages": report["seconds"], "cc_rounds": report["near_dedup"]["cc_rounds"],
                 "shuffles": report["near_dedup"].get("shuffles")}
     t0 = time.perf_counter()

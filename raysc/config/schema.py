@@ -279,6 +279,9 @@ class DedupConfig:
     bands: int = opt(14, "LSH bands", min=1)
     rows: int = opt(8, "signature values per band", min=1)
     seed: int = opt(1, "seed of the MinHash hash functions")
+    minhash: str = opt("one_permutation", "signature scheme: one_permutation (one hash per shingle into num_perm "
+                                          "bins, empty bins densified) or k_permutations (num_perm hashes per "
+                                          "shingle, as datasketch)", choices=["one_permutation", "k_permutations"])
     threshold: float = opt(0.7, "a candidate pair from an LSH bucket is a duplicate when its signatures agree "
                                 "on at least this share of hash functions (estimated Jaccard)", min=0.0, max=1.0)
     max_rounds: int = opt(40, "rounds of the distributed connected-components search before giving up", min=1)

@@ -108,8 +108,12 @@ def keyer(d: DedupConfig) -> Callable[[pa.Table], pa.Table] | None:
     """``with_keys`` for ``dedup.*`` (for ``stages.read_documents``), or None when dedup is off."""
     if not (d.exact or d.near):
         return None
-    hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
-    return partial(with_keys, hasher=hasher, exact=d.exact, near=d.near)
+    return partial(with_keys, hasher=hasher_of(d), exact=d.exact, near=d.near)
+
+
+def hasher_of(d: DedupConfig) -> MinHasher:
+    """The ``MinHasher`` of ``dedup.*``."""
+    return MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed, d.minhash)
 
 
 def _fixed_rows(col: pa.Array | pa.ChunkedArray, dtype: type) -> np.ndarray:
@@ -146,29 +150,33 @@ def gathered_forest(t: pa.Table, threshold: float) -> pa.Table:
     """Every document's ``doc_keys`` row in one task: the keys held by more than one row (nearly every
     key is held by one document) go through ``_forest`` with the signature matrix as it is (a view of
     the column's buffer: a row per key would copy ~90 MB of signatures at 100k documents) and the nodes
-    ranked once per document."""
+    ranked once per document. The shared keys are found one band (and the content hashes) at a time: a
+    sort of all 1.5M keys of 100k documents at once held ~150 MB of index arrays, and on these VMs memory
+    a process touches for the first time costs up to ~7 s per GiB (1.2 of its 1.5 s)."""
     import pyarrow as pa
 
     n = len(t)
-    buckets, docs, exact = [], [], []
+    columns: list[tuple[np.ndarray, bool]] = []  # (one key per document, whether it is a content hash)
     if "keys" in t.column_names:
         band = _fixed_rows(t["keys"], np.int64)
-        buckets.append(band.ravel())
-        docs.append(np.repeat(np.arange(n), band.shape[1]))
-        exact.append(np.zeros(band.size, dtype=bool))
+        columns += [(band[:, j], False) for j in range(band.shape[1])]
     if "hash_key" in t.column_names:
-        buckets.append(t["hash_key"].to_numpy())
-        docs.append(np.arange(n))
-        exact.append(np.ones(n, dtype=bool))
-    bucket, doc, is_exact = np.concatenate(buckets), np.concatenate(docs), np.concatenate(exact)
-    order = np.argsort(bucket)  # SIMD quicksort, 1/4 of a stable sort's time; _forest orders each key's rows
-    b = bucket[order]
-    shared = np.r_[b[1:] == b[:-1], False] | np.r_[False, b[1:] == b[:-1]]
-    rows = order[shared]
+        columns.append((t["hash_key"].to_numpy(), True))
+    buckets, docs, exact = [], [], []
+    for keys, is_exact in columns:
+        keys = np.ascontiguousarray(keys)
+        order = np.argsort(keys)  # SIMD quicksort; _forest orders each key's rows itself
+        b = keys[order]
+        dup = b[1:] == b[:-1]
+        held = order[np.r_[dup, False] | np.r_[False, dup]]  # the documents of keys held more than once
+        buckets.append(keys[held])
+        docs.append(held)
+        exact.append(np.full(len(held), is_exact))
+    bucket, doc = np.concatenate(buckets or [np.zeros(0, np.int64)]), np.concatenate(docs or [np.zeros(0, np.int64)])
     nodes = t["node"].combine_chunks()
     sigs = _fixed_rows(t["sig"], np.uint32) if "sig" in t.column_names else np.zeros((n, 0), dtype=np.uint32)
-    return _forest(bucket[rows], _rank(nodes)[doc[rows]], is_exact[rows], sigs, doc[rows],
-                   lambda i: nodes.take(pa.array(doc[rows][i])), threshold)
+    return _forest(bucket, _rank(nodes)[doc], np.concatenate(exact or [np.zeros(0, bool)]), sigs, doc,
+                   lambda i: nodes.take(pa.array(doc[i])), threshold)
 
 
 def _rank(nodes: pa.Array) -> np.ndarray:
@@ -239,7 +247,11 @@ def _forest(buckets: np.ndarray, rank: np.ndarray, exact: np.ndarray, sigs: np.n
     if near.any():
         row = sig_row[order]
         two = starts[(sizes == 2) & near[starts]]  # keys of two documents: one comparison each
-        agree = (sigs[row[two]] == sigs[row[two + 1]]).mean(axis=1) >= threshold
+        agree = np.zeros(len(two), dtype=bool)
+        for lo in range(0, len(two), 4096):  # 4k pairs at a time: ~4 MiB, not 100 MB of gathered signatures
+            i = two[lo:lo + 4096]
+            same = np.count_nonzero(sigs[row[i]] == sigs[row[i + 1]], axis=1)
+            agree[lo:lo + 4096] = same / sigs.shape[1] >= threshold  # as similar_pairs' mean
         near_a, near_b = [two[agree]], [two[agree] + 1]
         for s, k in zip(starts[(sizes > 2) & near[starts]], sizes[(sizes > 2) & near[starts]]):
             i, j = similar_pairs(sigs[row[s:s + k]], threshold)
@@ -266,9 +278,8 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     if present:
         keys = docs.select_columns(["node", *present])
     else:
-        hasher = MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed)
         keys = docs.map_batches(doc_keys, batch_format="pyarrow",
-                                fn_kwargs={"hasher": hasher, "exact": d.exact, "near": d.near})
+                                fn_kwargs={"hasher": hasher_of(d), "exact": d.exact, "near": d.near})
     docs = docs.drop_columns(present) if present else docs
     if count <= GATHER_MAX_DOCS:  # one task: no shuffle
         edges = keys.repartition(1).map_batches(gathered_forest, batch_size=None, batch_format="pyarrow",

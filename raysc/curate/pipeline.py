@@ -112,7 +112,7 @@ def build_report(cfg: Config, out_uri: str, files: int, read: ReadStats, near: D
                       "samples": [{"where": r["source"], "reason": r["bad"], "sample": r["sample"]}
                                   for r in read.bad_samples]},
         "near_dedup": {"clusters": near.clusters, "cc_rounds": near.rounds,
-                       "shuffles": near.shuffles, "num_perm": d.num_perm,
+                       "shuffles": near.shuffles, "minhash": d.minhash, "num_perm": d.num_perm,
                        "bands": d.bands, "rows": d.rows, "shingle": d.shingle},
         "quality": {"enabled": quality.enabled, "dropped_by_rule": quality.dropped_by_rule,
                     "histograms": quality.histograms, "perplexity": quality.perplexity,
