@@ -134,6 +134,7 @@ def score_documents(docs: Dataset, q: QualityConfig, log: Callable[[str], None] 
     ref = load_reference(q.reference_run)
     log(f"curate: perplexity under {ref.run_dir} (step {ref.step}), {q.score_actors} scorer actor(s)")
     handle = ray.put(ref)
+    docs.context.op_resource_reservation_enabled = True  # an actor pool keeps its share (stages.read_documents)
     scored = docs.map_batches(PerplexityScorer, batch_format="numpy", batch_size=256,
                               compute=ActorPoolStrategy(size=q.score_actors),
                               fn_constructor_kwargs={"reference": handle, "score_tokens": q.score_tokens,
