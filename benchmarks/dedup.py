@@ -7,11 +7,13 @@ each (cold: imports, Ray start-up where used, reading the shards, normalising, e
 MinHash-LSH, verification, clusters, writing the kept documents as Parquet), timed from process
 start to exit by this parent, which also samples the resident memory of the process and of
 every process it starts (Ray's workers) every 0.2 s. Same parameters everywhere: ``words()``
-5-gram shingles, 112 hashes as 14 bands × 8 rows, a candidate pair is a duplicate when its
-signatures agree on >= 0.7 of the hashes, clusters are connected components, the smallest id
-survives.
+5-gram shingles, signatures of 112 values as 14 bands × 8 rows, a candidate pair is a duplicate when
+its signatures agree on >= 0.7 of the values, clusters are connected components, the smallest id
+survives. raysc computes its signatures by its default scheme (``dedup.minhash = one_permutation``:
+one hash per shingle into 112 bins); datasketch and datatrove by 112 hash functions per shingle.
 
-- ``raysc``: ``raysc curate`` (Ray Data; quality rules off, so no quality measurement is computed;
+- ``raysc``: ``raysc curate CONFIG`` through the CLI's entry point, as a user runs it (it starts and
+  stops a local Ray; quality rules off, so no quality measurement is computed;
   ``seconds_without_quality`` leaves out a quality stage where a report has one).
 - ``raysc_rules``: ``raysc curate`` at its default quality rules (Gopher quality and repetition, C4,
   FineWeb), after dedup as the pipeline orders them.

@@ -213,6 +213,40 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     assert (tmp_path / "out" / "removed_by_stage.png").is_file()
 
 
+def test_ray_datas_no_cpu_warning_is_shown_only_when_true(ray_session):
+    """On 2 cores Ray Data warned "does not have any available CPUs ... will hang" as a stage began right
+    after one that kept both busy (Ray's view of free CPUs lags): ``raysc curate`` drops that warning when a
+    CPU shows free within 2 s and shows it while every CPU is really held."""
+    import logging
+
+    from raysc.curate.stages import cpu_alarms_checked
+
+    class Holder:  # defined here: pickled by value for the worker
+        def ping(self) -> int:
+            return 1
+
+    logger, seen = logging.getLogger("ray.data.dataset"), []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = seen.append
+    warning = ("Warning: The Ray cluster currently does not have any available CPUs. The Dataset job will hang "
+               "unless more CPUs are freed up.")
+    logger.addHandler(handler)
+    try:
+        with cpu_alarms_checked():
+            logger.warning(warning)  # the CPUs are free: a false alarm
+            logger.warning("another warning")
+            assert [r.getMessage() for r in seen] == ["another warning"]
+            holder = ray_session.remote(num_cpus=ray_session.available_resources()["CPU"])(Holder).remote()
+            ray_session.get(holder.ping.remote())
+            logger.warning(warning)  # every CPU held by an actor: true
+            assert [r.getMessage() for r in seen][1:] == [warning]
+            ray_session.kill(holder)
+        logger.warning(warning)  # outside curate: Ray Data's own behaviour
+        assert len(seen) == 3
+    finally:
+        logger.removeHandler(handler)
+
+
 def test_dedup_audit_on_the_bundled_corpus(ray_session, make_cfg, tmp_path):
     """Rewritten copies at known similarity: the pipeline finds >= 95% of the pairs at similarity
     >= 0.85 and removes nothing at <= 0.5 (the issue's targets, with the default MinHash settings)."""

@@ -275,15 +275,16 @@ class DedupConfig:
     exact: bool = opt(True, "drop documents whose normalised text is identical (one survivor: the smallest id)")
     near: bool = opt(True, "drop near-duplicates found by MinHash-LSH (one survivor per cluster: the smallest id)")
     shingle: int = opt(5, "words per shingle", min=1)
-    num_perm: int = opt(112, "MinHash hash functions; must equal bands × rows", min=1)
+    num_perm: int = opt(112, "MinHash values per signature (bins of one_permutation, hash functions of "
+                                  "k_permutations); must equal bands × rows", min=1)
     bands: int = opt(14, "LSH bands", min=1)
     rows: int = opt(8, "signature values per band", min=1)
-    seed: int = opt(1, "seed of the MinHash hash functions")
+    seed: int = opt(1, "seed of the MinHash hashing")
     minhash: str = opt("one_permutation", "signature scheme: one_permutation (one hash per shingle into num_perm "
                                           "bins, empty bins densified) or k_permutations (num_perm hashes per "
                                           "shingle, as datasketch)", choices=["one_permutation", "k_permutations"])
     threshold: float = opt(0.7, "a candidate pair from an LSH bucket is a duplicate when its signatures agree "
-                                "on at least this share of hash functions (estimated Jaccard)", min=0.0, max=1.0)
+                                "on at least this share of values (estimated Jaccard)", min=0.0, max=1.0)
     max_rounds: int = opt(40, "rounds of the distributed connected-components search before giving up", min=1)
 
 

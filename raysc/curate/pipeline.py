@@ -43,8 +43,8 @@ from raysc.curate.inputs import list_inputs
 from raysc.curate.dedup import DedupStats, dedup, keyer
 from raysc.curate.output import write_report
 from raysc.curate.perplexity import check_reference
-from raysc.curate.stages import (QualityStats, ReadStats, WriteStats, quality_filter, read_documents,
-                                 write_documents)
+from raysc.curate.stages import (QualityStats, ReadStats, WriteStats, cpu_alarms_checked, quality_filter,
+                                 read_documents, write_documents)
 
 
 class Stopwatch:
@@ -71,7 +71,6 @@ class Stopwatch:
 def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     """Run every stage over ``curate.input``; write Parquet and the report under ``curate.output``.
     Returns the report. Needs a running Ray (``ray.init()`` or a cluster)."""
-    c = cfg.curate
     out_uri = cfg.curated_uri
     if cfg.quality.reference_run:
         check_reference(cfg.quality.reference_run)  # before any work, not after read and dedup
@@ -79,6 +78,13 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
         require_fit("the perplexity scoring", {"GPU": q.score_gpus} if q.score_gpus else {"CPU": 1.0},
                     q.score_actors, [f"lower quality.score_actors (now {q.score_actors})"] +
                     (["set quality.score_gpus=0 to score on CPUs"] if q.score_gpus else []), log)
+    with cpu_alarms_checked():
+        return _stages(cfg, out_uri, log)
+
+
+def _stages(cfg: Config, out_uri: str, log: Callable[[str], None]) -> dict:
+    """``curate``'s stages, in order; the report."""
+    c = cfg.curate
     clock = Stopwatch(log)
     _, options, files = list_inputs(cfg)
     log(f"curate: {len(files)} input file(s) from {c.input}")
