@@ -103,8 +103,8 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     audit = {"pairs": len(pairs), "bands": rows, "removed_at_or_below_0.5": len(false),
              "precision": round(1 - len(false) / len(removed_copies), 3) if removed_copies else None,
              "recall_at_or_above_0.85": _recall([p for p in pairs if p["jaccard"] >= 0.85], survivors),
-             "dedup": {"num_perm": d.num_perm, "bands": d.bands, "rows": d.rows, "shingle": d.shingle,
-                       "threshold": d.threshold},
+             "dedup": {"minhash": d.minhash, "num_perm": d.num_perm, "bands": d.bands, "rows": d.rows,
+                       "shingle": d.shingle, "threshold": d.threshold},
              "pipeline": {k: report[k] for k in ("documents", "removed")}}
     fs.pipe_file(f"{root}/audit.json", json.dumps({**audit, "pair_list": pairs}, indent=1).encode())
     log(f"curate --audit: recall at similarity >= 0.85: {audit['recall_at_or_above_0.85']}, "
