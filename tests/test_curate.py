@@ -3,6 +3,7 @@ rule family on hand-made documents."""
 
 from __future__ import annotations
 
+import pickle
 import random
 from pathlib import Path
 
@@ -35,6 +36,8 @@ def test_minhash_estimates_jaccard_and_lsh_follows_theory(scheme, length):
     base = [" ".join(f"w{rng.randrange(5000)}" for _ in range(length)) for _ in range(80)]
     mh = MinHasher(scheme=scheme)
     assert np.array_equal(mh.signatures(base[:3]), MinHasher(scheme=scheme).signatures(base[:3]))  # deterministic
+    sent = pickle.dumps(mh)  # as Ray sends it to the read tasks: its parameters, the same signatures
+    assert len(sent) < 1000 and np.array_equal(pickle.loads(sent).signatures(base[:3]), mh.signatures(base[:3]))
     for frac in (0.01, 0.05, 0.3):
         pairs = [(b, _mutate(b, frac, rng)) for b in base]
         sig = mh.signatures([t for p in pairs for t in p])

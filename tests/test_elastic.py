@@ -137,11 +137,13 @@ def _node_limits(st: ClusterState, **limits: int) -> None:
 
     config = Path(st.autoscale["config"])
     kept = json.loads(config.read_text())
-    workers = kept["available_node_types"][WORKER_TYPE]
+    workers, before = kept["available_node_types"][WORKER_TYPE], json.dumps(kept)
     if "min_nodes" in limits:
         workers["min_workers"] = limits["min_nodes"]
-    if "max_nodes" in limits and workers["max_workers"] != limits["max_nodes"]:
+    if "max_nodes" in limits:
         workers["max_workers"] = kept["max_workers"] = limits["max_nodes"]
+    if json.dumps(kept) == before:
+        return
     config.with_suffix(".tmp").write_text(json.dumps(kept, indent=1))
     config.with_suffix(".tmp").replace(config)  # the monitor never reads half a file
 

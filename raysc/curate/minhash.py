@@ -79,6 +79,11 @@ class MinHasher:
         object.__setattr__(self, "_key", rng.integers(0, 2**63, dtype=np.uint64) * 2 + 1)
         object.__setattr__(self, "_jump", rng.integers(0, self.num_perm, (self.num_perm, _JUMPS), dtype=np.int64))
 
+    def __reduce__(self) -> tuple:
+        """Pickled as its parameters (the arrays above are drawn again from the seed): a Ray task gets
+        a few bytes, not the 3.7 MB of densification sequences."""
+        return MinHasher, (self.num_perm, self.bands, self.rows, self.shingle, self.seed, self.scheme)
+
     def shingle_hashes(self, texts: list[str] | pa.Array) -> tuple[np.ndarray, np.ndarray]:
         """64-bit hashes of every document's word shingles, concatenated, and each document's
         start offset. A document shorter than ``shingle`` words is one shingle of all its words;
