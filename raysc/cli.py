@@ -4,7 +4,7 @@
   layout reproduces single-process training, run the pre-training checklist, rank layouts;
 - ``export``, ``generate``, ``status``: a run's checkpoint as a Hugging Face folder or a GGUF file, text from it,
   a summary of a running or finished run;
-- ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.ckpt_cli``): a store's checkpoints,
+- ``ckpt list`` / ``verify`` / ``convert`` / ``now`` (``raysc.fleet.command``): a store's checkpoints,
   and a checkpoint from a running run now;
 - ``cluster local up`` / ``add-node`` / ``down`` (``raysc.cluster.command``): a multi-node Ray cluster
   on this machine, to rehearse a cluster run;
@@ -28,7 +28,7 @@ import shlex
 import sys
 from pathlib import Path
 
-from raysc.ckpt_cli import CKPT
+from raysc.fleet.command import CKPT
 from raysc.cluster.command import CLUSTER
 from raysc.curate.command import CURATE, PACK
 from raysc.mix.command import MIX
@@ -331,7 +331,7 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     stopped run prints); default ``raysc train CONFIG --set ...``."""
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
-    from raysc.ckpt_cli import StoreUnreadable
+    from raysc.fleet.command import StoreUnreadable
     from raysc.cluster.connect import ClusterAddressError
     from raysc.cluster.fit import ClusterTooSmall
     from raysc.fleet.errors import RunFailed

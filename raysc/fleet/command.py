@@ -1,6 +1,7 @@
 """The ``raysc ckpt`` subcommands: list, verify, convert a store's checkpoints; ask a run for one now.
 
-``CKPT`` is their entry in the command table of ``raysc.cli``."""
+``CKPT`` is their entry in the command table of ``raysc.cli``. Here in ``fleet`` rather than ``checkpoint``
+because ``ckpt now`` asks a running fleet (``fleet.stopping``), and ``checkpoint`` sits below ``fleet``."""
 
 from __future__ import annotations
 
