@@ -25,6 +25,11 @@ TINY = [
 ]
 
 
+def mutate_words(text: str, frac: float, rng) -> str:
+    """``text`` with each word replaced by a random new one with probability ``frac`` (a near copy)."""
+    return " ".join(f"x{rng.random():.6f}" if rng.random() < frac else w for w in text.split())
+
+
 # Every Ray this suite starts (the session's, the `ray start` head's, the local clusters') inherits these
 # two; test_newcomer's, which drops other RAY_* settings to run the README's commands as a user does, the first.
 # Ray starts its worker processes at niceness 15 (the raylet's `worker_niceness`) so its own daemons stay
