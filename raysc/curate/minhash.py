@@ -45,7 +45,9 @@ if TYPE_CHECKING:
 
 _MAX_BATCH_CELLS = 1 << 18  # num_perm × shingles per numpy block (2 MiB of uint64: stays in cache)
 _DOCS_PER_SLICE = 512  # documents hashed at once (~1 MiB of shingle hashes per array for web text)
-_JUMPS = 4096  # densification attempts per empty bin: P(a 1-shingle document still has an empty bin) < 1e-13
+_JUMPS = 4096  # densification sequence per bin: P(a 1-shingle document still has an empty bin) < 1e-13
+_PROBE = 16  # the first bins of an empty bin's sequence tried directly
+_DENSIFY_CELLS = 1 << 21  # empty bins × candidate bins compared at once past those (16 MiB of int64)
 SCHEMES = ("one_permutation", "k_permutations")
 _EMPTY = np.uint32(0xFFFFFFFF)
 
@@ -77,7 +79,13 @@ class MinHasher:
         object.__setattr__(self, "_band_mix", rng.integers(1, 2**63, self.rows, dtype=np.uint64) * 2 + 1)
         # one-permutation hashing: the seeded key of the one mix, and each bin's sequence of bins to copy from
         object.__setattr__(self, "_key", rng.integers(0, 2**63, dtype=np.uint64) * 2 + 1)
-        object.__setattr__(self, "_jump", rng.integers(0, self.num_perm, (self.num_perm, _JUMPS), dtype=np.int64))
+        k = self.num_perm
+        jump = rng.integers(0, k, (k, _JUMPS), dtype=np.int64)
+        # where each bin j first appears in bin i's sequence (_JUMPS + j if never: then the smallest such j)
+        first = np.tile(_JUMPS + np.arange(k, dtype=np.int64), k)
+        np.minimum.at(first, (np.arange(k)[:, None] * k + jump).ravel(), np.tile(np.arange(_JUMPS), k))
+        object.__setattr__(self, "_jump", jump)
+        object.__setattr__(self, "_first", first.reshape(k, k))
 
     def __reduce__(self) -> tuple:
         """Pickled as its parameters (the arrays above are drawn again from the seed): a Ray task gets
@@ -138,20 +146,38 @@ class MinHasher:
         sig = np.full(n * k, _EMPTY, dtype=np.uint32)
         # a value of 2^32 - 1 would read as empty: it becomes 2^32 - 2 (one value in 2^32 merged)
         np.minimum.at(sig, cell.astype(np.int64), np.minimum(x.astype(np.uint32), _EMPTY - np.uint32(1)))
-        sig = sig.reshape(n, k)
+        return self._densify(sig.reshape(n, k))
+
+    def _densify(self, sig: np.ndarray) -> np.ndarray:
+        """Each empty bin takes the value of its sequence's earliest full bin (the least ``_first``)."""
+        k = self.num_perm
         full = sig != _EMPTY
         doc, bin_ = np.nonzero(~full)
-        tried, width = 0, 8
-        while len(doc) and tried < _JUMPS:  # the few bins still empty, a growing window of attempts at a time
-            window = self._jump[bin_, tried:tried + width]
-            hit = full[doc[:, None], window]
-            found = hit.any(axis=1)
-            src = window[np.flatnonzero(found), hit[found].argmax(axis=1)]
-            sig[doc[found], bin_[found]] = sig[doc[found], src]
-            doc, bin_ = doc[~found], bin_[~found]
-            tried, width = tried + width, width * 4
-        if len(doc):  # not seen in practice (module docstring): the document's first non-empty bin
-            sig[doc, bin_] = sig[doc, full[doc].argmax(axis=1)]
+        held = full.sum(axis=1)
+        # where a document has at least 1/8 of its bins full, the first _PROBE bins of the sequence hold
+        # that bin for most empty bins (a third full: 1 - (2/3)^16 of them)
+        probe = np.flatnonzero(held[doc] * 8 >= k)
+        window = self._jump[bin_[probe], :_PROBE]
+        hit = full[doc[probe][:, None], window]
+        found = np.flatnonzero(hit.any(axis=1))
+        took = probe[found]
+        sig[doc[took], bin_[took]] = sig[doc[took], window[found, hit[found].argmax(axis=1)]]
+        doc, bin_ = np.delete(doc, took), np.delete(bin_, took)
+        # the rest: the least ``_first`` among the document's own full bins; pairs ordered by how many bins
+        # their document holds, so that a chunk compares only as many candidates as its documents hold
+        order = np.argsort(held[doc], kind="stable")
+        doc, bin_ = doc[order], bin_[order]
+        full_first = np.argsort(~full, axis=1, kind="stable")  # a document's full bins, then its empty ones
+        lo = 0
+        while lo < len(doc):
+            width = int(held[doc[lo]])
+            same = int(np.searchsorted(held[doc], width, "right"))  # the pairs of documents holding as many
+            hi = min(same, lo + max(1, _DENSIFY_CELLS // width))
+            d, b = doc[lo:hi], bin_[lo:hi]
+            candidates = full_first[d, :width]
+            best = self._first[b[:, None], candidates].argmin(axis=1)
+            sig[d, b] = sig[d, candidates[np.arange(len(d)), best]]
+            lo = hi
         return sig
 
     def _k_permutations(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
