@@ -1,7 +1,9 @@
 """The curation stages other than dedup (``raysc.curate.dedup``): read, quality (the rules, and the
 reference model's perplexity from ``raysc.curate.perplexity``), write. Each
 takes a Ray Dataset (and its row count) and returns the next Dataset with its
-stats, so ``raysc.curate.pipeline`` reads as the list of stages."""
+stats, so ``raysc.curate.pipeline`` reads as the list of stages. Also the stages' shared
+Ray Data helpers: per-value counts (``count_by``, ``totals_by``) and the check of Ray Data's
+"no available CPUs" warning (``cpu_alarms_checked``)."""
 
 from __future__ import annotations
 
