@@ -114,6 +114,30 @@ def test_a_save_that_commits_while_the_next_save_waits_for_it(ray_session, make_
     assert ckpt.inflight is not None and ckpt.inflight["step"] == 8
 
 
+def test_retention_reads_each_manifest_once_and_never_takes_another_runs(ray_session, make_cfg, monkeypatch):
+    """Retention runs after every commit and keeps only this run's steps (by the run id in each manifest).
+    It read every committed manifest each time: with ``keep_every_steps`` a long run's store holds hundreds,
+    one object-store GET each per save. Now each manifest is read once (this run's own, never: it wrote them),
+    and another run's checkpoint in the store is still recognised and kept."""
+    cfg = make_cfg("checkpoint.keep_every_steps=8")
+    workers = [_Uploader.remote(r, done=True) for r in range(2)]
+    ckpt, events = _coordinator(cfg, workers)
+    ckpt.run_id = "this-run"
+    ckpt.store.commit(2, [], {"run_id": "another-run"})
+    reads: list[int] = []
+    read = ckpt.store.read_manifest
+    monkeypatch.setattr(ckpt.store, "read_manifest", lambda step: reads.append(step) or read(step))
+    ckpt.salvage(timeout_s=2.0)  # commits step 4
+    for step in (8, 12, 16, 20):
+        ckpt.save(step, tokens=0)
+        ckpt.salvage(timeout_s=2.0)
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4, 8, 12, 16, 20]
+    assert ckpt.store.steps() == [2, 8, 16, 20]  # keep_last 2, every 8th kept; the other run's step 2 kept
+    # the other run's manifest once; each new step's once, as its save asks whether it is committed already;
+    # none of the manifests this run wrote (each retention read them all: 2 + 3 + 3 + 3 + 3 more here)
+    assert reads == [2, 8, 12, 16, 20]
+
+
 @ray.remote(num_cpus=0)
 def _supervisor_defect(failure: bool) -> None:
     if failure:

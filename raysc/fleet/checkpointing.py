@@ -1,10 +1,9 @@
 """The supervisor's side of checkpointing: probe, save, commit, retain, hot copy, restore.
 
 Workers stage their shards on local disk and upload them (in the background when ``checkpoint.async``);
-this coordinator keeps at most one save in flight, commits the manifest once every rank's files are
-durable, applies retention, keeps the newest checkpoint's files in Ray's object store (owned by the
-supervisor, so they outlive any worker) and, on resume, walks back from the newest checkpoint until one
-fetches intact on every rank.
+this coordinator keeps at most one save in flight, commits the manifest once every rank's files are durable,
+applies retention, keeps the newest checkpoint's files in Ray's object store (owned by the supervisor, so
+they outlive any worker) and, on resume, walks back from the newest checkpoint until one fetches intact.
 
 A failed save deletes what it uploaded (and each rank its staged files), is recorded with how much it
 freed and whether retrying could have helped (``raysc.checkpoint.failures``), and raises a
@@ -62,6 +61,7 @@ class CheckpointCoordinator:
         self.run_id = ""  # recorded in run.json and every manifest (``claim``)
         self.trackers: dict[str, str] = {}  # the [track] trackers' run ids, in every manifest
         self.replacing: list[int] = []  # another run's steps, deleted once this run commits (--overwrite)
+        self._run_of: dict[int, str | None] = {}  # a committed step's run id (its manifest never changes)
 
     # ---- whose checkpoints these are ----
     def claim(self, resume: bool | str, overwrite: bool, run_dir: Path) -> str:
@@ -108,7 +108,12 @@ class CheckpointCoordinator:
         return {k: v for k, v in ids.items() if isinstance(v, str)}
 
     def _owners(self, steps: list[int]) -> dict[int, str | None]:
-        return {s: (self.store.read_manifest(s) or {}).get("run_id") for s in steps}
+        """Each step's run id; a manifest is read once (retention asks at every save), an unreadable one again."""
+        for s in set(steps) - self._run_of.keys():
+            manifest = self.store.read_manifest(s)
+            if manifest is not None:
+                self._run_of[s] = manifest.get("run_id")
+        return {s: self._run_of.get(s) for s in steps}
 
     def own_steps(self) -> list[int]:
         """Committed steps written by this run (or by a raysc that recorded no run id), oldest first."""
@@ -131,18 +136,15 @@ class CheckpointCoordinator:
             self._advise_interval()
 
     def _advise_interval(self) -> None:
-        n = param_count(self.cfg.model)["total"]
-        ckpt_bytes = n * 4 * 3  # fp32 parameters + two AdamW moments
+        ckpt_bytes = param_count(self.cfg.model)["total"] * 4 * 3  # fp32 parameters + two AdamW moments
         sample, rel = min(ckpt_bytes, 32 << 20), f".raysc-throughput-{time.time_ns()}"
         t0 = time.perf_counter()
         self.store.storage.write_bytes(rel, bytes(sample))
         dt = max(time.perf_counter() - t0, 1e-6)
         self.store.storage.delete(rel)
-        save_s = ckpt_bytes / (sample / dt)
-        mtbf_s = self.cfg.checkpoint.mtbf_hours * 3600
+        save_s, mtbf_s = ckpt_bytes / (sample / dt), self.cfg.checkpoint.mtbf_hours * 3600
         self.event(EventKind.CHECKPOINT_INTERVAL_ADVICE, estimated_save_s=round(save_s, 3),
-                   mtbf_hours=self.cfg.checkpoint.mtbf_hours,
-                   young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
+                   mtbf_hours=self.cfg.checkpoint.mtbf_hours, young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
                    note="checkpoint.every_steps is unset: set it to about this many seconds of training")
 
     # ---- saving ----
@@ -166,9 +168,8 @@ class CheckpointCoordinator:
             self.event(EventKind.CHECKPOINT_REPLACED, step=step, note="--overwrite: the other run's checkpoint at this step")
         t0 = time.perf_counter()
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
-        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"],
-                         "detector": started[0]["detector"], "t0": t0,
-                         "stall_s": max(s["held_s"] for s in started), "results": {}}
+        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"], "detector": started[0]["detector"],
+                         "t0": t0, "stall_s": max(s["held_s"] for s in started), "results": {}}
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
@@ -270,7 +271,7 @@ class CheckpointCoordinator:
         except Exception as e:  # the manifest itself could not be written (a full store, a lost endpoint)
             self._save_failed(step, f"manifest: {type(e).__name__}: {e}", [], permanent_reason(e), 0)
             return
-        self.durable_step, self.failed_in_row = step, 0
+        self.durable_step, self.failed_in_row, self._run_of[step] = step, 0, self.run_id
         if self.replacing:  # --overwrite: this run has a checkpoint of its own now
             for old in self.replacing:
                 self.store.delete_committed(old)
@@ -281,8 +282,8 @@ class CheckpointCoordinator:
                                        protect=step, steps=self.own_steps())  # never another run's
         if self.cfg.checkpoint.hot_copy and hot:
             self._keep_hot(step, results)
-        size = sum(f["size"] for f in manifest["files"])
-        rec = {"step": step, "bytes": size, "stall_s": round(job["stall_s"], 4), "total_s": round(total_s, 3)}
+        rec = {"step": step, "bytes": sum(f["size"] for f in manifest["files"]), "stall_s": round(job["stall_s"], 4),
+               "total_s": round(total_s, 3)}
         self.saves.append(rec)
         self.event(EventKind.CHECKPOINT_SAVED, **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
 
@@ -297,8 +298,7 @@ class CheckpointCoordinator:
     def _save_failed(self, step: int, error: str, ranks: list[int], permanent: str | None, freed_local: int) -> None:
         """Record a failed save, clean up after it and apply ``checkpoint.on_save_failure``."""
         ck = self.cfg.checkpoint
-        self.failed_in_row += 1
-        self.failed_saves += 1
+        self.failed_in_row, self.failed_saves = self.failed_in_row + 1, self.failed_saves + 1
         self.event(EventKind.CHECKPOINT_SAVE_FAILED, step=step, ranks=ranks, error=error,
                    failure=f"permanent: {permanent}" if permanent else "transient (retried)",
                    freed_bytes=self._discard(step), freed_local_bytes=freed_local,
