@@ -156,7 +156,7 @@ class CheckpointCoordinator:
                 self.event(EventKind.CHECKPOINT_SAVE_DELAYED, step=step, waiting_for=waiting_for)
             self.finish()
         if not self.store.discard_uncommitted(step):
-            owner = (self.store.read_manifest(step) or {}).get("run_id")
+            owner = self._owners([step])[step]
             if owner in (None, self.run_id):
                 return  # already committed by this run (a resumed run reaching a step it had saved)
             if step not in self.replacing:  # never deleted without --overwrite: this save cannot happen
@@ -359,7 +359,7 @@ class CheckpointCoordinator:
             yield step
             return
         for step in reversed(self.store.steps()):
-            owner = (self.store.read_manifest(step) or {}).get("run_id")
+            owner = self._owners([step])[step]
             reason = self.store.verify(step) if owner in (None, self.run_id) else \
                 f"written by run {owner}, not by this run ({self.run_id}); name it with --resume-from to use it"
             if reason is None:
