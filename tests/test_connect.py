@@ -35,6 +35,15 @@ class _Page(BaseHTTPRequestHandler):
         pass
 
 
+def _seconds(code: str) -> float:
+    """How long a fresh Python process running ``code`` takes on this machine now: what the commands under
+    test are timed against, so that a slower or busier machine moves both (issue 62)."""
+    t0 = time.monotonic()
+    subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+                   check=True, capture_output=True, timeout=300)
+    return time.monotonic() - t0
+
+
 def test_an_address_where_nothing_listens_or_http_answers_is_refused_and_a_real_gcs_passes(ray_session):
     port = free_port()
     with pytest.raises(ClusterAddressError, match=rf"RAY_ADDRESS=127\.0\.0\.1:{port}: nothing answers there.*port 6379"):
@@ -51,9 +60,11 @@ def test_an_address_where_nothing_listens_or_http_answers_is_refused_and_a_real_
         check_address(resolved_by_ray)
 
 
-def test_raysc_train_with_a_wrong_ray_address_fails_within_15_s(tmp_path):
+def test_raysc_train_with_a_wrong_ray_address_fails_within_seconds(tmp_path):
     """The README's `raysc train`, RAY_ADDRESS at a port where nothing listens: exit 2 with the
-    address and how to find the right one, long before Ray's own retries would give up."""
+    address and how to find the right one, long before Ray's own retries would give up (its GCS client
+    retries for a minute): within 4 times what importing Ray and torch takes here (~3 s unloaded)."""
+    floor = _seconds("import ray, torch")
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
     t0 = time.monotonic()
     run = subprocess.run([RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress", "--set", "train.steps=2",
@@ -62,7 +73,7 @@ def test_raysc_train_with_a_wrong_ray_address_fails_within_15_s(tmp_path):
     took = time.monotonic() - t0
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"RAY_ADDRESS={env['RAY_ADDRESS']}: nothing answers there" in run.stderr and "ray status" in run.stderr
-    assert took < 15, took
+    assert took < 4 * floor, (took, floor)
 
 
 def test_a_fleet_no_node_can_hold_stops_at_once_on_a_ray_this_process_started(ray_session, monkeypatch):
@@ -88,7 +99,10 @@ def test_a_fleet_no_node_can_hold_stops_at_once_on_a_ray_this_process_started(ra
 def test_raysc_preflight_of_a_gpu_recipe_on_this_machines_cpus_stops_within_seconds(tmp_path):
     """A newcomer's `raysc preflight jobs/configs/llama-3.2-1b.toml` with no cluster: it starts a local Ray
     with the machine's own CPUs and stops, before tokenizing anything, with exit 2 and the reason (it used
-    to wait out supervisor.start_timeout_s, 300 s, with Ray's autoscaler warnings)."""
+    to wait out supervisor.start_timeout_s, 300 s, with Ray's autoscaler warnings): within 3 times what a
+    trivial program that imports torch and starts and stops a local Ray with the machine's CPUs takes here."""
+    floor = _seconds("import os, ray, torch; ray.init(num_cpus=os.cpu_count(), include_dashboard=False); "
+                     "ray.shutdown()")
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.monotonic()
     run = subprocess.run([RAYSC, "preflight", "jobs/configs/llama-3.2-1b.toml", "--set",
@@ -98,4 +112,4 @@ def test_raysc_preflight_of_a_gpu_recipe_on_this_machines_cpus_stops_within_seco
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "needs 1 actor(s) of 8 CPU + 1 GPU" in run.stderr and "set parallel.device=cpu" in run.stderr
     assert "data_ready" not in run.stdout
-    assert took < 30, took
+    assert took < 3 * floor, (took, floor)

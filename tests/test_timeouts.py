@@ -30,7 +30,7 @@ def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cf
     # the supervisor's hang timeout (5 x the 1 s report interval) is far above the process-group
     # timeout of these millisecond steps: rank 0's collective must time out first, after about pg_s
     pg_s, hang_s = cal["pg_timeout_s"], cal["hang_timeout_s"]
-    assert hang_s >= 5.0 and pg_s <= 2.0, cal
+    assert hang_s >= 5.0 and pg_s + 2.0 < hang_s, cal  # (2 s for the error to cross Ray, as below)
     # the second hang is in the healed fleet, which gets the calibrated timeout after its warm-up step
     fired = [e for e in events if e["kind"] == "fault_injected"]
     caught = [e for e in events if e["kind"] in ("worker_error", "worker_hang", "worker_timeout", "worker_died")]

@@ -62,7 +62,7 @@ def test_a_down_tracker_never_blocks_and_gets_everything_in_order_when_back():
     relay.call("metrics", _rows(1, 5))
     relay.call("rewind", 2, "restart")
     relay.call("metrics", _rows(3, 6))
-    assert time.perf_counter() - t0 < 0.05  # the caller (a training step's report) never waits
+    assert time.perf_counter() - t0 < 0.2  # the caller (a step's report) never waits out a retry (retry_max_s)
     time.sleep(0.5)
     assert sink.calls == [] and [k for k, _ in events] == ["tracker_degraded"]
     assert relay.state.pending == 7 and not relay.state.healthy

@@ -39,6 +39,9 @@ class EventKind(str, Enum):
                          "at every fleet start")
     LAYOUT_WARNING = "layout_warning", "a tensor/context-parallel group spans nodes (slow collectives)"
     RUN_END = "run_end", "the run finished; the fields are its summary"
+    VALIDATION_MISSING = "validation_missing", ("the final validation (or pre-flight probe) failed and could not "
+                                                "be healed; training and its final checkpoint are complete, so "
+                                                "the run ends successfully without it (phase, error)")
     RUN_FAILED = "run_failed", "the run stopped on an error it could not heal"
     STOP_REQUESTED = "stop_requested", "the driver asked to stop (SIGINT / SIGTERM) at the next agreed step"
     RUN_STOPPED = "run_stopped", "the run stopped on request after saving (aborted: the stop was cut short)"

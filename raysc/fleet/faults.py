@@ -1,7 +1,8 @@
 """Fault injection (``supervisor.inject``): make a worker fail on purpose, for drills and tests.
 
 ``KIND@STEP[:RANK]`` makes worker ``RANK`` (default 0) fail just before it runs
-optimizer step ``STEP``:
+optimizer step ``STEP`` (``STEP`` = ``train.steps + 1``: at the start of the final validation,
+after the last step and its checkpoint):
 - ``raise``: an exception inside the step;
 - ``kill``: the worker process gets SIGKILL (as when the OOM killer or a node dies);
 - ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver);

@@ -374,6 +374,9 @@ class RankWorker:
         return self.trainer.loader.cursor
 
     def val_loss(self) -> float | None:
+        """The validation loss (collective). An injected fault at step ``train.steps + 1`` fires here: the
+        drill for a failure in the run's final phase."""
+        self.faults.before_step(self.cfg.train.steps + 1, self.trainer.params)
         return self.trainer.val_loss()
 
     def shutdown(self) -> None:

@@ -72,6 +72,7 @@ class Supervisor:
         self._trained_on: list | None = None  # the workers of the last chunk (a new fleet warms up first)
         self._warmup_step: int | None = None  # the step a new fleet is warming up on
         self.tracker: RunTracker | None = None  # the [track] trackers, once the run has its id
+        self._final_phase = "evaluating"  # the phase after training that is running (or failed)
 
     # ---- called by workers and the driver while run() is busy ----
     @ray.method(concurrency_group="reports")
@@ -193,22 +194,42 @@ class Supervisor:
         self._phase = "training"
         t_train = time.perf_counter()
         repaired = False  # replicas repaired in place at ``step``: it may still be due its checkpoint
-        while (step < total or repaired) and not self._stop:
+        while True:
+            while (step < total or repaired) and not self._stop:
+                try:
+                    if not repaired:
+                        step = self._train_chunk(step)
+                    repaired = False
+                    step = self._checkpoint_if_due(step)
+                    if healer.grow_due(step):
+                        self._phase = "growing"
+                        step = healer.grow(step, data)
+                except (RunFailed, ray.exceptions.RayError) as e:
+                    step = self._heal(healer, typed_failure(e, self._event), data)
+                    repaired = healer.repaired_in_place
+                self._phase = "training"
+            if self._stop:
+                return self._stopped(step, start_step)
+            train_time = time.perf_counter() - t_train
             try:
-                if not repaired:
-                    step = self._train_chunk(step)
-                repaired = False
-                step = self._checkpoint_if_due(step)
-                if healer.grow_due(step):
-                    self._phase = "growing"
-                    step = healer.grow(step, data)
+                return self._finish(start_step, train_time, self._evaluate())
             except (RunFailed, ray.exceptions.RayError) as e:
-                step = self._heal(healer, typed_failure(e, self._event), data)
+                # a fault in the final phase is healed like any other: the fleet restored from the final
+                # checkpoint (or training redone up to it, when that save failed) and the phase run again
+                err = typed_failure(e, self._event)
+                try:
+                    step = self._heal(healer, err, data)
+                except (RunFailed, ray.exceptions.RayError) as gave_up:
+                    if self.ckpt.latest() != total:
+                        raise
+                    # training and its final checkpoint are complete: a success without the validation
+                    self._event(EventKind.VALIDATION_MISSING, phase=self._final_phase, error=str(gave_up),
+                                checkpoint=self._checkpoint_uri(total),
+                                note="the run's training and final checkpoint are complete; the final "
+                                     "validation could not be run (see the failure above)")
+                    return self._finish(start_step, train_time, (None, None))
                 repaired = healer.repaired_in_place
-            self._phase = "training"
-        if self._stop:
-            return self._stopped(step, start_step)
-        return self._finish(start_step, time.perf_counter() - t_train)
+                self._phase = "training"
 
     def _heal(self, healer: Healer, err: RunFailed, data: dict) -> int:
         """Heal ``err``; a worker failure while healing (a replacement that dies in set-up, a rank
@@ -356,16 +377,22 @@ class Supervisor:
     def _checkpoint_uri(self, step: int | None) -> str | None:
         return f"{self.cfg.checkpoint_uri}/{step_name(step)}" if step is not None else None
 
-    def _finish(self, start_step: int, train_time: float) -> dict:
-        """Validation (and the pre-flight probe), then the ``run_end`` summary."""
-        cfg = self.cfg
-        self._phase = "evaluating"
+    def _evaluate(self) -> tuple[float | None, list | None]:
+        """The final validation loss and (``raysc preflight``) the pre-flight probe's measurements. Every
+        rank takes part in their collectives: a worker failure here raises as in training."""
         workers = self.fleet.workers
+        self._phase = self._final_phase = "evaluating"
         val = self.watch.wait([w.val_loss.remote() for w in workers], "validation")[0]
         probe = None
         if self.probe_bytes:
-            self._phase = "probing"
+            self._phase = self._final_phase = "probing"
             probe = self.watch.wait([w.probe.remote(self.probe_bytes) for w in workers], "pre-flight probe")
+        return val, probe
+
+    def _finish(self, start_step: int, train_time: float, evaluated: tuple[float | None, list | None]) -> dict:
+        """The ``run_end`` summary, with the validation loss and probe of ``_evaluate`` (None: missing)."""
+        cfg = self.cfg
+        val, probe = evaluated
         latest = self.ckpt.latest()
         steps_run = cfg.train.steps - start_step
         summary = {
