@@ -54,16 +54,32 @@ import common  # noqa: E402
 
 RAYSC = str(Path(sys.executable).parent / "raysc")
 EVERY = 4
-MODEL = ["model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=64", "train.global_batch=6", "schedule.warmup_steps=5", "data.max_corpus_mb=1.0",
-         "data.tokenizer_sample_mb=0.5", "train.log_every=1000"]
+MODEL = [
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "train.global_batch=6",
+    "schedule.warmup_steps=5",
+    "data.max_corpus_mb=1.0",
+    "data.tokenizer_sample_mb=0.5",
+    "train.log_every=1000",
+]
 SETTINGS = [
-    *MODEL, "parallel.dp_replicate=3", "parallel.cpus_per_worker=1", f"checkpoint.every_steps={EVERY}",
+    *MODEL,
+    "parallel.dp_replicate=3",
+    "parallel.cpus_per_worker=1",
+    f"checkpoint.every_steps={EVERY}",
     "checkpoint.keep_last=1000",  # asynchronous saves, the default: a fault may meet a save in flight
     "checkpoint.upload_retries=2",
-    "supervisor.sdc_every_steps=1", "supervisor.warm_spares=false", "supervisor.restart_backoff_s=0.1",
+    "supervisor.sdc_every_steps=1",
+    "supervisor.warm_spares=false",
+    "supervisor.restart_backoff_s=0.1",
     # the floor of the calibrated timeouts: above the 3-s straggle of `slow`, so a straggler is not a hang
-    "supervisor.timeout_floor_s=6", "supervisor.max_restarts=5",
+    "supervisor.timeout_floor_s=6",
+    "supervisor.max_restarts=5",
 ]
 
 
@@ -86,8 +102,22 @@ def train(env: dict, run_dir: Path, sets: list[str], timeout: float = 540) -> su
 
 def committed_steps(uri: str, endpoint: str) -> list[int]:
     """Steps ``raysc ckpt list --json --checksums`` lists as committed and verified."""
-    out = subprocess.run([RAYSC, "ckpt", "list", uri, "--storage-options", json.dumps(common.s3_options(endpoint)),
-                          "--json", "--checksums"], capture_output=True, text=True, check=True, cwd=ROOT)
+    out = subprocess.run(
+        [
+            RAYSC,
+            "ckpt",
+            "list",
+            uri,
+            "--storage-options",
+            json.dumps(common.s3_options(endpoint)),
+            "--json",
+            "--checksums",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    )
     return [r["step"] for r in json.loads(out.stdout.strip().splitlines()[-1]) if r["verified"] == "yes"]
 
 
@@ -137,36 +167,72 @@ def main() -> None:
     try:
         env = st.env()
         steps = f"train.steps={schedule.steps}"
-        ref = train(env, tmp / "reference", [steps, f'checkpoint.uri="s3://{bucket}/reference"', storage_options(endpoint),
-                                             f'supervisor.inject="{chaos.reference_spec(schedule)}"'])
+        ref = train(
+            env,
+            tmp / "reference",
+            [
+                steps,
+                f'checkpoint.uri="s3://{bucket}/reference"',
+                storage_options(endpoint),
+                f'supervisor.inject="{chaos.reference_spec(schedule)}"',
+            ],
+        )
         patterns = {}
         for s in chaos.outage_steps(schedule):
             patterns[s] = chaos.outage_pattern(bucket, "chaos", s)
             proxy.fail(patterns[s], "ServiceUnavailable", status=503)
-        run = train(env, tmp / "chaos", [steps, f'checkpoint.uri="s3://{bucket}/chaos"', storage_options(proxy.endpoint),
-                                         f'supervisor.inject="{chaos.inject_spec(schedule)}"'])
+        run = train(
+            env,
+            tmp / "chaos",
+            [
+                steps,
+                f'checkpoint.uri="s3://{bucket}/chaos"',
+                storage_options(proxy.endpoint),
+                f'supervisor.inject="{chaos.inject_spec(schedule)}"',
+            ],
+        )
         proxy.clear()
         events = read_jsonl(tmp / "chaos" / "events.jsonl")
         ref_end = [e for e in read_jsonl(tmp / "reference" / "events.jsonl") if e["kind"] == "run_end"]
         equal = params_equal(tmp / "reference", tmp / "chaos") if ref.returncode == 0 and run.returncode == 0 else None
-        rep = chaos.report(schedule, events, committed_steps(f"s3://{bucket}/chaos", endpoint),
-                           outage_start={s: first_refused[p] for s, p in patterns.items() if p in first_refused},
-                           params_equal=equal)
+        rep = chaos.report(
+            schedule,
+            events,
+            committed_steps(f"s3://{bucket}/chaos", endpoint),
+            outage_start={s: first_refused[p] for s, p in patterns.items() if p in first_refused},
+            params_equal=equal,
+        )
     finally:
         local.down(state)
         proxy.close()
         server.stop()
     for r in rep["per_fault"]:
-        print(f"  {r['fault']:18} fired={r['fired']} detected={r['detected']} healed={r['healed']} "
-              f"by={r.get('healed_by')} mttr={r['mttr_s']}s steps_lost={r['steps_lost']}", flush=True)
-    print(json.dumps({"benchmark": "chaos", "seed": args.seed, "nodes": args.nodes, "cpus_per_node": 2,
-                      "layout": "dp_replicate=3, 1 CPU per worker", "checkpoint_every": EVERY,
-                      "steps": schedule.steps, "exit_codes": {"reference": ref.returncode, "chaos": run.returncode},
-                      "reference_inject": chaos.reference_spec(schedule),
-                      **{k: v for k, v in rep.items() if k != "per_fault"},
-                      "reference": {k: ref_end[0].get(k) for k in ("goodput", "wall_s")} if ref_end else None,
-                      "per_fault": [{k: r[k] for k in ("fault", "fired", "detected", "healed", "mttr_s", "steps_lost")}
-                                    for r in rep["per_fault"]]}))
+        print(
+            f"  {r['fault']:18} fired={r['fired']} detected={r['detected']} healed={r['healed']} "
+            f"by={r.get('healed_by')} mttr={r['mttr_s']}s steps_lost={r['steps_lost']}",
+            flush=True,
+        )
+    print(
+        json.dumps(
+            {
+                "benchmark": "chaos",
+                "seed": args.seed,
+                "nodes": args.nodes,
+                "cpus_per_node": 2,
+                "layout": "dp_replicate=3, 1 CPU per worker",
+                "checkpoint_every": EVERY,
+                "steps": schedule.steps,
+                "exit_codes": {"reference": ref.returncode, "chaos": run.returncode},
+                "reference_inject": chaos.reference_spec(schedule),
+                **{k: v for k, v in rep.items() if k != "per_fault"},
+                "reference": {k: ref_end[0].get(k) for k in ("goodput", "wall_s")} if ref_end else None,
+                "per_fault": [
+                    {k: r[k] for k in ("fault", "fired", "detected", "healed", "mttr_s", "steps_lost")}
+                    for r in rep["per_fault"]
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

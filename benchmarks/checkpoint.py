@@ -115,15 +115,20 @@ def throughput(bucket: str, options: dict, repeats: int, levels: list[int]) -> d
         return min(levels, key=lambda c: med[c][kind])
 
     by_c = {c: {k: round(v, 3) for k, v in m.items()} for c, m in med.items()}
-    return {"checkpoint_bytes": nbytes, "checkpoint_files": nfiles, "repeats": repeats, "default_concurrency": default_c,
-            "seconds_by_concurrency": by_c,
-            "best_concurrency": {k: best(k) for k in ("save", "write", "load", "read")},
-            # each side at its fastest concurrency (the physical limit of this machine and store)
-            "save_throughput_ratio": round(med[best("write")]["write"] / med[best("save")]["save"], 3),
-            "load_throughput_ratio": round(med[best("read")]["read"] / med[best("load")]["load"], 3),
-            # raysc at its default concurrency against the baseline at the same concurrency
-            "save_ratio_at_default": round(med[default_c]["write"] / med[default_c]["save"], 3),
-            "load_ratio_at_default": round(med[default_c]["read"] / med[default_c]["load"], 3)}
+    return {
+        "checkpoint_bytes": nbytes,
+        "checkpoint_files": nfiles,
+        "repeats": repeats,
+        "default_concurrency": default_c,
+        "seconds_by_concurrency": by_c,
+        "best_concurrency": {k: best(k) for k in ("save", "write", "load", "read")},
+        # each side at its fastest concurrency (the physical limit of this machine and store)
+        "save_throughput_ratio": round(med[best("write")]["write"] / med[best("save")]["save"], 3),
+        "load_throughput_ratio": round(med[best("read")]["read"] / med[best("load")]["load"], 3),
+        # raysc at its default concurrency against the baseline at the same concurrency
+        "save_ratio_at_default": round(med[default_c]["write"] / med[default_c]["save"], 3),
+        "load_ratio_at_default": round(med[default_c]["read"] / med[default_c]["load"], 3),
+    }
 
 
 def stall(bucket: str, options: dict) -> dict:
@@ -138,19 +143,39 @@ def stall(bucket: str, options: dict) -> dict:
     opts = "{" + ", ".join(f'{k} = "{v}"' for k, v in options.items()) + "}"
     out = {}
     for mode in ("true", "false"):
-        cfg = load_config(ROOT / "jobs/configs/tiny.toml", [
-            "train.steps=60", "checkpoint.every_steps=10", f"checkpoint.async={mode}", "parallel.cpus_per_worker=2",
-            "model.dim=256", "model.n_layers=4", "model.n_heads=8", "model.n_kv_heads=4", "model.vocab_size=8192",
-            f'checkpoint.uri="s3://{bucket}/stall-{mode}"', f"checkpoint.storage_options={opts}",
-            "checkpoint.keep_last=2", f'run.dir="{tmp / mode}"', f'data.cache_dir="{ROOT / ".cache/raysc"}"'])
+        cfg = load_config(
+            ROOT / "jobs/configs/tiny.toml",
+            [
+                "train.steps=60",
+                "checkpoint.every_steps=10",
+                f"checkpoint.async={mode}",
+                "parallel.cpus_per_worker=2",
+                "model.dim=256",
+                "model.n_layers=4",
+                "model.n_heads=8",
+                "model.n_kv_heads=4",
+                "model.vocab_size=8192",
+                f'checkpoint.uri="s3://{bucket}/stall-{mode}"',
+                f"checkpoint.storage_options={opts}",
+                "checkpoint.keep_last=2",
+                f'run.dir="{tmp / mode}"',
+                f'data.cache_dir="{ROOT / ".cache/raysc"}"',
+            ],
+        )
         train(cfg, progress=False)
         saves = [e for e in read_jsonl(tmp / mode / "events.jsonl") if e["kind"] == "checkpoint_saved"]
-        out[mode] = {"stall_s": statistics.mean(e["stall_s"] for e in saves),
-                     "total_s": statistics.mean(e["total_s"] for e in saves), "saves": len(saves)}
+        out[mode] = {
+            "stall_s": statistics.mean(e["stall_s"] for e in saves),
+            "total_s": statistics.mean(e["total_s"] for e in saves),
+            "saves": len(saves),
+        }
     ray.shutdown()
-    return {"async_stall_s": round(out["true"]["stall_s"], 4), "sync_save_s": round(out["false"]["total_s"], 4),
-            "async_stall_over_sync_save": round(out["true"]["stall_s"] / out["false"]["total_s"], 4),
-            "saves_per_run": out["true"]["saves"]}
+    return {
+        "async_stall_s": round(out["true"]["stall_s"], 4),
+        "sync_save_s": round(out["false"]["total_s"], 4),
+        "async_stall_over_sync_save": round(out["true"]["stall_s"] / out["false"]["total_s"], 4),
+        "saves_per_run": out["true"]["saves"],
+    }
 
 
 def main() -> None:
@@ -158,15 +183,29 @@ def main() -> None:
     try:
         levels = [int(c) for c in os.environ.get("BENCH_CKPT_CONCURRENCY", "1,2,4").split(",")]
         tp = throughput(bucket, options, int(os.environ.get("BENCH_CKPT_REPEATS", "3")), levels)
-        print(f"save {tp['save_throughput_ratio']}x, load {tp['load_throughput_ratio']}x of plain fsspec (each at its "
-              f"best concurrency, {tp['best_concurrency']}); seconds by concurrency {tp['seconds_by_concurrency']}",
-              flush=True)
+        print(
+            f"save {tp['save_throughput_ratio']}x, load {tp['load_throughput_ratio']}x of plain fsspec (each at its "
+            f"best concurrency, {tp['best_concurrency']}); seconds by concurrency {tp['seconds_by_concurrency']}",
+            flush=True,
+        )
         st = stall(bucket, options)
     finally:
         server.stop()
-    print(json.dumps({"benchmark": "checkpoint", "store": "moto S3 on 127.0.0.1", **tp, **st,
-                      "targets": {"save_throughput_ratio": ">= 0.8", "load_throughput_ratio": ">= 0.8",
-                                  "async_stall_over_sync_save": "<= 0.1"}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "checkpoint",
+                "store": "moto S3 on 127.0.0.1",
+                **tp,
+                **st,
+                "targets": {
+                    "save_throughput_ratio": ">= 0.8",
+                    "load_throughput_ratio": ">= 0.8",
+                    "async_stall_over_sync_save": "<= 0.1",
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

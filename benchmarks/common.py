@@ -19,14 +19,14 @@ def start_s3():
     host, port = server._server.server_address
     endpoint = f"http://{host}:{port}"
     bucket = f"bench-{uuid.uuid4().hex[:8]}"
-    boto3.client("s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET,
-                 region_name=S3_REGION).create_bucket(Bucket=bucket)
+    boto3.client(
+        "s3", endpoint_url=endpoint, aws_access_key_id=S3_KEY, aws_secret_access_key=S3_SECRET, region_name=S3_REGION
+    ).create_bucket(Bucket=bucket)
     return server, endpoint, bucket
 
 
 def s3_options(endpoint: str) -> dict:
     return {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET, "region_name": S3_REGION}
-
 
 
 def exported_dtype(folder: str) -> str:

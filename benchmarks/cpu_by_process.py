@@ -24,10 +24,28 @@ import time
 
 TICK = os.sysconf("SC_CLK_TCK")
 # first match wins: a raylet's command line names default_worker.py (the command it starts workers with)
-KINDS = ("raylet/raylet", "gcs_server", "default_worker.py", "setup_worker.py", "dashboard/agent.py",
-         "dashboard/dashboard.py", "runtime_env/agent", "log_monitor", "autoscaler/_private/monitor.py",
-         "raysc train", "raysc serve", "ray start", "ray job", "prometheus", "grafana", "mlflow", "pytest",
-         "execnet", "multiprocessing.spawn", "raysc")
+KINDS = (
+    "raylet/raylet",
+    "gcs_server",
+    "default_worker.py",
+    "setup_worker.py",
+    "dashboard/agent.py",
+    "dashboard/dashboard.py",
+    "runtime_env/agent",
+    "log_monitor",
+    "autoscaler/_private/monitor.py",
+    "raysc train",
+    "raysc serve",
+    "ray start",
+    "ray job",
+    "prometheus",
+    "grafana",
+    "mlflow",
+    "pytest",
+    "execnet",
+    "multiprocessing.spawn",
+    "raysc",
+)
 
 
 def command_line(pid: int) -> str:
@@ -97,10 +115,23 @@ def main() -> None:
     ranked = dict(sorted(((k, round(v, 1)) for k, v in total.items() if v >= 0.05), key=lambda kv: -kv[1]))
     for kind, sec in list(ranked.items())[:25]:
         print(f"{sec:9.1f}  {kind}")
-    print(json.dumps({"command": cmd, "rc": proc.returncode, "wall_s": round(time.monotonic() - t0, 1),
-                      "cpu_s_total": round(sum(ranked.values()), 1), "cpu_s": ranked,
-                      "command_lines": {k: dict(sorted(((c, round(v, 1)) for c, v in by_line.get(k, {}).items()),
-                                                       key=lambda kv: -kv[1])[:3]) for k in ranked}}))
+    print(
+        json.dumps(
+            {
+                "command": cmd,
+                "rc": proc.returncode,
+                "wall_s": round(time.monotonic() - t0, 1),
+                "cpu_s_total": round(sum(ranked.values()), 1),
+                "cpu_s": ranked,
+                "command_lines": {
+                    k: dict(
+                        sorted(((c, round(v, 1)) for c, v in by_line.get(k, {}).items()), key=lambda kv: -kv[1])[:3]
+                    )
+                    for k in ranked
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

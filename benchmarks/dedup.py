@@ -121,7 +121,7 @@ def kernel_edges(docs: list[dict]) -> set:
     from raysc.curate.minhash import MinHasher
 
     hasher = MinHasher(BANDS * ROWS, BANDS, ROWS, SHINGLE, 1)
-    sig = np.concatenate([hasher.signatures([d["text"] for d in docs[i:i + 512]]) for i in range(0, len(docs), 512)])
+    sig = np.concatenate([hasher.signatures([d["text"] for d in docs[i : i + 512]]) for i in range(0, len(docs), 512)])
     keys = hasher.band_keys(sig)
     edges = set()
     for band in range(BANDS):
@@ -130,7 +130,7 @@ def kernel_edges(docs: list[dict]) -> set:
         starts = np.flatnonzero(np.r_[True, k[1:] != k[:-1]])
         sizes = np.diff(np.r_[starts, len(k)])
         for s, n in zip(starts[sizes > 1], sizes[sizes > 1]):
-            group = order[s:s + n]
+            group = order[s : s + n]
             est = (sig[group][:, None, :] == sig[group][None, :, :]).mean(axis=2)
             i, j = np.nonzero(np.triu(est >= THRESHOLD, k=1))
             edges.update((int(min(group[a], group[b])), int(max(group[a], group[b]))) for a, b in zip(i, j))
@@ -147,7 +147,7 @@ def datasketch_edges(docs: list[dict]) -> set:
     for i, d in enumerate(docs):
         w = words(d["text"])
         m = MinHash(num_perm=BANDS * ROWS, seed=1)
-        m.update_batch([" ".join(w[k:k + SHINGLE]).encode() for k in range(max(1, len(w) - SHINGLE + 1))])
+        m.update_batch([" ".join(w[k : k + SHINGLE]).encode() for k in range(max(1, len(w) - SHINGLE + 1))])
         lsh.insert(i, m)
         sigs.append(m)
     return {(i, j) for i, m in enumerate(sigs) for j in lsh.query(m) if j > i and m.jaccard(sigs[j]) >= THRESHOLD}
@@ -178,8 +178,13 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False, workers: i
             return [(0, len(text))]
 
     dm.load_word_tokenizer = lambda language: OurWords()  # the MinHash stages only: filters keep theirs
-    config = dm.MinhashConfig(n_grams=SHINGLE, num_buckets=BANDS, hashes_per_bucket=ROWS, seed=1,
-                              hash_config=HashConfig(precision=64, hash_fc="sha1"))
+    config = dm.MinhashConfig(
+        n_grams=SHINGLE,
+        num_buckets=BANDS,
+        hashes_per_bucket=ROWS,
+        seed=1,
+        hash_config=HashConfig(precision=64, hash_fc="sha1"),
+    )
 
     def reader(data, rank: int = 0, world_size: int = 1):
         for d in docs[rank::world_size]:
@@ -196,20 +201,32 @@ def datatrove_kept(docs: list[dict], work: Path, rules: bool = False, workers: i
 
     filters = []
     if rules:
-        from datatrove.pipeline.filters import (C4QualityFilter, FineWebQualityFilter, GopherQualityFilter,
-                                                GopherRepetitionFilter)
+        from datatrove.pipeline.filters import (
+            C4QualityFilter,
+            FineWebQualityFilter,
+            GopherQualityFilter,
+            GopherRepetitionFilter,
+        )
 
         filters = [GopherRepetitionFilter(), GopherQualityFilter(), C4QualityFilter(), FineWebQualityFilter()]
     w = str(work)
-    stages = [([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], workers),
-              ([dm.MinhashDedupBuckets(input_folder=f"{w}/sigs", output_folder=f"{w}/buckets", config=config)], BANDS),
-              ([dm.MinhashDedupCluster(input_folder=f"{w}/buckets", output_folder=f"{w}/remove", config=config)], 1),
-              ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), *filters, collect], workers)]
+    stages = [
+        ([reader, dm.MinhashDedupSignature(output_folder=f"{w}/sigs", config=config)], workers),
+        ([dm.MinhashDedupBuckets(input_folder=f"{w}/sigs", output_folder=f"{w}/buckets", config=config)], BANDS),
+        ([dm.MinhashDedupCluster(input_folder=f"{w}/buckets", output_folder=f"{w}/remove", config=config)], 1),
+        ([reader, dm.MinhashDedupFilter(input_folder=f"{w}/remove"), *filters, collect], workers),
+    ]
     for i, (pipeline, tasks) in enumerate(stages):
         # fork: the workers inherit the documents read once here (forkserver, datatrove's default, would
         # pickle them into every task; a datatrove user's reader opens the files instead)
-        LocalPipelineExecutor(pipeline=pipeline, tasks=tasks, workers=min(workers, tasks), logging_dir=f"{w}/logs{i}",
-                              skip_completed=False, start_method="fork").run()
+        LocalPipelineExecutor(
+            pipeline=pipeline,
+            tasks=tasks,
+            workers=min(workers, tasks),
+            logging_dir=f"{w}/logs{i}",
+            skip_completed=False,
+            start_method="fork",
+        ).run()
     kept_ids = {line for f in kept_dir.glob("*.txt") for line in f.read_text().splitlines()}
     return [d for d in docs if d["id"] in kept_ids]
 
@@ -221,15 +238,20 @@ def run_one(name: str, corpus: Path, work: Path, datatrove_workers: int = 1) -> 
 
         config = work / "curate.toml"
         config.parent.mkdir(parents=True, exist_ok=True)
-        config.write_text(f'[curate]\ninput = "{corpus / "docs"}"\noutput = "{work / "out"}"\n'
-                          f"[quality]\nenabled = {str(name == 'raysc_rules').lower()}\n"
-                          f"[dedup]\nthreshold = {THRESHOLD}\n"
-                          f'[run]\ndir = "{work / "run"}"\n[data]\ncache_dir = "{ROOT / ".cache/raysc"}"\n')
+        config.write_text(
+            f'[curate]\ninput = "{corpus / "docs"}"\noutput = "{work / "out"}"\n'
+            f"[quality]\nenabled = {str(name == 'raysc_rules').lower()}\n"
+            f"[dedup]\nthreshold = {THRESHOLD}\n"
+            f'[run]\ndir = "{work / "run"}"\n[data]\ncache_dir = "{ROOT / ".cache/raysc"}"\n'
+        )
         if main(["curate", str(config)]):
             raise RuntimeError("raysc curate failed")
         report = json.loads((work / "out" / "report.json").read_text())
-        return {"stages": report["seconds"], "cc_rounds": report["near_dedup"]["cc_rounds"],
-                "shuffles": report["near_dedup"].get("shuffles")}
+        return {
+            "stages": report["seconds"],
+            "cc_rounds": report["near_dedup"]["cc_rounds"],
+            "shuffles": report["near_dedup"].get("shuffles"),
+        }
     t0 = time.perf_counter()
     docs = load_docs(corpus)
     t1 = time.perf_counter()
@@ -240,8 +262,13 @@ def run_one(name: str, corpus: Path, work: Path, datatrove_workers: int = 1) -> 
     t2 = time.perf_counter()
     write_kept(kept, work / "out")
     middle = "near_dedup_and_rules" if name.endswith("_rules") else "near_dedup"
-    return {"stages": {"read_normalise_exact": round(t1 - t0, 3), middle: round(t2 - t1, 3),
-                       "write": round(time.perf_counter() - t2, 3)}}
+    return {
+        "stages": {
+            "read_normalise_exact": round(t1 - t0, 3),
+            middle: round(t2 - t1, 3),
+            "write": round(time.perf_counter() - t2, 3),
+        }
+    }
 
 
 # ---- the parent: corpus, processes, memory, accuracy ----
@@ -270,9 +297,23 @@ def timed_run(name: str, corpus: Path, work: Path, datatrove_workers: int) -> di
     peaks: dict[int, tuple[str, int]] = {}
     stop = threading.Event()
     t0 = time.perf_counter()
-    proc = subprocess.Popen([sys.executable, __file__, "--run", name, "--corpus", str(corpus), "--work", str(work),
-                             "--datatrove-workers", str(datatrove_workers)],
-                            stdout=subprocess.PIPE, text=True, cwd=ROOT)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            __file__,
+            "--run",
+            name,
+            "--corpus",
+            str(corpus),
+            "--work",
+            str(work),
+            "--datatrove-workers",
+            str(datatrove_workers),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
     sampler = threading.Thread(target=tree_rss, args=(proc.pid, peaks, stop), daemon=True)
     sampler.start()
     out, _ = proc.communicate()
@@ -284,10 +325,16 @@ def timed_run(name: str, corpus: Path, work: Path, datatrove_workers: int) -> di
     result = json.loads(out.strip().splitlines()[-1])
     workers = sorted(((rss, n) for pid, (n, rss) in peaks.items() if n != "driver"), reverse=True)
     mb = 1 << 20
-    return {"seconds": round(seconds, 2), **result,
-            "peak_mb": {"driver": round(peaks.get(proc.pid, ("", 0))[1] / mb), "processes": 1 + len(workers),
-                        "largest_other": [round(r / mb) for r, _ in workers[:6]],
-                        "largest_other_names": [n for _, n in workers[:6]]}}
+    return {
+        "seconds": round(seconds, 2),
+        **result,
+        "peak_mb": {
+            "driver": round(peaks.get(proc.pid, ("", 0))[1] / mb),
+            "processes": 1 + len(workers),
+            "largest_other": [round(r / mb) for r, _ in workers[:6]],
+            "largest_other_names": [n for _, n in workers[:6]],
+        },
+    }
 
 
 def accuracy(truth: list[dict], n: int, seed: int, kept: set[str]) -> dict:
@@ -299,9 +346,12 @@ def accuracy(truth: list[dict], n: int, seed: int, kept: set[str]) -> dict:
     explained = {p["copy"] for p in truth if p["jaccard"] > 0.5}
     ids = Synth(SynthSpec(n, seed), pools={"prose": [""], "code": [""]})
     removed = {ids.doc_id(i) for i in range(n)} - kept
-    return {"recall_ge_0.85": round(sum(pair_detected(p, kept) for p in high) / max(1, len(high)), 4),
-            "removed_le_0.5": sum(pair_detected(p, kept) for p in low), "pairs_le_0.5": len(low),
-            "unexplained_removals": len(removed - explained)}
+    return {
+        "recall_ge_0.85": round(sum(pair_detected(p, kept) for p in high) / max(1, len(high)), 4),
+        "removed_le_0.5": sum(pair_detected(p, kept) for p in low),
+        "pairs_le_0.5": len(low),
+        "unexplained_removals": len(removed - explained),
+    }
 
 
 def main() -> None:
@@ -310,12 +360,20 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--impls", default=",".join(DEFAULT_IMPLS), help=f"comma-separated, of {', '.join(IMPLS)}")
-    ap.add_argument("--format", choices=("jsonl", "parquet"), default="jsonl",
-                    help="the corpus's shards: JSONL, or FineWeb-like Parquet")
+    ap.add_argument(
+        "--format",
+        choices=("jsonl", "parquet"),
+        default="jsonl",
+        help="the corpus's shards: JSONL, or FineWeb-like Parquet",
+    )
     ap.add_argument("--cache", default=str(ROOT / ".cache/raysc/synth"))
-    ap.add_argument("--datatrove-workers", type=int, default=os.cpu_count() or 1,
-                    help="datatrove's tasks and worker processes per stage (default: every core, as Ray Data "
-                         "uses them for raysc; 1 reproduces the single-worker figures)")
+    ap.add_argument(
+        "--datatrove-workers",
+        type=int,
+        default=os.cpu_count() or 1,
+        help="datatrove's tasks and worker processes per stage (default: every core, as Ray Data "
+        "uses them for raysc; 1 reproduces the single-worker figures)",
+    )
     ap.add_argument("--run", choices=IMPLS, help=argparse.SUPPRESS)
     ap.add_argument("--corpus", help=argparse.SUPPRESS)
     ap.add_argument("--work", help=argparse.SUPPRESS)
@@ -330,8 +388,7 @@ def main() -> None:
 
     corpus = Path(a.cache) / (f"n{a.docs}-s{a.seed}" + ("-parquet" if a.format == "parquet" else ""))
     if not (corpus / "meta.json").is_file():
-        write_corpus(SynthSpec(a.docs, a.seed), corpus, a.format, shard_docs=5_000,
-                     log=lambda m: print(m, flush=True))
+        write_corpus(SynthSpec(a.docs, a.seed), corpus, a.format, shard_docs=5_000, log=lambda m: print(m, flush=True))
     meta, truth = json.loads((corpus / "meta.json").read_text()), read_truth(corpus)
     print(f"corpus: {a.docs} documents ({meta['bytes'] / 1e6:.1f} MB), roles {meta['roles']}", flush=True)
     impls = [i for i in a.impls.split(",") if i]
@@ -361,21 +418,36 @@ def main() -> None:
     results = {}
     for name, rs in runs.items():
         sec = statistics.median(x["seconds"] for x in rs)
-        results[name] = {**rs[-1], "seconds": sec, "seconds_all": [x["seconds"] for x in rs],
-                         "docs_per_s": round(a.docs / sec, 1)}
+        results[name] = {
+            **rs[-1],
+            "seconds": sec,
+            "seconds_all": [x["seconds"] for x in rs],
+            "docs_per_s": round(a.docs / sec, 1),
+        }
         if name == "raysc":
             wq = statistics.median(x["seconds"] - x["stages"].get("quality", 0.0) for x in rs)
             results[name]["seconds_without_quality"] = round(wq, 2)
-    out = {"documents": a.docs, "format": a.format, "megabytes": round(meta["bytes"] / 1e6, 1), "cores": os.cpu_count(),
-           "datatrove_workers": a.datatrove_workers,
-           "repeats": a.repeats, "shingle": SHINGLE, "num_perm": BANDS * ROWS, "bands": BANDS, "rows": ROWS,
-           "threshold": THRESHOLD, **results}
+    out = {
+        "documents": a.docs,
+        "format": a.format,
+        "megabytes": round(meta["bytes"] / 1e6, 1),
+        "cores": os.cpu_count(),
+        "datatrove_workers": a.datatrove_workers,
+        "repeats": a.repeats,
+        "shingle": SHINGLE,
+        "num_perm": BANDS * ROWS,
+        "bands": BANDS,
+        "rows": ROWS,
+        "threshold": THRESHOLD,
+        **results,
+    }
     for name in impls:
         if name not in ("raysc", "raysc_rules", "datatrove_rules") and "raysc" in results:
             out[f"ratio_raysc_vs_{name}"] = round(results[name]["seconds"] / results["raysc"]["seconds"], 2)
     if {"raysc_rules", "datatrove_rules"} <= set(results):  # the pipelines with rules, against each other
         out["ratio_raysc_rules_vs_datatrove_rules"] = round(
-            results["datatrove_rules"]["seconds"] / results["raysc_rules"]["seconds"], 2)
+            results["datatrove_rules"]["seconds"] / results["raysc_rules"]["seconds"], 2
+        )
         a_, b_ = kept_ids["raysc_rules"], kept_ids["datatrove_rules"]
         out["kept_overlap_rules"] = round(len(a_ & b_) / max(1, len(a_ | b_)), 4)
     print(json.dumps(out))

@@ -42,8 +42,15 @@ def kernels(trainer: Trainer) -> list[str]:
 
     with profile() as prof:
         trainer.train_step()
-    return sorted({e.name for e in prof.events() if "scaled_dot_product" in e.name and "backward" not in e.name
-                   and e.name != "aten::scaled_dot_product_attention"})
+    return sorted(
+        {
+            e.name
+            for e in prof.events()
+            if "scaled_dot_product" in e.name
+            and "backward" not in e.name
+            and e.name != "aten::scaled_dot_product_attention"
+        }
+    )
 
 
 def speed(seq: int, batch: int, doc_tokens: int) -> dict:
@@ -53,7 +60,13 @@ def speed(seq: int, batch: int, doc_tokens: int) -> dict:
     rows[rng.random(rows.shape) < 1 / doc_tokens] = 0
     plain = Trainer(load_config(None, common), rows, None, measure_peak=False)
     masked = Trainer(load_config(None, [*common, *MASK]), rows, None, measure_peak=False, eos_id=0)
-    out = {"seq_len": seq, "batch": batch, "doc_tokens": doc_tokens, "kernel_plain": kernels(plain), "kernel_masked": kernels(masked)}
+    out = {
+        "seq_len": seq,
+        "batch": batch,
+        "doc_tokens": doc_tokens,
+        "kernel_plain": kernels(plain),
+        "kernel_masked": kernels(masked),
+    }
     for t in (plain, masked):
         t.train_step()
     times: dict[str, list[float]] = {"plain": [], "masked": []}
@@ -72,8 +85,13 @@ def boundary_rows(rows: np.ndarray, eos: int) -> np.ndarray:
 
 
 def effect(cache: str) -> dict:
-    common = ["train.seq_len=256", "train.global_batch=8", f"train.steps={TRAIN_STEPS}", "data.val_fraction=0.02",
-              f'data.cache_dir="{cache}"']
+    common = [
+        "train.seq_len=256",
+        "train.global_batch=8",
+        f"train.steps={TRAIN_STEPS}",
+        "data.val_fraction=0.02",
+        f'data.cache_dir="{cache}"',
+    ]
     packed, _, info = prepare_data(load_config(None, common))
     eos = info["special_tokens"]["eos_id"]
     crossing = boundary_rows(packed.val, eos)
@@ -86,16 +104,27 @@ def effect(cache: str) -> dict:
                 trainer.train_step()
             val = trainer.val_loss(max_sequences=len(packed.val))
             trainer.val_rows = crossing
-            runs.append({"seed": seed, "masked": masked, "val_loss": round(val, 4),
-                         "val_loss_crossing": round(trainer.val_loss(max_sequences=len(crossing)), 4)})
+            runs.append(
+                {
+                    "seed": seed,
+                    "masked": masked,
+                    "val_loss": round(val, 4),
+                    "val_loss_crossing": round(trainer.val_loss(max_sequences=len(crossing)), 4),
+                }
+            )
             print(json.dumps(runs[-1]), flush=True)
 
     def mean(masked: bool, key: str) -> float:
         return round(statistics.mean(r[key] for r in runs if r["masked"] == masked), 4)
 
-    return {"train_steps": TRAIN_STEPS, "tokens": TRAIN_STEPS * 8 * 256, "val_rows": len(packed.val),
-            "val_rows_crossing": len(crossing), "runs": runs,
-            "mean": {k: {"plain": mean(False, k), "masked": mean(True, k)} for k in ("val_loss", "val_loss_crossing")}}
+    return {
+        "train_steps": TRAIN_STEPS,
+        "tokens": TRAIN_STEPS * 8 * 256,
+        "val_rows": len(packed.val),
+        "val_rows_crossing": len(crossing),
+        "runs": runs,
+        "mean": {k: {"plain": mean(False, k), "masked": mean(True, k)} for k in ("val_loss", "val_loss_crossing")},
+    }
 
 
 def main() -> None:

@@ -50,8 +50,16 @@ RAYSC = str(Path(sys.executable).parent / "raysc")
 STEPS, EVERY, LOSSES = 300, 20, 2
 NODE_WAIT_S, RESIZE_MONITOR_S, RETURN_S = 2.0, 5.0, 45.0
 SEED = int(os.environ.get("BENCH_ELASTIC_SEED", "7"))
-MODEL = ["model.vocab_size=2048", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=128", "train.global_batch=16", "schedule.warmup_steps=10"]
+MODEL = [
+    "model.vocab_size=2048",
+    "model.dim=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=128",
+    "train.global_batch=16",
+    "schedule.warmup_steps=10",
+]
 
 
 def schedule(seed: int) -> list[int]:
@@ -69,8 +77,12 @@ def kept_goodput(attempts: list[dict], wall_s: float) -> dict:
     """Goodput, steps lost and steps kept from per-step records (``step``, ``step_time``)."""
     kept = {a["step"]: a for a in attempts}
     useful = sum(a["step_time"] for a in kept.values())
-    return {"goodput": round(useful / wall_s, 4), "steps_lost": len(attempts) - len(kept), "steps_kept": len(kept),
-            "attempts": len(attempts)}
+    return {
+        "goodput": round(useful / wall_s, 4),
+        "steps_lost": len(attempts) - len(kept),
+        "steps_kept": len(kept),
+        "attempts": len(attempts),
+    }
 
 
 def raysc_policy(st, tmp: Path, name: str, losses: list[int], *extra: str) -> dict:
@@ -79,9 +91,18 @@ def raysc_policy(st, tmp: Path, name: str, losses: list[int], *extra: str) -> di
     run_dir = tmp / name
     inject = ",".join(f"node_loss@{s}:1" for s in losses)
     cmd = [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
-    for s in [*MODEL, f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "parallel.dp_replicate=2",
-              "parallel.cpus_per_worker=2", f'data.cache_dir="{ROOT / ".cache/raysc"}"', f'run.dir="{run_dir}"',
-              f'supervisor.inject="{inject}"', "supervisor.max_restarts=8", *extra]:
+    for s in [
+        *MODEL,
+        f"train.steps={STEPS}",
+        f"checkpoint.every_steps={EVERY}",
+        "parallel.dp_replicate=2",
+        "parallel.cpus_per_worker=2",
+        f'data.cache_dir="{ROOT / ".cache/raysc"}"',
+        f'run.dir="{run_dir}"',
+        f'supervisor.inject="{inject}"',
+        "supervisor.max_restarts=8",
+        *extra,
+    ]:
         cmd += ["--set", s]
     t0 = time.monotonic()
     run = subprocess.run(cmd, env=st.env(), cwd=ROOT, capture_output=True, text=True, timeout=1800)
@@ -89,14 +110,20 @@ def raysc_policy(st, tmp: Path, name: str, losses: list[int], *extra: str) -> di
     if run.returncode:
         raise RuntimeError(f"{name}: {run.stderr[-3000:]}")
     events = read_jsonl(run_dir / "events.jsonl")
-    out = {"wall_s": round(wall, 1), **kept_goodput(read_jsonl(run_dir / "metrics.jsonl"), wall),
-           # rank 0 reports in batches, so a failed chunk's last steps may be missing from metrics.jsonl: the
-           # events count them (each restore's steps re-run, and a grow's, which loses none)
-           "steps_lost": sum(e["steps_lost"] for e in events if e["kind"] == "recovered"
-                             or (e["kind"] == "resized" and e["from"] < e["to"])),
-           "losses_fired": sum(1 for e in events if e["kind"] == "fault_injected"),
-           "restarts": sum(1 for e in events if e["kind"] == "recovered"),
-           "resizes": [(e["from"], e["to"], e["seconds"]) for e in events if e["kind"] == "resized"]}
+    out = {
+        "wall_s": round(wall, 1),
+        **kept_goodput(read_jsonl(run_dir / "metrics.jsonl"), wall),
+        # rank 0 reports in batches, so a failed chunk's last steps may be missing from metrics.jsonl: the
+        # events count them (each restore's steps re-run, and a grow's, which loses none)
+        "steps_lost": sum(
+            e["steps_lost"]
+            for e in events
+            if e["kind"] == "recovered" or (e["kind"] == "resized" and e["from"] < e["to"])
+        ),
+        "losses_fired": sum(1 for e in events if e["kind"] == "fault_injected"),
+        "restarts": sum(1 for e in events if e["kind"] == "recovered"),
+        "resizes": [(e["from"], e["to"], e["seconds"]) for e in events if e["kind"] == "resized"],
+    }
     return out
 
 
@@ -152,9 +179,15 @@ def ray_train_loop(config: dict) -> None:
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict() if world > 1 else model.state_dict(),
-                                "optim": opt.state_dict(), "sched": sched.state_dict(), "step": step},
-                               Path(d) / "state.pt")
+                    torch.save(
+                        {
+                            "model": model.module.state_dict() if world > 1 else model.state_dict(),
+                            "optim": opt.state_dict(),
+                            "sched": sched.state_dict(),
+                            "step": step,
+                        },
+                        Path(d) / "state.pt",
+                    )
                     checkpoint = train.Checkpoint.from_directory(d)
                 train.report({"step": step, "loss": loss.item()}, checkpoint=checkpoint)
 
@@ -170,19 +203,29 @@ def ray_train_policy(tmp: Path, losses: list[int]) -> dict:
     marks = tmp / "ray-train-marks"
     marks.mkdir()
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config={"rows": packed.train, "marks": str(marks), "losses": losses},
-        scaling_config=ScalingConfig(num_workers=(1, 2), use_gpu=False, resources_per_worker={"CPU": 2},
-                                     elastic_resize_monitor_interval_s=RESIZE_MONITOR_S),
-        run_config=RunConfig(name="ray-train-elastic", storage_path=str(tmp / "ray-train"),
-                             failure_config=FailureConfig(max_failures=8)))
+        ray_train_loop,
+        train_loop_config={"rows": packed.train, "marks": str(marks), "losses": losses},
+        scaling_config=ScalingConfig(
+            num_workers=(1, 2),
+            use_gpu=False,
+            resources_per_worker={"CPU": 2},
+            elastic_resize_monitor_interval_s=RESIZE_MONITOR_S,
+        ),
+        run_config=RunConfig(
+            name="ray-train-elastic", storage_path=str(tmp / "ray-train"), failure_config=FailureConfig(max_failures=8)
+        ),
+    )
     t0 = time.monotonic()
     trainer.fit()
     wall = time.monotonic() - t0
     attempts = [json.loads(line) for line in (marks / "steps.jsonl").read_text().splitlines()]
     worlds = [a["world"] for a in attempts]
-    return {"wall_s": round(wall, 1), **kept_goodput(attempts, wall),
-            "losses_fired": len(list(marks.glob("loss-*"))),
-            "resizes": [(a, b) for a, b in zip(worlds, worlds[1:]) if a != b]}
+    return {
+        "wall_s": round(wall, 1),
+        **kept_goodput(attempts, wall),
+        "losses_fired": len(list(marks.glob("loss-*"))),
+        "resizes": [(a, b) for a, b in zip(worlds, worlds[1:]) if a != b],
+    }
 
 
 def fresh_cluster(tmp: Path, name: str):
@@ -224,8 +267,15 @@ def main() -> None:
     losses = schedule(SEED)
     policies = os.environ.get("BENCH_ELASTIC_POLICIES", "wait,elastic,ray_train").split(",")
     tokens_per_step = 16 * 128
-    out: dict = {"steps": STEPS, "every": EVERY, "losses_before_steps": losses, "seed": SEED, "return_s": RETURN_S,
-                 "tokens_per_step": tokens_per_step, "node_wait_s_elastic": NODE_WAIT_S}
+    out: dict = {
+        "steps": STEPS,
+        "every": EVERY,
+        "losses_before_steps": losses,
+        "seed": SEED,
+        "return_s": RETURN_S,
+        "tokens_per_step": tokens_per_step,
+        "node_wait_s_elastic": NODE_WAIT_S,
+    }
     with tempfile.TemporaryDirectory(prefix="raysc-elastic-bench-") as d:
         tmp = Path(os.environ.get("BENCH_ELASTIC_DIR") or d)  # a directory to keep the runs' records in
         tmp.mkdir(parents=True, exist_ok=True)

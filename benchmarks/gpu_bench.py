@@ -53,13 +53,22 @@ MFU_TARGET = 0.5  # issue 14, on an H100/H200-class GPU
 def environment() -> dict:
     import torch
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "cuda_available": torch.cuda.is_available(), "gpu": None}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "cuda_available": torch.cuda.is_available(),
+        "gpu": None,
+    }
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
-        env.update(gpu=props.name, gpu_count=torch.cuda.device_count(),
-                   gpu_memory_gb=round(props.total_memory / 1e9, 1), capability=f"{props.major}.{props.minor}",
-                   cudnn=torch.backends.cudnn.version())
+        env.update(
+            gpu=props.name,
+            gpu_count=torch.cuda.device_count(),
+            gpu_memory_gb=round(props.total_memory / 1e9, 1),
+            capability=f"{props.major}.{props.minor}",
+            cudnn=torch.backends.cudnn.version(),
+        )
     return env
 
 
@@ -74,13 +83,19 @@ def planner(config: str, overrides: list[str]) -> dict:
     lay = Layout.from_config(cfg)
     dtype = cfg.compute_dtype
     est = estimate_memory(cfg.model, cfg.train.seq_len, cfg.train.global_batch_sequences, lay, dtype)
-    return {"config": os.path.relpath(config, ROOT), "params": param_count(cfg.model)["total"],
-            "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len), "layout": lay.describe(),
-            "dtype": dtype, "tokens_per_step": cfg.train.global_batch_sequences * cfg.train.seq_len,
-            "memory_estimate_gb": round(est["total"] / 1e9, 3),
-            "memory_estimate_breakdown_gb": {k: round(est[k] / 1e9, 3) for k in
-                                             ("weights", "grads", "optimizer", "unsharded", "activations",
-                                              "loss_head")}}
+    return {
+        "config": os.path.relpath(config, ROOT),
+        "params": param_count(cfg.model)["total"],
+        "flops_per_token": flops_per_token(cfg.model, cfg.train.seq_len),
+        "layout": lay.describe(),
+        "dtype": dtype,
+        "tokens_per_step": cfg.train.global_batch_sequences * cfg.train.seq_len,
+        "memory_estimate_gb": round(est["total"] / 1e9, 3),
+        "memory_estimate_breakdown_gb": {
+            k: round(est[k] / 1e9, 3)
+            for k in ("weights", "grads", "optimizer", "unsharded", "activations", "loss_head")
+        },
+    }
 
 
 # ---- the child: train the config for a few steps and write its figures ----
@@ -110,8 +125,12 @@ def measure(config: str, overrides: list[str], steps: int, out: Path) -> None:
         result["compiled"] = cfg.train.compile
         memory = PeakMemory(trainer.model_parts, trainer.optimizer, trainer.device)
         result["model_s"] = round(time.perf_counter() - t0, 1)
-        result.update(device=str(trainer.device), peak_flops=trainer.peak_flops,
-                      flops_per_token=trainer.flops_per_token, tokens_per_step=trainer.tokens_per_step)
+        result.update(
+            device=str(trainer.device),
+            peak_flops=trainer.peak_flops,
+            flops_per_token=trainer.flops_per_token,
+            tokens_per_step=trainer.tokens_per_step,
+        )
         sync = torch.cuda.synchronize if trainer.device.type == "cuda" else (lambda: None)
         times, losses = [], []
         write()
@@ -126,9 +145,14 @@ def measure(config: str, overrides: list[str], steps: int, out: Path) -> None:
             losses.append(round(m["loss"], 4))
             timed = times[WARMUP:] or times[-1:]
             tps = trainer.tokens_per_step / statistics.median(timed)
-            result.update(steps_done=len(times), step_times_s=[round(t, 3) for t in times], losses=losses,
-                          tokens_per_s=round(tps, 1), mfu=round(tps * trainer.flops_per_token / trainer.peak_flops, 4),
-                          memory=memory.report())
+            result.update(
+                steps_done=len(times),
+                step_times_s=[round(t, 3) for t in times],
+                losses=losses,
+                tokens_per_s=round(tps, 1),
+                mfu=round(tps * trainer.flops_per_token / trainer.peak_flops, 4),
+                memory=memory.report(),
+            )
             write()
         memory.close()
     except Exception as e:  # an OOM on a smaller GPU, say: reported, not a traceback instead of the JSON
@@ -144,8 +168,9 @@ def run_measure(config: str, overrides: list[str], steps: int, timeout: float) -
         cmd += ["--set", o]
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         rc, tail = proc.returncode, proc.stdout.strip().splitlines()[-3:]
     except subprocess.TimeoutExpired:
         rc, tail = None, [f"stopped after the {timeout:.0f} s limit"]
@@ -172,20 +197,27 @@ def run_tests(timeout: float) -> dict:
     cmd = tests_command()
     t0 = time.perf_counter()
     try:
-        proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.run(
+            cmd, cwd=ROOT, timeout=timeout, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         rc, text = proc.returncode, proc.stdout
     except subprocess.TimeoutExpired as e:
         rc = None
-        text = (e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or "") + \
-            f"\nstopped after the {timeout:.0f} s limit"
+        text = (
+            e.stdout.decode() if isinstance(e.stdout, bytes) else e.stdout or ""
+        ) + f"\nstopped after the {timeout:.0f} s limit"
     lines = [ln for ln in text.strip().splitlines() if ln.strip()]
     summary = next((ln for ln in reversed(lines) if re.search(r"\d+ (passed|failed|error)", ln)), None)
     counts = {k: 0 for k in ("passed", "failed", "errors", "skipped")}
     for n, kind in re.findall(r"(\d+) (passed|failed|errors?|skipped)", summary or ""):
         counts["errors" if kind.startswith("error") else kind] += int(n)
-    return {"command": " ".join(cmd), "rc": rc, **counts, "summary": summary or " | ".join(lines[-2:]),
-            "wall_s": round(time.perf_counter() - t0, 1)}
+    return {
+        "command": " ".join(cmd),
+        "rc": rc,
+        **counts,
+        "summary": summary or " | ".join(lines[-2:]),
+        "wall_s": round(time.perf_counter() - t0, 1),
+    }
 
 
 def main() -> None:
@@ -204,26 +236,49 @@ def main() -> None:
     plan = planner(args.config, args.overrides)
     out: dict = {"benchmark": "gpu", "environment": env, "gpu": env["gpu"], "planner": plan}
     if not env["cuda_available"]:
-        out["note"] = (f"no CUDA device (torch {env['torch']}, CUDA build: {env['cuda']}): the environment and "
-                       f"the planner's estimate only; run benchmarks/gpu.sh on a GPU machine with a CUDA build "
-                       f"of torch for make test-gpu, MFU, tokens/s and measured peak memory")
+        out["note"] = (
+            f"no CUDA device (torch {env['torch']}, CUDA build: {env['cuda']}): the environment and "
+            f"the planner's estimate only; run benchmarks/gpu.sh on a GPU machine with a CUDA build "
+            f"of torch for make test-gpu, MFU, tokens/s and measured peak memory"
+        )
         out.update(tests=None, mfu=None, wall_s=round(time.perf_counter() - t_start, 1))
         print(json.dumps(out))
         return
-    print(f"gpu: {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; training {plan['config']} for "
-          f"{args.steps} steps (limit {MFU_TIMEOUT_S:.0f} s)", flush=True)
+    print(
+        f"gpu: {env['gpu']}, torch {env['torch']}, CUDA {env['cuda']}; training {plan['config']} for "
+        f"{args.steps} steps (limit {MFU_TIMEOUT_S:.0f} s)",
+        flush=True,
+    )
     run = run_measure(args.config, args.overrides, args.steps, MFU_TIMEOUT_S)
     mem = run.get("memory") or {}
     peak = mem.get("peak_bytes")
-    out["train"] = {k: run.get(k) for k in ("compiled", "steps_done", "tokens_per_s", "mfu", "step_times_s", "losses",
-                                            "data_s", "model_s", "wall_s", "rc", "error", "output_tail")
-                    if run.get(k) is not None}
-    out.update(mfu=run.get("mfu"), mfu_target=MFU_TARGET,
-               meets_target=None if run.get("mfu") is None else run["mfu"] >= MFU_TARGET,
-               tokens_per_s=run.get("tokens_per_s"),
-               peak_memory_gb=None if peak is None else round(peak / 1e9, 3),
-               memory_estimate_gb=plan["memory_estimate_gb"],
-               memory_measured_over_estimate=None if peak is None else round(peak / 1e9 / plan["memory_estimate_gb"], 3))
+    out["train"] = {
+        k: run.get(k)
+        for k in (
+            "compiled",
+            "steps_done",
+            "tokens_per_s",
+            "mfu",
+            "step_times_s",
+            "losses",
+            "data_s",
+            "model_s",
+            "wall_s",
+            "rc",
+            "error",
+            "output_tail",
+        )
+        if run.get(k) is not None
+    }
+    out.update(
+        mfu=run.get("mfu"),
+        mfu_target=MFU_TARGET,
+        meets_target=None if run.get("mfu") is None else run["mfu"] >= MFU_TARGET,
+        tokens_per_s=run.get("tokens_per_s"),
+        peak_memory_gb=None if peak is None else round(peak / 1e9, 3),
+        memory_estimate_gb=plan["memory_estimate_gb"],
+        memory_measured_over_estimate=None if peak is None else round(peak / 1e9 / plan["memory_estimate_gb"], 3),
+    )
     print(f"train: {json.dumps(out['train'])}", flush=True)
     if not args.skip_tests:
         print(f"{' '.join(tests_command())} (limit {TESTS_TIMEOUT_S:.0f} s)", flush=True)

@@ -93,9 +93,20 @@ def main() -> None:
     print(f"loader (rank 0 of dp={args.dp}): {[round(s) for s in supplies]} samples/s", flush=True)
 
     # one rank's share of the step: global_batch / dp sequences, single process
-    cfg = load_config(None, ["model.vocab_size=2048", f"model.dim={args.dim}", "model.n_layers=2", "model.n_heads=4",
-                             "model.n_kv_heads=2", f"train.seq_len={args.seq_len}", f"train.global_batch={per_rank}",
-                             f"train.steps={args.steps * args.repeats + 1}", "schedule.warmup_steps=2"])
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=2048",
+            f"model.dim={args.dim}",
+            "model.n_layers=2",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            f"train.seq_len={args.seq_len}",
+            f"train.global_batch={per_rank}",
+            f"train.steps={args.steps * args.repeats + 1}",
+            "schedule.warmup_steps=2",
+        ],
+    )
     trainer = Trainer(cfg, rows, measure_peak=False)
     trainer.loader.close()
     trainer.loader = Prefetcher(rank0(), cfg.data.prefetch)  # the rank's data path: rank 0 of dp
@@ -103,15 +114,31 @@ def main() -> None:
     trainer.train_step()  # warm-up
     runs = [consumption(trainer, args.steps) for _ in range(args.repeats)]
     trainer.loader.close()
-    print(f"training a rank's share ({per_rank} samples/step): {[round(r[0], 1) for r in runs]} samples/s, "
-          f"waited {[round(r[1], 5) for r in runs]} of the time", flush=True)
+    print(
+        f"training a rank's share ({per_rank} samples/step): {[round(r[0], 1) for r in runs]} samples/s, "
+        f"waited {[round(r[1], 5) for r in runs]} of the time",
+        flush=True,
+    )
     med = statistics.median
     loader_sps, train_sps = med(supplies), med(r[0] for r in runs)
-    print(json.dumps({"benchmark": "loader", "seq_len": args.seq_len, "global_batch": args.global_batch,
-                      "dp": args.dp, "rank": 0, "samples_per_rank_step": per_rank, "repeats": args.repeats,
-                      "loader_samples_per_s": round(loader_sps, 1), "train_samples_per_s": round(train_sps, 1),
-                      "ratio": round(loader_sps / train_sps, 1), "stall_fraction": round(med(r[1] for r in runs), 5),
-                      "target_ratio": 20}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "loader",
+                "seq_len": args.seq_len,
+                "global_batch": args.global_batch,
+                "dp": args.dp,
+                "rank": 0,
+                "samples_per_rank_step": per_rank,
+                "repeats": args.repeats,
+                "loader_samples_per_s": round(loader_sps, 1),
+                "train_samples_per_s": round(train_sps, 1),
+                "ratio": round(loader_sps / train_sps, 1),
+                "stall_fraction": round(med(r[1] for r in runs), 5),
+                "target_ratio": 20,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -33,7 +33,6 @@ CACHE = ROOT / ".cache" / "mix-bench"
 CONFIG = str(ROOT / "jobs/configs/tiny.toml")
 
 
-
 def crawl_like(max_mb: float) -> list[dict]:
     from raysc.data.corpus import iter_documents
 
@@ -72,34 +71,79 @@ def main() -> None:
     corpus = CACHE / "corpus" / "part-0.jsonl"
     corpus.parent.mkdir(parents=True, exist_ok=True)
     corpus.write_text("".join(json.dumps(d) + "\n" for d in crawl_like(args.corpus_mb)), encoding="utf-8")
-    base = [f'run.dir="{CACHE / "run"}"', f'data.cache_dir="{CACHE / "cache"}"', "parallel.cpus_per_worker=1",
-            "data.val_fraction=0.05"]
-    cfg = load_config(CONFIG, [*base, f'curate.input="{corpus.parent}"', f'curate.output="{CACHE / "curated"}"',
-                               "quality.enabled=false", "dedup.near=false"])
+    base = [
+        f'run.dir="{CACHE / "run"}"',
+        f'data.cache_dir="{CACHE / "cache"}"',
+        "parallel.cpus_per_worker=1",
+        "data.val_fraction=0.05",
+    ]
+    cfg = load_config(
+        CONFIG,
+        [
+            *base,
+            f'curate.input="{corpus.parent}"',
+            f'curate.output="{CACHE / "curated"}"',
+            "quality.enabled=false",
+            "dedup.near=false",
+        ],
+    )
     curate(cfg, log=lambda *_: None)
     packed = str(CACHE / "curated" / "packed")
-    index = pack_curated(str(CACHE / "curated"), None, cfg.model.vocab_size, cfg.train.seq_len, packed,
-                         log=lambda *_: None, sample_mb=cfg.data.tokenizer_sample_mb, seed=cfg.train.seed)
+    index = pack_curated(
+        str(CACHE / "curated"),
+        None,
+        cfg.model.vocab_size,
+        cfg.train.seq_len,
+        packed,
+        log=lambda *_: None,
+        sample_mb=cfg.data.tokenizer_sample_mb,
+        seed=cfg.train.seed,
+    )
     print(json.dumps({d: m["tokens"] for d, m in index["domains"].items()}), flush=True)
-    opts = TuneOptions(target="prose", proxies=args.proxies, steps=args.steps,
-                       validate_seeds=[int(s) for s in args.seeds.split(",")], validate_steps=args.validate_steps,
-                       out=str(CACHE / "tune"))
+    opts = TuneOptions(
+        target="prose",
+        proxies=args.proxies,
+        steps=args.steps,
+        validate_seeds=[int(s) for s in args.seeds.split(",")],
+        validate_steps=args.validate_steps,
+        out=str(CACHE / "tune"),
+    )
     report = tune_mixture(CONFIG, [*base, f'data.source="{packed}"'], opts, log=lambda m: print(m, flush=True))
     v = report["validation"]
     print("\n| schedule | " + " | ".join(f"{d} held-out loss" for d in report["domains"]) + " |")
     print("|---|" + "---|" * len(report["domains"]))
     for arm, a in v["arms"].items():
-        cells = " | ".join(f"{a['mean'][d]:.4f} ({', '.join(f'{p[d]:.3f}' for p in a['per_seed'])})"
-                           for d in report["domains"])
+        cells = " | ".join(
+            f"{a['mean'][d]:.4f} ({', '.join(f'{p[d]:.3f}' for p in a['per_seed'])})" for d in report["domains"]
+        )
         print(f"| {arm} `{a['schedule']}` | {cells} |")
-    print(json.dumps({"tokens": {d: m["tokens"] for d, m in index["domains"].items()}, "natural": report["natural"],
-                      "tuned": report["tuned"], "fit": report["fit"], "fits": report["fits"],
-                      "proxies": len(report["proxies"]), "proxy_steps": args.steps,
-                      "validation": {k: v[k] for k in ("steps", "seeds", "tuned_minus_natural",
-                                                       "two_phase_minus_natural", "tuned_lower_on_target",
-                                                       "tuned_lower_every_seed")},
-                      "target_loss": {arm: a["target_loss"] for arm, a in v["arms"].items()},
-                      "plot": report["plot"], "seconds": round(time.perf_counter() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "tokens": {d: m["tokens"] for d, m in index["domains"].items()},
+                "natural": report["natural"],
+                "tuned": report["tuned"],
+                "fit": report["fit"],
+                "fits": report["fits"],
+                "proxies": len(report["proxies"]),
+                "proxy_steps": args.steps,
+                "validation": {
+                    k: v[k]
+                    for k in (
+                        "steps",
+                        "seeds",
+                        "tuned_minus_natural",
+                        "two_phase_minus_natural",
+                        "tuned_lower_on_target",
+                        "tuned_lower_every_seed",
+                    )
+                },
+                "target_loss": {arm: a["target_loss"] for arm, a in v["arms"].items()},
+                "plot": report["plot"],
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

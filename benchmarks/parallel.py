@@ -44,13 +44,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 ROOT = Path(__file__).resolve().parents[1]
 T_FWD = float(os.environ.get("BENCH_T_FWD", "0.05"))
-LAYOUTS = ["dp_replicate=2", "dp_shard=2", "tp=2", "tp=2,sequence_parallel=true", "pp=2,pp_schedule=gpipe",
-           "pp=2,pp_schedule=1f1b", "pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2", "cp=2",
-           "dp_shard=2,tp=2", "pp=2,tp=2", "pp=2,dp_shard=2,tp=2", "cp=2,tp=2", "dp_replicate=2,dp_shard=2"]
-MODEL = ["model.vocab_size=512", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=64", "train.global_batch=8", "schedule.warmup_steps=2", "data.max_corpus_mb=1.0",
-         "data.tokenizer_sample_mb=0.5", "parallel.cpus_per_worker=0.25", "train.steps=20",
-         "checkpoint.every_steps=0", f'data.cache_dir="{ROOT / ".cache/raysc"}"']
+LAYOUTS = [
+    "dp_replicate=2",
+    "dp_shard=2",
+    "tp=2",
+    "tp=2,sequence_parallel=true",
+    "pp=2,pp_schedule=gpipe",
+    "pp=2,pp_schedule=1f1b",
+    "pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2",
+    "cp=2",
+    "dp_shard=2,tp=2",
+    "pp=2,tp=2",
+    "pp=2,dp_shard=2,tp=2",
+    "cp=2,tp=2",
+    "dp_replicate=2,dp_shard=2",
+]
+MODEL = [
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "train.global_batch=8",
+    "schedule.warmup_steps=2",
+    "data.max_corpus_mb=1.0",
+    "data.tokenizer_sample_mb=0.5",
+    "parallel.cpus_per_worker=0.25",
+    "train.steps=20",
+    "checkpoint.every_steps=0",
+    f'data.cache_dir="{ROOT / ".cache/raysc"}"',
+]
 
 
 # ---------------- part 1: layouts through the fleet ----------------
@@ -106,8 +130,9 @@ class SleepStage(nn.Module):
         return _Sleep.apply(x * self.w, self.t)
 
 
-def _time_schedule(schedule: str, virtual: int, ids: list[int], world: int, m: int, t: float,
-                   first: bool, last: bool) -> float:
+def _time_schedule(
+    schedule: str, virtual: int, ids: list[int], world: int, m: int, t: float, first: bool, last: bool
+) -> float:
     """Best of two timed steps (after one warm-up) of ``schedule`` with sleeping stages."""
     from torch.distributed.pipelining import PipelineStage
 
@@ -116,8 +141,9 @@ def _time_schedule(schedule: str, virtual: int, ids: list[int], world: int, m: i
     stages = [PipelineStage(SleepStage(t), s, world * virtual, torch.device("cpu")) for s in ids]
     loss = lambda y, tgt: (y - tgt).pow(2).mean()  # noqa: E731
     cls = SCHEDULES[schedule]
-    sched = cls(stages, n_microbatches=m, loss_fn=loss) if virtual > 1 else \
-        cls(stages[0], n_microbatches=m, loss_fn=loss)
+    sched = (
+        cls(stages, n_microbatches=m, loss_fn=loss) if virtual > 1 else cls(stages[0], n_microbatches=m, loss_fn=loss)
+    )
     x = torch.ones(m, 4)
     times = []
     for _ in range(3):
@@ -165,8 +191,17 @@ def bubbles() -> dict:
 
 
 # ---------------- part 3: grouped vs per-parameter gradient-norm reductions ----------------
-SMALL = ["model.vocab_size=512", "model.dim=32", "model.n_layers=48", "model.n_heads=2", "model.n_kv_heads=2",
-         "train.seq_len=16", "train.global_batch=4", "parallel.dp_shard=2", "parallel.tp=2"]
+SMALL = [
+    "model.vocab_size=512",
+    "model.dim=32",
+    "model.n_layers=48",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "train.seq_len=16",
+    "train.global_batch=4",
+    "parallel.dp_shard=2",
+    "parallel.tp=2",
+]
 
 
 @torch.no_grad()
@@ -227,10 +262,13 @@ def _gradnorm_worker(rank: int, port: int, results) -> None:
     clip.global_grad_norm = grouped
     if rank == 0:
         out = {k: round(statistics.median(v), 5) for k, v in times.items()}
-        out.update(parameters=len(trainer.params), norm_grouped=norms["grouped"],
-                   norm_per_parameter=norms["per_parameter"],
-                   step_speedup=round(out["per_parameter_step_s"] / out["grouped_step_s"], 3),
-                   norm_speedup=round(out["per_parameter_norm_s"] / out["grouped_norm_s"], 2))
+        out.update(
+            parameters=len(trainer.params),
+            norm_grouped=norms["grouped"],
+            norm_per_parameter=norms["per_parameter"],
+            step_speedup=round(out["per_parameter_step_s"] / out["grouped_step_s"], 3),
+            norm_speedup=round(out["per_parameter_norm_s"] / out["grouped_norm_s"], 2),
+        )
         results.update(out)
     dist.destroy_process_group()
 
@@ -251,17 +289,24 @@ def main() -> None:
     if "bubbles" in parts:
         bub = bubbles()
         for k, v in sorted(bub.items()):
-            print(f"bubble {k}: measured {v['measured']:.3f} (net of runtime overhead "
-                  f"{v['measured_net_of_runtime']:.3f}) theory {v['theory']:.3f}", flush=True)
+            print(
+                f"bubble {k}: measured {v['measured']:.3f} (net of runtime overhead "
+                f"{v['measured_net_of_runtime']:.3f}) theory {v['theory']:.3f}",
+                flush=True,
+            )
         out["bubble"] = bub
         out["bubble_within_25pct_of_theory"] = all(
-            abs(v["measured_net_of_runtime"] - v["theory"]) <= 0.25 * v["theory"] for v in bub.values())
+            abs(v["measured_net_of_runtime"] - v["theory"]) <= 0.25 * v["theory"] for v in bub.values()
+        )
         out["stage_t_fwd_s"] = T_FWD
     if "gradnorm" in parts:
         out["grad_norm"] = g = gradnorm()
-        print(f"grad norm over {g['parameters']} tensors, dp_shard=2 x tp=2: step {g['grouped_step_s'] * 1e3:.1f} ms "
-              f"grouped vs {g['per_parameter_step_s'] * 1e3:.1f} ms per parameter ({g['step_speedup']}x); norm alone "
-              f"{g['grouped_norm_s'] * 1e3:.2f} vs {g['per_parameter_norm_s'] * 1e3:.2f} ms", flush=True)
+        print(
+            f"grad norm over {g['parameters']} tensors, dp_shard=2 x tp=2: step {g['grouped_step_s'] * 1e3:.1f} ms "
+            f"grouped vs {g['per_parameter_step_s'] * 1e3:.1f} ms per parameter ({g['step_speedup']}x); norm alone "
+            f"{g['grouped_norm_s'] * 1e3:.2f} vs {g['per_parameter_norm_s'] * 1e3:.2f} ms",
+            flush=True,
+        )
     print(json.dumps(out))
 
 

@@ -31,16 +31,22 @@ def per_document(rules: q.QualityRules, texts: list[str], domains: list[str]) ->
     """The verdicts as raysc computed them before ``judge_batch``: every measure one document at a time."""
     out = []
     for text, domain in zip(texts, domains):
-        m = {**q.measure_gopher(text), **q.measure_line_repetition(text),
-             **ngram_repetition_reference(words(text), list(rules.top_ngram_max), list(rules.dup_ngram_max)),
-             **q.measure_c4(text, rules), **q.measure_fineweb(text, rules)}
+        m = {
+            **q.measure_gopher(text),
+            **q.measure_line_repetition(text),
+            **ngram_repetition_reference(words(text), list(rules.top_ngram_max), list(rules.dup_ngram_max)),
+            **q.measure_c4(text, rules),
+            **q.measure_fineweb(text, rules),
+        }
         reason = rules._first_failure(m, prose=domain not in rules.skip_domains)
         out.append({**m, "keep": not reason, "reason": reason})
     return out
 
 
 def batched(rules: q.QualityRules, texts: list[str], domains: list[str], batch: int) -> list[dict]:
-    return [v for i in range(0, len(texts), batch) for v in rules.judge_batch(texts[i:i + batch], domains[i:i + batch])]
+    return [
+        v for i in range(0, len(texts), batch) for v in rules.judge_batch(texts[i : i + batch], domains[i : i + batch])
+    ]
 
 
 def timed(fn) -> tuple[float, object]:
@@ -66,15 +72,27 @@ def main() -> None:
         times["per_document"].append(t)
         t, new = timed(lambda: batched(rules, texts, domains, args.batch))
         times["batched"].append(t)
-        times["ngrams_per_document"].append(timed(lambda: [ngram_repetition_reference(w, tops, dups) for w in split])[0])
-        times["ngrams_batched"].append(timed(lambda: [ngram_repetition(split[i:i + args.batch], tops, dups)
-                                                      for i in range(0, len(split), args.batch)])[0])
+        times["ngrams_per_document"].append(
+            timed(lambda: [ngram_repetition_reference(w, tops, dups) for w in split])[0]
+        )
+        times["ngrams_batched"].append(
+            timed(
+                lambda: [
+                    ngram_repetition(split[i : i + args.batch], tops, dups) for i in range(0, len(split), args.batch)
+                ]
+            )[0]
+        )
     assert [v["reason"] for v in old] == [v["reason"] for v in new], "the two paths disagree on a verdict"
     us = {k: round(statistics.median(v) / len(texts) * 1e6, 1) for k, v in times.items()}
-    result = {"docs": len(texts), "batch": args.batch, "words_per_doc": round(sum(map(len, split)) / len(split), 1),
-              "dropped": sum(not v["keep"] for v in new), "us_per_doc": us,
-              "speedup": round(us["per_document"] / us["batched"], 2),
-              "ngram_speedup": round(us["ngrams_per_document"] / us["ngrams_batched"], 2)}
+    result = {
+        "docs": len(texts),
+        "batch": args.batch,
+        "words_per_doc": round(sum(map(len, split)) / len(split), 1),
+        "dropped": sum(not v["keep"] for v in new),
+        "us_per_doc": us,
+        "speedup": round(us["per_document"] / us["batched"], 2),
+        "ngram_speedup": round(us["ngrams_per_document"] / us["ngrams_batched"], 2),
+    }
     print(json.dumps(result))
 
 

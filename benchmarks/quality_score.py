@@ -47,7 +47,6 @@ CACHE = ROOT / ".cache" / "quality-bench"
 CONFIG = str(ROOT / "jobs/configs/tiny.toml")
 
 
-
 def write_jsonl(path: Path, docs: list[dict]) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(json.dumps(d) + "\n" for d in docs), encoding="utf-8")
@@ -80,7 +79,7 @@ def heldout_loss(run_dir: str, docs: list[dict]) -> dict:
 
     run = load_run(run_dir)
     tok = Tokenizer.from_file(str(run.tokenizer_path))
-    ids = [e.ids[:run.model.max_seq_len] for e in tok.encode_batch([d["text"] for d in docs])]
+    ids = [e.ids[: run.model.max_seq_len] for e in tok.encode_batch([d["text"] for d in docs])]
     losses = [math.log(p) for p in document_perplexities(run.model.eval(), ids)]
     out = {"all": statistics.mean(losses)}
     for dom in sorted({d["domain"] for d in docs}):
@@ -112,15 +111,28 @@ def main() -> None:
     def quiet(*_a, **_k) -> None:
         pass
 
-    ref_cfg = load_config(CONFIG, [f'data.source="{write_jsonl(CACHE / "reference.jsonl", parts["reference"])}"',
-                                   f'run.dir="{ref_dir}"', f"train.steps={args.steps}"])
+    ref_cfg = load_config(
+        CONFIG,
+        [
+            f'data.source="{write_jsonl(CACHE / "reference.jsonl", parts["reference"])}"',
+            f'run.dir="{ref_dir}"',
+            f"train.steps={args.steps}",
+        ],
+    )
     train(ref_cfg, progress=False, overwrite=True)
     tokenizer = str(ref_dir / "tokenizer.json")
     print(f"reference trained ({time.perf_counter() - t0:.0f} s)", flush=True)
 
     def curated(name: str, *extra: str) -> tuple[dict, dict]:
-        cfg = load_config(CONFIG, [f'curate.input="{Path(corpus_src).parent}"', f'curate.output="{CACHE / name}"',
-                                   f'quality.reference_run="{ref_dir}"', *extra])
+        cfg = load_config(
+            CONFIG,
+            [
+                f'curate.input="{Path(corpus_src).parent}"',
+                f'curate.output="{CACHE / name}"',
+                f'quality.reference_run="{ref_dir}"',
+                *extra,
+            ],
+        )
         report = curate(cfg, log=quiet)
         return report, pq.read_table(CACHE / name / "documents").to_pydict()
 
@@ -132,13 +144,17 @@ def main() -> None:
     by_id = {d["id"]: d for d in parts["clean"] + parts["junk"]}
     junk_total = sum(i.startswith("junk") for i in scored["id"])
     dropped = [i for i in scored["id"] if i not in kept_ids]
-    filter_stats = {"documents_after_dedup": len(scored["id"]), "kept": n_keep, "junk": junk_total,
-                    "dropped_junk_share": sum(i.startswith("junk") for i in dropped) / max(len(dropped), 1),
-                    "junk_kept": sum(i.startswith("junk") for i in kept_ids),
-                    "junk_dropped_by_rules": junk_total - sum(i.startswith("junk") for i in ruled["id"]),
-                    "salad_dropped_by_rules": sum(i.startswith("junk-salad") for i in scored["id"])
-                    - sum(i.startswith("junk-salad") for i in ruled["id"]),
-                    "perplexity_per_domain": report["quality"]["perplexity"]["per_domain"]}
+    filter_stats = {
+        "documents_after_dedup": len(scored["id"]),
+        "kept": n_keep,
+        "junk": junk_total,
+        "dropped_junk_share": sum(i.startswith("junk") for i in dropped) / max(len(dropped), 1),
+        "junk_kept": sum(i.startswith("junk") for i in kept_ids),
+        "junk_dropped_by_rules": junk_total - sum(i.startswith("junk") for i in ruled["id"]),
+        "salad_dropped_by_rules": sum(i.startswith("junk-salad") for i in scored["id"])
+        - sum(i.startswith("junk-salad") for i in ruled["id"]),
+        "perplexity_per_domain": report["quality"]["perplexity"]["per_domain"],
+    }
     print(json.dumps(filter_stats), flush=True)
 
     results: dict[str, list] = {"filtered": [], "random": []}
@@ -148,12 +164,24 @@ def main() -> None:
         for arm, ids in arms.items():
             src = write_jsonl(CACHE / f"{arm}-{seed}.jsonl", [by_id[i] for i in ids])
             run_dir = CACHE / f"run-{arm}-{seed}"
-            cfg = load_config(CONFIG, [f'data.source="{src}"', f'data.tokenizer="{tokenizer}"', f'run.dir="{run_dir}"',
-                                       f"train.steps={args.steps}", f"train.seed={seed}"])
+            cfg = load_config(
+                CONFIG,
+                [
+                    f'data.source="{src}"',
+                    f'data.tokenizer="{tokenizer}"',
+                    f'run.dir="{run_dir}"',
+                    f"train.steps={args.steps}",
+                    f"train.seed={seed}",
+                ],
+            )
             summary = train(cfg, progress=False, overwrite=True)
             loss = heldout_loss(str(run_dir), parts["heldout"])
-            row = {"seed": seed, "heldout_loss": loss, "final_train_loss": summary.get("final_loss"),
-                   "junk_in_training_set": sum(i.startswith("junk") for i in ids)}
+            row = {
+                "seed": seed,
+                "heldout_loss": loss,
+                "final_train_loss": summary.get("final_loss"),
+                "junk_in_training_set": sum(i.startswith("junk") for i in ids),
+            }
             results[arm].append(row)
             print(json.dumps({arm: row}), flush=True)
     mean = {arm: statistics.mean(r["heldout_loss"]["all"] for r in rows) for arm, rows in results.items()}
@@ -162,11 +190,23 @@ def main() -> None:
         losses = ", ".join(f"{r['heldout_loss']['all']:.4f}" for r in rows)
         junk = ", ".join(str(r["junk_in_training_set"]) for r in rows)
         print(f"| {arm} | {losses} | {mean[arm]:.4f} | {junk} |")
-    print(json.dumps({"keep_percent": args.keep, "steps": args.steps, "filter": filter_stats, "arms": results,
-                      "mean_heldout_loss": mean, "filtered_lower": mean["filtered"] < mean["random"],
-                      "filtered_lower_every_seed": all(f["heldout_loss"]["all"] < r["heldout_loss"]["all"]
-                                                       for f, r in zip(results["filtered"], results["random"])),
-                      "seconds": round(time.perf_counter() - t0, 1)}))
+    print(
+        json.dumps(
+            {
+                "keep_percent": args.keep,
+                "steps": args.steps,
+                "filter": filter_stats,
+                "arms": results,
+                "mean_heldout_loss": mean,
+                "filtered_lower": mean["filtered"] < mean["random"],
+                "filtered_lower_every_seed": all(
+                    f["heldout_loss"]["all"] < r["heldout_loss"]["all"]
+                    for f, r in zip(results["filtered"], results["random"])
+                ),
+                "seconds": round(time.perf_counter() - t0, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

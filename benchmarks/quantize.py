@@ -48,9 +48,15 @@ sys.path.insert(0, str(ROOT))
 
 CACHE = ROOT / ".cache" / "quantize-bench"
 STEPS = 300
-TRAIN = ["train.global_batch_tokens=4096", f"train.steps={STEPS}", "schedule.warmup_steps=30",
-         f"checkpoint.every_steps={STEPS // 3}", "checkpoint.keep_last=3", "train.log_every=50",
-         f'run.dir="{CACHE / "small"}"']
+TRAIN = [
+    "train.global_batch_tokens=4096",
+    f"train.steps={STEPS}",
+    "schedule.warmup_steps=30",
+    f"checkpoint.every_steps={STEPS // 3}",
+    "checkpoint.keep_last=3",
+    "train.log_every=50",
+    f'run.dir="{CACHE / "small"}"',
+]
 GROUP = 64
 EVAL_TOKENS = 16384
 CALIB_TOKENS = 16384
@@ -65,8 +71,16 @@ def trained_run() -> Path:
     run = CACHE / "small"
     if (run / "config.toml").is_file() and STEPS in run_store(run)[1]:
         return run
-    cmd = [sys.executable, "-m", "raysc.cli", "train", str(ROOT / "jobs/configs/small.toml"), "--no-progress",
-           "--overwrite", *[a for o in TRAIN for a in ("--set", o)]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "raysc.cli",
+        "train",
+        str(ROOT / "jobs/configs/small.toml"),
+        "--no-progress",
+        "--overwrite",
+        *[a for o in TRAIN for a in ("--set", o)],
+    ]
     start = time.perf_counter()
     subprocess.run(cmd, cwd=ROOT, check=True)
     print(f"trained {STEPS} steps in {time.perf_counter() - start:.0f} s", flush=True)
@@ -109,8 +123,15 @@ def llama_cpp_row(path: Path, rows, reps: int) -> dict:
     import torch.nn.functional as F
 
     seq = rows.shape[1] - 1
-    llm = llama_cpp.Llama(model_path=str(path), n_ctx=max(seq, DECODE_TOKENS + 16), n_batch=seq, n_threads=1,
-                          logits_all=True, seed=0, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(path),
+        n_ctx=max(seq, DECODE_TOKENS + 16),
+        n_batch=seq,
+        n_threads=1,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+    )
     try:
         nll = 0.0
         for row in rows.numpy():
@@ -129,8 +150,12 @@ def llama_cpp_row(path: Path, rows, reps: int) -> dict:
             rates.append(DECODE_TOKENS / (time.perf_counter() - start))
     finally:
         llm.close()
-    return {"perplexity": math.exp(nll / rows[:, 1:].numel()), "decode_tok_s": statistics.median(rates),
-            "runs": rates, "bytes": path.stat().st_size}
+    return {
+        "perplexity": math.exp(nll / rows[:, 1:].numel()),
+        "decode_tok_s": statistics.median(rates),
+        "runs": rates,
+        "bytes": path.stat().st_size,
+    }
 
 
 def held_out_loss(run: Path, step: int, rows) -> float:
@@ -185,26 +210,43 @@ def main() -> None:
             done_path.write_text(json.dumps(done, indent=1))
         return done[key]
 
-    curve = {s: cached(f"curve:{s}", lambda s=s: {"val_loss": held_out_loss(run_dir, s, rows)})["val_loss"]
-             for s in (STEPS // 3, 2 * STEPS // 3, STEPS)}
+    curve = {
+        s: cached(f"curve:{s}", lambda s=s: {"val_loss": held_out_loss(run_dir, s, rows)})["val_loss"]
+        for s in (STEPS // 3, 2 * STEPS // 3, STEPS)
+    }
     out = CACHE / "out"
     table: dict[str, dict] = {}
 
     def export(name: str, dtype) -> dict:
         folder = export_hf(run.model, run.tokenizer_path, out / name, dtype)
-        return {"perplexity": perplexity(plain_model(run.model).to(dtype), rows), "bytes": file_bytes(folder),
-                "folder": str(folder)}
+        return {
+            "perplexity": perplexity(plain_model(run.model).to(dtype), rows),
+            "bytes": file_bytes(folder),
+            "folder": str(folder),
+        }
 
     def quantize(method: str) -> dict:
         folder = out / method
         if folder.exists():
             shutil.rmtree(folder)
         start = time.perf_counter()
-        man = quantize_run(run_dir, method, group_size=GROUP, calib_tokens=CALIB_TOKENS, eval_tokens=EVAL_TOKENS,
-                           out=folder, step=STEPS)
+        man = quantize_run(
+            run_dir,
+            method,
+            group_size=GROUP,
+            calib_tokens=CALIB_TOKENS,
+            eval_tokens=EVAL_TOKENS,
+            out=folder,
+            step=STEPS,
+        )
         ratio = sum(v["error"] for v in man["layers"].values()) / sum(v["rtn_error"] for v in man["layers"].values())
-        return {"perplexity": man["quality"]["perplexity_after"], "bytes": man["bytes"], "folder": str(folder),
-                "error_vs_rtn": ratio, "quantize_s": time.perf_counter() - start}
+        return {
+            "perplexity": man["quality"]["perplexity_after"],
+            "bytes": man["bytes"],
+            "folder": str(folder),
+            "error_vs_rtn": ratio,
+            "quantize_s": time.perf_counter() - start,
+        }
 
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         table[name] = dict(cached(name, lambda name=name, dtype=dtype: export(name, dtype)))
@@ -225,8 +267,9 @@ def main() -> None:
         export_gguf_gptq(run, files["q4_0-gptq"], CALIB_TOKENS)
         qp = llama_cpp.llama_model_quantize_default_params()
         qp.ftype, qp.nthread = llama_cpp.LLAMA_FTYPE_MOSTLY_Q4_0, 2
-        assert llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(files["q4_0-llama.cpp"]).encode(),
-                                              qp) == 0
+        assert (
+            llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(files["q4_0-llama.cpp"]).encode(), qp) == 0
+        )
     gguf = {t: cached(f"gguf:{t}", lambda path=path: llama_cpp_row(path, rows, args.reps)) for t, path in files.items()}
     report(table, gguf, params, unigram, curve, rows)
 
@@ -236,20 +279,34 @@ def report(table: dict, gguf: dict, params: int, unigram: float, curve: dict, ro
     print(f"\n| format | perplexity | vs fp32 | bytes/param | file bytes | decode tok/s |\n|---|---|---|---|---|---|")
     for name, r in [*table.items(), *((f"GGUF {k}", v) for k, v in gguf.items())]:
         speed = f"{r['decode_tok_s']:.0f}" if "decode_tok_s" in r else r.get("decode_error", "")
-        print(f"| {name} | {r['perplexity']:.3f} | {r['perplexity'] / fp32 - 1:+.2%} | {r['bytes'] / params:.2f} | "
-              f"{r['bytes']:,} | {speed} |")
+        print(
+            f"| {name} | {r['perplexity']:.3f} | {r['perplexity'] / fp32 - 1:+.2%} | {r['bytes'] / params:.2f} | "
+            f"{r['bytes']:,} | {speed} |"
+        )
     ppl = {k: v["perplexity"] for k, v in table.items()}
     g = {k: v["perplexity"] for k, v in gguf.items()}
     orderings = {
-        "rtn4 > gptq": ppl["rtn4"] > ppl["gptq"], "rtn4 > awq": ppl["rtn4"] > ppl["awq"],
-        "gptq > fp32": ppl["gptq"] > ppl["fp32"], "awq > fp32": ppl["awq"] > ppl["fp32"],
+        "rtn4 > gptq": ppl["rtn4"] > ppl["gptq"],
+        "rtn4 > awq": ppl["rtn4"] > ppl["awq"],
+        "gptq > fp32": ppl["gptq"] > ppl["fp32"],
+        "awq > fp32": ppl["awq"] > ppl["fp32"],
         "int8 within 1% of fp32": abs(ppl["int8"] / ppl["fp32"] - 1) < 0.01,
         "GGUF q8_0 within 1% of f32": abs(g["q8_0"] / g["f32"] - 1) < 0.01,
         "GGUF q4_0-gptq < llama.cpp q4_0": g["q4_0-gptq"] < g["q4_0-llama.cpp"],
     }
-    print(json.dumps({"parameters": params, "eval_tokens": int(rows[:, 1:].numel()), "unigram_perplexity": unigram,
-                      "train_curve": {str(k): {"val_loss": v, "perplexity": math.exp(v)} for k, v in curve.items()},
-                      "hf": table, "gguf": gguf, "orderings": orderings}))
+    print(
+        json.dumps(
+            {
+                "parameters": params,
+                "eval_tokens": int(rows[:, 1:].numel()),
+                "unigram_perplexity": unigram,
+                "train_curve": {str(k): {"val_loss": v, "perplexity": math.exp(v)} for k, v in curve.items()},
+                "hf": table,
+                "gguf": gguf,
+                "orderings": orderings,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -49,8 +49,15 @@ import common  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, EVERY, KILL = 160, 40, 130
 GOODPUT_STEPS, GOODPUT_EVERY = 240, 80
-MODEL = ["model.vocab_size=2048", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=128", "train.global_batch=16"]
+MODEL = [
+    "model.vocab_size=2048",
+    "model.dim=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=128",
+    "train.global_batch=16",
+]
 
 
 def start_s3():
@@ -62,16 +69,32 @@ def start_s3():
 def raysc_cfg(tmp: Path, bucket: str, opts: str, name: str, *extra: str):
     from raysc.config import load_config
 
-    return load_config(None, [
-        *MODEL, f"train.steps={STEPS}", f"checkpoint.every_steps={EVERY}", "checkpoint.async=false",
-        "parallel.dp_replicate=2", "parallel.cpus_per_worker=1", f'checkpoint.uri="s3://{bucket}/{name}"', opts,
-        f'run.dir="{tmp / name}"', f'data.cache_dir="{ROOT / ".cache/raysc"}"', "train.log_every=1000", *extra])
+    return load_config(
+        None,
+        [
+            *MODEL,
+            f"train.steps={STEPS}",
+            f"checkpoint.every_steps={EVERY}",
+            "checkpoint.async=false",
+            "parallel.dp_replicate=2",
+            "parallel.cpus_per_worker=1",
+            f'checkpoint.uri="s3://{bucket}/{name}"',
+            opts,
+            f'run.dir="{tmp / name}"',
+            f'data.cache_dir="{ROOT / ".cache/raysc"}"',
+            "train.log_every=1000",
+            *extra,
+        ],
+    )
 
 
 # scenario -> (warm spares and hot copy on, node-local copies lost one step before the kill, more overrides)
-RAYSC_SCENARIOS = {"warm_hot": (True, True, ()),
-                   "warm_hot_unprepared": (True, True, ("supervisor.prepare_spares=false",)),
-                   "warm_local": (True, False, ()), "cold_bucket": (False, False, ())}
+RAYSC_SCENARIOS = {
+    "warm_hot": (True, True, ()),
+    "warm_hot_unprepared": (True, True, ("supervisor.prepare_spares=false",)),
+    "warm_local": (True, False, ()),
+    "cold_bucket": (False, False, ()),
+}
 
 
 def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> dict:
@@ -81,8 +104,16 @@ def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> di
     warm, disk_loss, extra = RAYSC_SCENARIOS[scenario]
     name = f"{scenario}-{rep}"
     inject = (f"disk_loss@{KILL - 1}:0," if disk_loss else "") + f"kill@{KILL}:1"
-    cfg = raysc_cfg(tmp, bucket, opts, name, f'supervisor.inject="{inject}"',
-                    f"checkpoint.hot_copy={str(warm).lower()}", f"supervisor.warm_spares={str(warm).lower()}", *extra)
+    cfg = raysc_cfg(
+        tmp,
+        bucket,
+        opts,
+        name,
+        f'supervisor.inject="{inject}"',
+        f"checkpoint.hot_copy={str(warm).lower()}",
+        f"supervisor.warm_spares={str(warm).lower()}",
+        *extra,
+    )
     train(cfg, progress=False)
     events = read_jsonl(tmp / name / "events.jsonl")
     metrics = read_jsonl(tmp / name / "metrics.jsonl")
@@ -90,8 +121,12 @@ def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> di
     rec = next(e for e in events if e["kind"] == "recovered")
     resumed = next(e for e in events if e["kind"] == "resumed" and e["time"] >= killed)
     first = [m for m in metrics if m["step"] == rec["resumed_step"] + 1][-1]["time"]
-    return {"mttr_s": round(first - killed, 3), "steps_lost": rec["steps_lost"], "tier": resumed["source"],
-            "fetch_s": resumed["fetch_s"]}
+    return {
+        "mttr_s": round(first - killed, 3),
+        "steps_lost": rec["steps_lost"],
+        "tier": resumed["source"],
+        "fetch_s": resumed["fetch_s"],
+    }
 
 
 def raysc_goodput(tmp: Path, bucket: str, opts: str) -> dict:
@@ -102,9 +137,12 @@ def raysc_goodput(tmp: Path, bucket: str, opts: str) -> dict:
     for name, inject in (("goodput-clean", ""), ("goodput-faults", kills)):
         cfg = raysc_cfg(tmp, bucket, opts, name, f"train.steps={GOODPUT_STEPS}", f'supervisor.inject="{inject}"')
         out[name] = train(cfg, progress=False)
-    return {"goodput_no_faults": out["goodput-clean"]["goodput"],
-            "goodput_kill_every_n": out["goodput-faults"]["goodput"], "n": GOODPUT_EVERY,
-            "restarts": out["goodput-faults"]["restarts"]}
+    return {
+        "goodput_no_faults": out["goodput-clean"]["goodput"],
+        "goodput_kill_every_n": out["goodput-faults"]["goodput"],
+        "n": GOODPUT_EVERY,
+        "restarts": out["goodput-faults"]["restarts"],
+    }
 
 
 def ray_train_loop(config: dict) -> None:
@@ -150,8 +188,10 @@ def ray_train_loop(config: dict) -> None:
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
-                    torch.save({"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step},
-                               Path(d) / "state.pt")
+                    torch.save(
+                        {"model": model.module.state_dict(), "optim": opt.state_dict(), "step": step},
+                        Path(d) / "state.pt",
+                    )
                     checkpoint = train.Checkpoint.from_directory(d)
                 train.report({"step": step, "loss": loss.item()}, checkpoint=checkpoint)
 
@@ -168,24 +208,38 @@ def ray_train_mttr(tmp: Path, endpoint: str, bucket: str, rep: int) -> dict:
     times = tmp / f"ray-train-times-{rep}"
     times.mkdir()
     host = endpoint.split("://", 1)[1]
-    s3 = S3FileSystem(access_key=common.S3_KEY, secret_key=common.S3_SECRET, region=common.S3_REGION,
-                      endpoint_override=host, scheme="http")
+    s3 = S3FileSystem(
+        access_key=common.S3_KEY,
+        secret_key=common.S3_SECRET,
+        region=common.S3_REGION,
+        endpoint_override=host,
+        scheme="http",
+    )
     trainer = TorchTrainer(
-        ray_train_loop, train_loop_config={"rows": packed.train, "times": str(times)},
+        ray_train_loop,
+        train_loop_config={"rows": packed.train, "times": str(times)},
         scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=f"ray-train-mttr-{rep}", storage_path=f"{bucket}/ray-train", storage_filesystem=s3,
-                             failure_config=FailureConfig(max_failures=1)))
+        run_config=RunConfig(
+            name=f"ray-train-mttr-{rep}",
+            storage_path=f"{bucket}/ray-train",
+            storage_filesystem=s3,
+            failure_config=FailureConfig(max_failures=1),
+        ),
+    )
     trainer.fit()
     killed = float((times / "killed").read_text())
     first = float((times / "first_step_after_restart").read_text())
-    return {"mttr_s": round(first - killed, 3), "steps_lost": KILL - 1 - (KILL - 1) // EVERY * EVERY,
-            "tier": ["store"]}
+    return {"mttr_s": round(first - killed, 3), "steps_lost": KILL - 1 - (KILL - 1) // EVERY * EVERY, "tier": ["store"]}
 
 
 def summary(runs: list[dict]) -> dict:
     """Median MTTR of ``runs``, every run's MTTR and the tiers they restored from."""
-    return {"mttr_s": round(statistics.median(r["mttr_s"] for r in runs), 3), "runs_s": [r["mttr_s"] for r in runs],
-            "tiers": sorted({t for r in runs for t in r["tier"]}), "steps_lost": sorted({r["steps_lost"] for r in runs})}
+    return {
+        "mttr_s": round(statistics.median(r["mttr_s"] for r in runs), 3),
+        "runs_s": [r["mttr_s"] for r in runs],
+        "tiers": sorted({t for r in runs for t in r["tier"]}),
+        "steps_lost": sorted({r["steps_lost"] for r in runs}),
+    }
 
 
 def main() -> None:
@@ -212,13 +266,27 @@ def main() -> None:
         ray.shutdown()
     med = {k: summary(v) for k, v in runs.items()}
     rt = med["ray_train_bucket"]["mttr_s"]
-    print(json.dumps({
-        "benchmark": "recovery", "workers": 2, "kill_step": KILL, "checkpoint_every": EVERY, "repeats": repeats,
-        "mttr": med, "ray_train_over_raysc_warm": round(rt / med["warm_hot"]["mttr_s"], 2),
-        "ray_train_over_raysc_cold": round(rt / med["cold_bucket"]["mttr_s"], 2),
-        "warm_hot_over_unprepared": round(med["warm_hot"]["mttr_s"] / med["warm_hot_unprepared"]["mttr_s"], 2),
-        **gp, "targets": {"warm_hot_mttr_s": "<= 3 (issue 5); <= 1.89, half of 3.78 (issue 31)",
-                          "ray_train_over_raysc_warm": ">= 3", "warm_hot_over_unprepared": "<= 0.5"}}))
+    print(
+        json.dumps(
+            {
+                "benchmark": "recovery",
+                "workers": 2,
+                "kill_step": KILL,
+                "checkpoint_every": EVERY,
+                "repeats": repeats,
+                "mttr": med,
+                "ray_train_over_raysc_warm": round(rt / med["warm_hot"]["mttr_s"], 2),
+                "ray_train_over_raysc_cold": round(rt / med["cold_bucket"]["mttr_s"], 2),
+                "warm_hot_over_unprepared": round(med["warm_hot"]["mttr_s"] / med["warm_hot_unprepared"]["mttr_s"], 2),
+                **gp,
+                "targets": {
+                    "warm_hot_mttr_s": "<= 3 (issue 5); <= 1.89, half of 3.78 (issue 31)",
+                    "ray_train_over_raysc_warm": ">= 3",
+                    "warm_hot_over_unprepared": "<= 0.5",
+                },
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

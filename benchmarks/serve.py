@@ -106,12 +106,15 @@ def static_padding(reqs: list, batch: int) -> dict:
     batching (no padding, a finished slot refilled at once) beats static by at most about this factor."""
     pre = dec = 0
     for i in range(0, len(reqs), batch):
-        chunk = reqs[i:i + batch]
+        chunk = reqs[i : i + batch]
         pre += len(chunk) * max(len(p) for p, _ in chunk)
         dec += len(chunk) * max(o for _, o in chunk)
     useful_pre, useful_dec = sum(len(p) for p, _ in reqs), sum(o for _, o in reqs)
-    return {"prefill_slots_per_token": pre / useful_pre, "decode_slots_per_token": dec / useful_dec,
-            "all_slots_per_token": (pre + dec) / (useful_pre + useful_dec)}
+    return {
+        "prefill_slots_per_token": pre / useful_pre,
+        "decode_slots_per_token": dec / useful_dec,
+        "all_slots_per_token": (pre + dec) / (useful_pre + useful_dec),
+    }
 
 
 def static_batching(folder: Path, reqs: list, batch: int, threads: int) -> dict:
@@ -125,16 +128,22 @@ def static_batching(folder: Path, reqs: list, batch: int, threads: int) -> dict:
     t0 = time.perf_counter()
     with torch.inference_mode():
         for i in range(0, len(reqs), batch):
-            chunk = reqs[i:i + batch]
+            chunk = reqs[i : i + batch]
             width = max(len(p) for p, _ in chunk)
             ids = torch.zeros(len(chunk), width, dtype=torch.long)
             mask = torch.zeros(len(chunk), width, dtype=torch.long)
             for r, (p, _) in enumerate(chunk):  # left padding: every row's last prompt token at the end
-                ids[r, width - len(p):] = torch.tensor(p)
-                mask[r, width - len(p):] = 1
+                ids[r, width - len(p) :] = torch.tensor(p)
+                mask[r, width - len(p) :] = 1
             new = max(o for _, o in chunk)
-            out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-                                 do_sample=False, pad_token_id=0)
+            out = model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                do_sample=False,
+                pad_token_id=0,
+            )
             assert out.shape[1] == width + new, out.shape
             useful += sum(o for _, o in chunk)
     wall = time.perf_counter() - t0
@@ -160,9 +169,14 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
             last, first, got = None, None, 0
             try:
                 stream = await client.completions.create(
-                    model=model_id, prompt=prompt, max_tokens=n, temperature=0, stream=True,
+                    model=model_id,
+                    prompt=prompt,
+                    max_tokens=n,
+                    temperature=0,
+                    stream=True,
                     stream_options={"include_usage": True},
-                    extra_body={"ignore_eos": True, "return_token_ids": True})
+                    extra_body={"ignore_eos": True, "return_token_ids": True},
+                )
                 async for chunk in stream:
                     now = time.perf_counter()
                     if chunk.choices:  # one engine step's new tokens (several under speculation)
@@ -185,11 +199,19 @@ async def _stream_all(url: str, model_id: str, reqs: list, concurrency: int) -> 
     await asyncio.gather(*(one(p, n) for p, n in reqs))
     wall = time.perf_counter() - t0
     await client.close()
-    return {"output_tokens": tokens[0], "wall_s": wall, "tokens_per_s": tokens[0] / wall, "errors": len(errors),
-            "first_error": errors[0] if errors else None,
-            "ttft_p50_s": _pct(ttft, 0.5), "ttft_p99_s": _pct(ttft, 0.99),
-            "itl_p50_s": _pct(itl, 0.5), "itl_p99_s": _pct(itl, 0.99),
-            "tpot_p50_s": _pct(tpot, 0.5), "tpot_p99_s": _pct(tpot, 0.99)}
+    return {
+        "output_tokens": tokens[0],
+        "wall_s": wall,
+        "tokens_per_s": tokens[0] / wall,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "ttft_p50_s": _pct(ttft, 0.5),
+        "ttft_p99_s": _pct(ttft, 0.99),
+        "itl_p50_s": _pct(itl, 0.5),
+        "itl_p99_s": _pct(itl, 0.99),
+        "tpot_p50_s": _pct(tpot, 0.5),
+        "tpot_p99_s": _pct(tpot, 0.99),
+    }
 
 
 def continuous(url: str, model_id: str, reqs: list, concurrency: int) -> dict:
@@ -205,8 +227,13 @@ def engine_memory() -> dict:
     for p in psutil.process_iter(["pid", "name", "cmdline"]):
         try:
             text = (p.info["name"] or "") + " " + " ".join(p.info["cmdline"] or [])
-            key = "engine" if "EngineCore" in text else "replica_actor" if "ServeReplica" in text and \
-                "LLMServer" in text else None
+            key = (
+                "engine"
+                if "EngineCore" in text
+                else "replica_actor"
+                if "ServeReplica" in text and "LLMServer" in text
+                else None
+            )
             if key:
                 out[f"{key}_rss_bytes"] += p.memory_info().rss
                 out[f"{key}_pids"].append(p.info["pid"])
@@ -263,13 +290,29 @@ def speculative(port: int, batches: list[int], n_new: int, spec_json: dict) -> d
     base = [f"serve.port={port}", f"serve.max_num_seqs={max(batches)}"]
     variants = {
         "none": (base + ["serve.num_speculative_tokens=0", 'serve.model_id="demo-none"'], None),
-        "ngram": (base + [f"serve.num_speculative_tokens={k_ngram}", 'serve.speculative_method="ngram"',
-                          'serve.model_id="demo-ngram"'], None),
-        "draft_model": (base + [f"serve.num_speculative_tokens={k_draft}", 'serve.speculative_method="draft_model"',
-                                'serve.model_id="demo-draft"'], str(ROOT / "runs/draft")),
+        "ngram": (
+            base
+            + [
+                f"serve.num_speculative_tokens={k_ngram}",
+                'serve.speculative_method="ngram"',
+                'serve.model_id="demo-ngram"',
+            ],
+            None,
+        ),
+        "draft_model": (
+            base
+            + [
+                f"serve.num_speculative_tokens={k_draft}",
+                'serve.speculative_method="draft_model"',
+                'serve.model_id="demo-draft"',
+            ],
+            str(ROOT / "runs/draft"),
+        ),
     }
-    out: dict = {"k": {"ngram": k_ngram, "draft_model": k_draft},
-                 "alpha_tuned": {m: c.get("alpha") for m, c in spec_json.get("candidates", {}).items()}}
+    out: dict = {
+        "k": {"ngram": k_ngram, "draft_model": k_draft},
+        "alpha_tuned": {m: c.get("alpha") for m, c in spec_json.get("candidates", {}).items()},
+    }
     for name, (overrides, draft) in variants.items():
         since = time.time()
         try:
@@ -282,7 +325,7 @@ def speculative(port: int, batches: list[int], n_new: int, spec_json: dict) -> d
             row: dict = {"speculative": dep.speculative}
             continuous(dep.url, dep.model_id, [(p, 8) for p in prompts[:2]], 2)  # warm-up
             for b in batches:
-                reqs = [(p, n_new) for p in prompts[:max(4, 2 * b)]]
+                reqs = [(p, n_new) for p in prompts[: max(4, 2 * b)]]
                 row[f"batch_{b}"] = continuous(dep.url, dep.model_id, reqs, b)
             row["vllm_log"] = logged_kv_cache(since)
             out[name] = row
@@ -305,16 +348,27 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=256)
     ap.add_argument("--batch", type=int, default=16, help="static batch size = client concurrency = max_num_seqs")
     ap.add_argument("--reps", type=int, default=1, help="repetitions of each throughput measurement (median)")
-    ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
-                    help="transformers' threads; default = the cores vLLM's engine binds (all but one)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=max(1, (os.cpu_count() or 2) - 1),
+        help="transformers' threads; default = the cores vLLM's engine binds (all but one)",
+    )
     ap.add_argument("--max-len", type=int, default=768, help="serve.max_model_len (512 + 256)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8475)
     ap.add_argument("--export", default=str(ROOT / "runs/demo/hf"), help="the exported model folder to serve")
-    ap.add_argument("--random-model", metavar="CONFIG", help="instead of --export: a random-weights model of this "
-                                                             "config's shape (e.g. jobs/configs/small.toml)")
-    ap.add_argument("--model-set", action="append", default=[], help="override of --random-model's config, "
-                                                                      "e.g. model.dim=512 (repeatable)")
+    ap.add_argument(
+        "--random-model",
+        metavar="CONFIG",
+        help="instead of --export: a random-weights model of this config's shape (e.g. jobs/configs/small.toml)",
+    )
+    ap.add_argument(
+        "--model-set",
+        action="append",
+        default=[],
+        help="override of --random-model's config, e.g. model.dim=512 (repeatable)",
+    )
     ap.add_argument("--skip-static", action="store_true")
     ap.add_argument("--skip-spec", action="store_true")
     ap.add_argument("--spec-batches", default="1,8")
@@ -332,13 +386,29 @@ def main() -> None:
     vocab = min(conf["vocab_size"], Tokenizer.from_file(str(folder / "tokenizer.json")).get_vocab_size())
     reqs = make_requests(args.requests, args.seed, vocab)
     params = os.path.getsize(folder / "model.safetensors") // 4  # fp32
-    result: dict = {"requests": args.requests, "batch": args.batch, "threads": args.threads, "max_len": args.max_len,
-                    "prompt_tokens": sum(len(p) for p, _ in reqs), "output_tokens": sum(o for _, o in reqs),
-                    "model": (f"random {args.random_model} {' '.join(args.model_set)}" if args.random_model
-                              else args.export), "params": params,
-                    "shape": {k: conf[k] for k in ("hidden_size", "num_hidden_layers", "num_attention_heads",
-                                                   "num_key_value_heads", "intermediate_size", "vocab_size")},
-                    "static_padding": static_padding(reqs, args.batch), "machine": f"{os.cpu_count()} CPUs"}
+    result: dict = {
+        "requests": args.requests,
+        "batch": args.batch,
+        "threads": args.threads,
+        "max_len": args.max_len,
+        "prompt_tokens": sum(len(p) for p, _ in reqs),
+        "output_tokens": sum(o for _, o in reqs),
+        "model": (f"random {args.random_model} {' '.join(args.model_set)}" if args.random_model else args.export),
+        "params": params,
+        "shape": {
+            k: conf[k]
+            for k in (
+                "hidden_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+                "intermediate_size",
+                "vocab_size",
+            )
+        },
+        "static_padding": static_padding(reqs, args.batch),
+        "machine": f"{os.cpu_count()} CPUs",
+    }
     print(json.dumps({"setup": result}), flush=True)
 
     if not args.skip_static:
@@ -354,8 +424,12 @@ def main() -> None:
 
     ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     try:
-        overrides = [f"serve.port={args.port}", f"serve.max_num_seqs={args.batch}",
-                     f"serve.max_model_len={args.max_len}", "serve.enable_prefix_caching=false"]
+        overrides = [
+            f"serve.port={args.port}",
+            f"serve.max_num_seqs={args.batch}",
+            f"serve.max_model_len={args.max_len}",
+            "serve.enable_prefix_caching=false",
+        ]
         cfg = settings(str(folder), overrides)
         since = time.time()
         t0 = time.perf_counter()

@@ -49,9 +49,15 @@ def vllm_child(job: dict) -> dict:
 
     from common import exported_dtype
 
-    llm = LLM(model=job["folder"], enforce_eager=True, dtype=exported_dtype(job["folder"]),
-              max_model_len=job["max_model_len"], seed=0,
-              disable_log_stats=False, speculative_config=job["speculative"])
+    llm = LLM(
+        model=job["folder"],
+        enforce_eager=True,
+        dtype=exported_dtype(job["folder"]),
+        max_model_len=job["max_model_len"],
+        seed=0,
+        disable_log_stats=False,
+        speculative_config=job["speculative"],
+    )
     params = SamplingParams(temperature=0.0, max_tokens=job["new_tokens"], ignore_eos=True)
     outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in job["prompts"]], params, use_tqdm=False)
     got: dict = {"outputs": [list(o.outputs[0].token_ids) for o in outs]}
@@ -72,8 +78,12 @@ def counts(passes: list[tuple[int, int]], k: int) -> dict:
     """vLLM's counters from replayed passes, each (drafted tokens, accepted tokens)."""
     drafted = [(d, a) for d, a in passes if d]
     per_pos = [sum(1 for _, a in drafted if a > i) for i in range(k)]
-    return {"drafts": len(drafted), "draft_tokens": sum(d for d, _ in drafted),
-            "accepted_tokens": sum(a for _, a in drafted), "accepted_tokens_per_pos": per_pos}
+    return {
+        "drafts": len(drafted),
+        "draft_tokens": sum(d for d, _ in drafted),
+        "accepted_tokens": sum(a for _, a in drafted),
+        "accepted_tokens_per_pos": per_pos,
+    }
 
 
 def replay_draft(match, k: int, limit: int) -> list[tuple[int, int]]:
@@ -88,14 +98,13 @@ def replay_draft(match, k: int, limit: int) -> list[tuple[int, int]]:
     return out
 
 
-def replay_ngram(row: list[int], prompt_len: int, k: int, min_n: int, max_n: int, limit: int
-                 ) -> list[tuple[int, int]]:
+def replay_ngram(row: list[int], prompt_len: int, k: int, min_n: int, max_n: int, limit: int) -> list[tuple[int, int]]:
     """Passes of prompt lookup over the target's own continuation (``ngram_passes``), with draft lengths."""
     from raysc.serve.speculative import ngram_propose
 
     out, t = [], 0
     while t < limit:
-        proposal = ngram_propose(row[:prompt_len + t], k, min_n, max_n)
+        proposal = ngram_propose(row[: prompt_len + t], k, min_n, max_n)
         a = 0
         while a < len(proposal) and proposal[a] == row[prompt_len + t + a]:
             a += 1
@@ -107,9 +116,13 @@ def replay_ngram(row: list[int], prompt_len: int, k: int, min_n: int, max_n: int
 def summary(c: dict, k: int) -> dict:
     drafts = max(c.get("drafts", 0), 1)
     per_pos = c.get("accepted_tokens_per_pos") or [0] * k
-    return {"drafts": c.get("drafts", 0), "acceptance_rate": c.get("accepted_tokens", 0) / max(c.get("draft_tokens", 0), 1),
-            "alpha_position_1": per_pos[0] / drafts, "per_position": [p / drafts for p in per_pos],
-            "tokens_per_pass": 1 + c.get("accepted_tokens", 0) / drafts}
+    return {
+        "drafts": c.get("drafts", 0),
+        "acceptance_rate": c.get("accepted_tokens", 0) / max(c.get("draft_tokens", 0), 1),
+        "alpha_position_1": per_pos[0] / drafts,
+        "per_position": [p / drafts for p in per_pos],
+        "tokens_per_pass": 1 + c.get("accepted_tokens", 0) / drafts,
+    }
 
 
 def main() -> None:
@@ -133,8 +146,7 @@ def main() -> None:
     from raysc.export.restore import load_run
     from raysc.serve.engine import speculative_config
     from raysc.serve.source import resolve
-    from raysc.serve.spec_tune import (acceptance, continue_prompts, expected_tokens, held_out_prompts,
-                                       ngram_acceptance)
+    from raysc.serve.spec_tune import acceptance, continue_prompts, expected_tokens, held_out_prompts, ngram_acceptance
 
     ks = [int(k) for k in args.draft_ks.split(",")]
     n_new, plen = args.new_tokens, args.prompt_len
@@ -154,7 +166,7 @@ def main() -> None:
     folder = resolve(args.target).path
     draft_folder = resolve(args.draft).path
     prompts = [r[:plen] for r in rows]
-    reference = [r[plen:plen + n_new] for r in rows]
+    reference = [r[plen : plen + n_new] for r in rows]
     max_len = plen + n_new + max(ks + [args.ngram_k]) + 8
     cases = [("draft_model", k, alpha_draft) for k in ks] + [("ngram", args.ngram_k, alpha_ng)]
     results = []
@@ -164,13 +176,22 @@ def main() -> None:
         if method == "draft_model":
             passes = [p for m in match for p in replay_draft(m, k, n_new)]
         else:
-            passes = [p for r in rows for p in replay_ngram(r, plen, k, spec["prompt_lookup_min"],
-                                                           spec["prompt_lookup_max"], n_new)]
+            passes = [
+                p
+                for r in rows
+                for p in replay_ngram(r, plen, k, spec["prompt_lookup_min"], spec["prompt_lookup_max"], n_new)
+            ]
         rep = counts(passes, k)
-        got = run_vllm({"folder": folder, "speculative": spec, "prompts": prompts, "new_tokens": n_new,
-                        "max_model_len": max_len})
-        row = {"method": method, "k": k, "alpha_spec_tune": alpha, "expected_tokens_per_pass": expected_tokens(alpha, k),
-               "replay": {**summary(rep, k), **rep}}
+        got = run_vllm(
+            {"folder": folder, "speculative": spec, "prompts": prompts, "new_tokens": n_new, "max_model_len": max_len}
+        )
+        row = {
+            "method": method,
+            "k": k,
+            "alpha_spec_tune": alpha,
+            "expected_tokens_per_pass": expected_tokens(alpha, k),
+            "replay": {**summary(rep, k), **rep},
+        }
         if "error" in got:
             row["vllm"] = got
         else:
@@ -178,20 +199,34 @@ def main() -> None:
             row["vllm"] = {**summary(got, k), **got, "outputs_equal_raysc_greedy": f"{same}/{len(prompts)}"}
         results.append(row)
         print(json.dumps(row), flush=True)
-    print("| drafter | k | α (spec tune) | position 1, replay | position 1, vLLM | E(k) | tokens/pass replay "
-          "| tokens/pass vLLM | vLLM acceptance rate | drafts replay / vLLM | outputs equal |")
+    print(
+        "| drafter | k | α (spec tune) | position 1, replay | position 1, vLLM | E(k) | tokens/pass replay "
+        "| tokens/pass vLLM | vLLM acceptance rate | drafts replay / vLLM | outputs equal |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in results:
         v = r["vllm"]
         if "error" in v:
             print(f"| {r['method']} | {r['k']} | {r['alpha_spec_tune']:.3f} | – | error | – | – | – | – | – | – |")
             continue
-        print(f"| {r['method']} | {r['k']} | {r['alpha_spec_tune']:.3f} | {r['replay']['alpha_position_1']:.3f} "
-              f"| {v['alpha_position_1']:.3f} | {r['expected_tokens_per_pass']:.2f} | {r['replay']['tokens_per_pass']:.2f} "
-              f"| {v['tokens_per_pass']:.2f} | {v['acceptance_rate']:.3f} | {r['replay']['drafts']} / {v['drafts']} "
-              f"| {v['outputs_equal_raysc_greedy']} |")
-    print(json.dumps({"prompts": args.prompts, "prompt_len": plen, "new_tokens": n_new,
-                      "target_step": target.step, "draft_step": draft.step, "cases": results}))
+        print(
+            f"| {r['method']} | {r['k']} | {r['alpha_spec_tune']:.3f} | {r['replay']['alpha_position_1']:.3f} "
+            f"| {v['alpha_position_1']:.3f} | {r['expected_tokens_per_pass']:.2f} | {r['replay']['tokens_per_pass']:.2f} "
+            f"| {v['tokens_per_pass']:.2f} | {v['acceptance_rate']:.3f} | {r['replay']['drafts']} / {v['drafts']} "
+            f"| {v['outputs_equal_raysc_greedy']} |"
+        )
+    print(
+        json.dumps(
+            {
+                "prompts": args.prompts,
+                "prompt_len": plen,
+                "new_tokens": n_new,
+                "target_step": target.step,
+                "draft_step": draft.step,
+                "cases": results,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,12 @@ def record(name: str, path: Path, seed: int, steps: int | None) -> dict:
     from raysc.data.prepare import prepare_data
     from raysc.train.trainer import Trainer
 
-    overrides = [f"train.seed={seed}", 'supervisor.spike_policy="off"', f'data.cache_dir="{CACHE}"',
-                 f'run.dir="{CACHE}/spike_runs/{name}-{seed}"']
+    overrides = [
+        f"train.seed={seed}",
+        'supervisor.spike_policy="off"',
+        f'data.cache_dir="{CACHE}"',
+        f'run.dir="{CACHE}/spike_runs/{name}-{seed}"',
+    ]
     if steps:
         overrides.append(f"train.steps={steps}")
     cfg = load_config(path, overrides)
@@ -79,8 +83,16 @@ def record(name: str, path: Path, seed: int, steps: int | None) -> dict:
         m = trainer.train_step()
         loss.append(m["loss"])
         grad.append(m["grad_norm"])
-    return {"config": name, "seed": seed, "steps": cfg.train.steps, "seconds": round(time.time() - t0, 1),
-            "lr": cfg.optim.lr, "warmup_steps": cfg.schedule.warmup_steps, "loss": loss, "grad_norm": grad}
+    return {
+        "config": name,
+        "seed": seed,
+        "steps": cfg.train.steps,
+        "seconds": round(time.time() - t0, 1),
+        "lr": cfg.optim.lr,
+        "warmup_steps": cfg.schedule.warmup_steps,
+        "loss": loss,
+        "grad_norm": grad,
+    }
 
 
 def trajectory(name: str, path: Path, seed: int, steps: int | None) -> dict:
@@ -140,10 +152,19 @@ def grad_only_outliers(loss: list[float], grad: list[float], horizon: int = 10) 
         zg = SpikeDetector._z([math.log(g) for g in grad[lo:i]], math.log(grad[i]))
         zl = SpikeDetector._z(loss[lo:i], loss[i])
         if zg > 6 and zl <= 6:
-            later = [SpikeDetector._z(loss[max(0, j - 128):j], loss[j]) for j in range(i + 1, min(len(loss), i + 1 + horizon))]
-            out.append({"step": i + 1, "z_grad_norm": round(zg, 1), "z_loss": round(zl, 2),
-                        "grad_norm_x_median": round(grad[i] / statistics.median(grad[lo:i]), 1),
-                        "max_z_loss_next_10": round(max(later, default=0.0), 2)})
+            later = [
+                SpikeDetector._z(loss[max(0, j - 128) : j], loss[j])
+                for j in range(i + 1, min(len(loss), i + 1 + horizon))
+            ]
+            out.append(
+                {
+                    "step": i + 1,
+                    "z_grad_norm": round(zg, 1),
+                    "z_loss": round(zl, 2),
+                    "grad_norm_x_median": round(grad[i] / statistics.median(grad[lo:i]), 1),
+                    "max_z_loss_next_10": round(max(later, default=0.0), 2),
+                }
+            )
     return out
 
 
@@ -160,9 +181,12 @@ def old_rule_online(steps: int = 45) -> dict:
     trainer.detector = OldDetector()
     ms = [trainer.train_step() for _ in range(steps)]
     skipped = [m["step"] for m in ms if m["skipped"]]
-    return {"steps": steps, "skipped": skipped,
-            "grad_norm_while_skipping": [round(ms[s - 1]["grad_norm"], 2) for s in skipped],
-            "loss_while_skipping": [round(ms[s - 1]["loss"], 3) for s in skipped]}
+    return {
+        "steps": steps,
+        "skipped": skipped,
+        "grad_norm_while_skipping": [round(ms[s - 1]["grad_norm"], 2) for s in skipped],
+        "loss_while_skipping": [round(ms[s - 1]["loss"], 3) for s in skipped],
+    }
 
 
 def olmo_rule(loss: list[float], grad: list[float]) -> list[int]:
@@ -202,41 +226,71 @@ def main() -> None:
             run = trajectory(name, path, seed, steps)
             new, zl, zg = new_rule(run["loss"], run["grad_norm"], cfg)
             g = run["grad_norm"]
-            rows.append({"config": name, "seed": seed, "steps": run["steps"],
-                         "grad_only_outliers": grad_only_outliers(run["loss"], g),
-                         "old": old_rule(run["loss"], g), "olmo": olmo_rule(run["loss"], g), "new": new,
-                         "max_z_loss": round(zl, 2), "max_z_grad_norm": round(zg, 2),
-                         "grad_norm_range": [round(min(g), 3), round(max(g), 3)],
-                         "max_step_ratio_grad_norm": round(max(b / a for a, b in zip(g, g[1:])), 2),
-                         "loss_first_last": [round(run["loss"][0], 3), round(run["loss"][-1], 3)]})
+            rows.append(
+                {
+                    "config": name,
+                    "seed": seed,
+                    "steps": run["steps"],
+                    "grad_only_outliers": grad_only_outliers(run["loss"], g),
+                    "old": old_rule(run["loss"], g),
+                    "olmo": olmo_rule(run["loss"], g),
+                    "new": new,
+                    "max_z_loss": round(zl, 2),
+                    "max_z_grad_norm": round(zg, 2),
+                    "grad_norm_range": [round(min(g), 3), round(max(g), 3)],
+                    "max_step_ratio_grad_norm": round(max(b / a for a, b in zip(g, g[1:])), 2),
+                    "loss_first_last": [round(run["loss"][0], 3), round(run["loss"][-1], 3)],
+                }
+            )
             r = rows[-1]
-            print(f"{name:5s} seed {seed:4d}: old {len(r['old']):3d} {r['old'][:12]}  olmo {len(r['olmo']):3d} "
-                  f"{r['olmo'][:12]}  new {len(r['new'])}  max z loss {r['max_z_loss']} grad {r['max_z_grad_norm']}"
-                  f"  grad norm {r['grad_norm_range']} max x{r['max_step_ratio_grad_norm']}/step", flush=True)
+            print(
+                f"{name:5s} seed {seed:4d}: old {len(r['old']):3d} {r['old'][:12]}  olmo {len(r['olmo']):3d} "
+                f"{r['olmo'][:12]}  new {len(r['new'])}  max z loss {r['max_z_loss']} grad {r['max_z_grad_norm']}"
+                f"  grad norm {r['grad_norm_range']} max x{r['max_step_ratio_grad_norm']}/step",
+                flush=True,
+            )
     extra = [r for r in rows if r["config"].endswith("+")]  # the longer small run (its first steps are counted)
     rows = [r for r in rows if not r["config"].endswith("+")]
     total = {rule: sum(bool(r[rule]) for r in rows) for rule in ("old", "olmo", "new")}
     outliers = [o | {"config": r["config"], "seed": r["seed"]} for r in rows + extra for o in r["grad_only_outliers"]]
     online = old_rule_online()
-    print(f"old rule online, demo seed 1234: skipped {online['skipped']}, grad norm meanwhile "
-          f"{online['grad_norm_while_skipping']}", flush=True)
+    print(
+        f"old rule online, demo seed 1234: skipped {online['skipped']}, grad norm meanwhile "
+        f"{online['grad_norm_while_skipping']}",
+        flush=True,
+    )
     steps = sum(r["steps"] for r in rows)
-    print(json.dumps({
-        "benchmark": "spike_false_alarms", "runs": len(rows), "steps": steps, "small_steps": SMALL_STEPS,
-        "runs_with_a_flag": total,
-        "flagged_steps": {rule: sum(len(r[rule]) for r in rows) for rule in ("old", "olmo", "new")},
-        "false_positive_rate_per_step": {rule: round(sum(len(r[rule]) for r in rows) / steps, 5)
-                                         for rule in ("old", "olmo", "new")},
-        "grad_norm_only_outliers": {"count": len(outliers),  # over the 15 runs and the longer small run
-                                    "followed_by_a_loss_spike": sum(o["max_z_loss_next_10"] > 6 for o in outliers),
-                                    "largest_x_median": max((o["grad_norm_x_median"] for o in outliers), default=None),
-                                    "steps": outliers},
-        "longer_small_run": [{k: r[k] for k in ("seed", "steps", "old", "olmo", "new", "max_z_loss", "max_z_grad_norm")}
-                             for r in extra],
-        "old_rule_online_demo": online,
-        "per_run": [{k: r[k] for k in ("config", "seed", "steps", "max_z_loss", "max_z_grad_norm")}
-                    | {"flagged_" + rule: r[rule] for rule in ("old", "olmo", "new")} for r in rows],
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "spike_false_alarms",
+                "runs": len(rows),
+                "steps": steps,
+                "small_steps": SMALL_STEPS,
+                "runs_with_a_flag": total,
+                "flagged_steps": {rule: sum(len(r[rule]) for r in rows) for rule in ("old", "olmo", "new")},
+                "false_positive_rate_per_step": {
+                    rule: round(sum(len(r[rule]) for r in rows) / steps, 5) for rule in ("old", "olmo", "new")
+                },
+                "grad_norm_only_outliers": {
+                    "count": len(outliers),  # over the 15 runs and the longer small run
+                    "followed_by_a_loss_spike": sum(o["max_z_loss_next_10"] > 6 for o in outliers),
+                    "largest_x_median": max((o["grad_norm_x_median"] for o in outliers), default=None),
+                    "steps": outliers,
+                },
+                "longer_small_run": [
+                    {k: r[k] for k in ("seed", "steps", "old", "olmo", "new", "max_z_loss", "max_z_grad_norm")}
+                    for r in extra
+                ],
+                "old_rule_online_demo": online,
+                "per_run": [
+                    {k: r[k] for k in ("config", "seed", "steps", "max_z_loss", "max_z_grad_norm")}
+                    | {"flagged_" + rule: r[rule] for rule in ("old", "olmo", "new")}
+                    for r in rows
+                ],
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

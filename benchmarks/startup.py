@@ -76,18 +76,33 @@ def _env(address: str) -> dict:
 
 def floor(address: str) -> float:
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", FLOOR, address, str(STEPS)], env=_env(address), cwd=ROOT, check=True,
-                   capture_output=True)
+    subprocess.run(
+        [sys.executable, "-c", FLOOR, address, str(STEPS)], env=_env(address), cwd=ROOT, check=True, capture_output=True
+    )
     return time.perf_counter() - t0
 
 
 def raysc_train(address: str, work: Path, cache: Path, i: int) -> tuple[float, dict]:
     run_dir = work / f"run-{'head' if address else 'local'}-{i}"
     t0 = time.perf_counter()
-    out = subprocess.run([str(BIN / "raysc"), "train", "jobs/configs/tiny.toml", "--no-progress",
-                          "--set", f"train.steps={STEPS}", "--set", f'run.dir="{run_dir}"',
-                          "--set", f'data.cache_dir="{cache}"'], env=_env(address), cwd=ROOT, capture_output=True,
-                         text=True)
+    out = subprocess.run(
+        [
+            str(BIN / "raysc"),
+            "train",
+            "jobs/configs/tiny.toml",
+            "--no-progress",
+            "--set",
+            f"train.steps={STEPS}",
+            "--set",
+            f'run.dir="{run_dir}"',
+            "--set",
+            f'data.cache_dir="{cache}"',
+        ],
+        env=_env(address),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
     wall = time.perf_counter() - t0
     if out.returncode:
         raise SystemExit(f"raysc train failed:\n{out.stderr[-3000:]}")
@@ -107,15 +122,30 @@ def start_head(temp: Path) -> tuple[subprocess.Popen, str]:
     from raysc.cluster.ports import free_ports
 
     port, agent_port = free_ports(2)
-    head = subprocess.Popen([str(BIN / "ray"), "start", "--head", "--block", "--num-cpus=2", f"--port={port}",
-                             "--include-dashboard=false", f"--temp-dir={temp}",
-                             f"--dashboard-agent-listen-port={agent_port}"],
-                            env={**_env(""), "RAY_AUTH_MODE": "disabled"}, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL, start_new_session=True)
+    head = subprocess.Popen(
+        [
+            str(BIN / "ray"),
+            "start",
+            "--head",
+            "--block",
+            "--num-cpus=2",
+            f"--port={port}",
+            "--include-dashboard=false",
+            f"--temp-dir={temp}",
+            f"--dashboard-agent-listen-port={agent_port}",
+        ],
+        env={**_env(""), "RAY_AUTH_MODE": "disabled"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
     address = f"127.0.0.1:{port}"
     deadline = time.monotonic() + 90
-    while subprocess.run([sys.executable, "-c", f"import ray; ray.init(address='{address}')"],
-                         env={**_env(address), "RAY_AUTH_MODE": "disabled"}, capture_output=True).returncode:
+    while subprocess.run(
+        [sys.executable, "-c", f"import ray; ray.init(address='{address}')"],
+        env={**_env(address), "RAY_AUTH_MODE": "disabled"},
+        capture_output=True,
+    ).returncode:
         if time.monotonic() > deadline:
             raise SystemExit("the Ray head did not start")
         time.sleep(1)
@@ -138,15 +168,22 @@ def measure(address: str, reps: int, work: Path, cache: Path) -> dict:
         wall, ph = raysc_train(address, work, cache, i)
         trains.append(wall)
         phases.append(ph)
-        print(f"{'head' if address else 'local'} rep {i}: floor {floors[-1]:.2f} s, raysc train {wall:.2f} s, {ph}",
-              file=sys.stderr, flush=True)
+        print(
+            f"{'head' if address else 'local'} rep {i}: floor {floors[-1]:.2f} s, raysc train {wall:.2f} s, {ph}",
+            file=sys.stderr,
+            flush=True,
+        )
     f, t = statistics.median(floors), statistics.median(trains)
     keys = sorted({k for p in phases for k in p if p[k] is not None})
-    return {"floor_s": round(f, 2), "raysc_train_s": round(t, 2), "ratio": round(t / f, 3),
-            "raysc_share_s": round(t - f, 2), "floors": [round(x, 2) for x in floors],
-            "trains": [round(x, 2) for x in trains],
-            "phases_median_s": {k: round(statistics.median(p[k] for p in phases if p.get(k) is not None), 3)
-                                for k in keys}}
+    return {
+        "floor_s": round(f, 2),
+        "raysc_train_s": round(t, 2),
+        "ratio": round(t / f, 3),
+        "raysc_share_s": round(t - f, 2),
+        "floors": [round(x, 2) for x in floors],
+        "trains": [round(x, 2) for x in trains],
+        "phases_median_s": {k: round(statistics.median(p[k] for p in phases if p.get(k) is not None), 3) for k in keys},
+    }
 
 
 def main() -> None:

@@ -61,8 +61,12 @@ def plain_loop(cfg) -> dict:
     packed, _, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train, packed.val)
     metrics = [trainer.train_step() for _ in range(cfg.train.steps)]
-    return {"tps": steady_tps(metrics), "wall_s": time.time() - t0, "final_loss": metrics[-1]["loss"],
-            "threads": torch.get_num_threads()}
+    return {
+        "tps": steady_tps(metrics),
+        "wall_s": time.time() - t0,
+        "final_loss": metrics[-1]["loss"],
+        "threads": torch.get_num_threads(),
+    }
 
 
 def actor_path(cfg) -> dict:
@@ -77,11 +81,16 @@ def actor_path(cfg) -> dict:
     spares_at = spares[0]["time"] if spares else 0.0
     before = [m for m in metrics if m["step"] <= SAVE_AT]
     after = [m for m in metrics if m["step"] > SAVE_AT + 2]  # the save's own steps are its stall, not this
-    return {"tps": steady_tps(before, spares_at), "tps_incl_spares": steady_tps(before),
-            "tps_after_save": (after[-1]["tokens"] - after[0]["tokens"]) / (after[-1]["time"] - after[0]["time"]),
-            "spares_ready_step": next((m["step"] for m in metrics if m["time"] >= spares_at), None) if spares else None,
-            "spares_s": spares[0]["seconds"] if spares else None,
-            "wall_s": time.time() - t0, "final_loss": summary["final_loss"], "threads": ready[-1]["threads"]}
+    return {
+        "tps": steady_tps(before, spares_at),
+        "tps_incl_spares": steady_tps(before),
+        "tps_after_save": (after[-1]["tokens"] - after[0]["tokens"]) / (after[-1]["time"] - after[0]["time"]),
+        "spares_ready_step": next((m["step"] for m in metrics if m["time"] >= spares_at), None) if spares else None,
+        "spares_s": spares[0]["seconds"] if spares else None,
+        "wall_s": time.time() - t0,
+        "final_loss": summary["final_loss"],
+        "threads": ready[-1]["threads"],
+    }
 
 
 def main() -> None:
@@ -89,39 +98,66 @@ def main() -> None:
 
     ray.init(num_cpus=THREADS, include_dashboard=False, configure_logging=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-"))
-    base = [f"train.steps={STEPS}", f"parallel.cpus_per_worker={THREADS}",
-            f'data.cache_dir="{ROOT / ".cache/raysc"}"']
+    base = [f"train.steps={STEPS}", f"parallel.cpus_per_worker={THREADS}", f'data.cache_dir="{ROOT / ".cache/raysc"}"']
     plain, actor = [], []
     for rep in range(REPS):
-        plain.append(plain_loop(load_config(ROOT / "jobs/configs/tiny.toml",
-                                            base + ["checkpoint.every_steps=0", f'run.dir="{tmp}/a{rep}"'])))
-        actor.append(actor_path(load_config(ROOT / "jobs/configs/tiny.toml",
-                                            base + [f"checkpoint.every_steps={SAVE_AT}", f'run.dir="{tmp}/b{rep}"'])))
-        print(f"rep {rep}: plain {plain[-1]['tps']:.0f} tok/s, actor {actor[-1]['tps']:.0f} tok/s (from step "
-              f"{actor[-1]['spares_ready_step']}; {actor[-1]['tps_incl_spares']:.0f} with the spares' start-up; "
-              f"{actor[-1]['tps_after_save']:.0f} after its save at step {SAVE_AT}); final loss "
-              f"{plain[-1]['final_loss']!r} / {actor[-1]['final_loss']!r}", flush=True)
+        plain.append(
+            plain_loop(
+                load_config(
+                    ROOT / "jobs/configs/tiny.toml", base + ["checkpoint.every_steps=0", f'run.dir="{tmp}/a{rep}"']
+                )
+            )
+        )
+        actor.append(
+            actor_path(
+                load_config(
+                    ROOT / "jobs/configs/tiny.toml",
+                    base + [f"checkpoint.every_steps={SAVE_AT}", f'run.dir="{tmp}/b{rep}"'],
+                )
+            )
+        )
+        print(
+            f"rep {rep}: plain {plain[-1]['tps']:.0f} tok/s, actor {actor[-1]['tps']:.0f} tok/s (from step "
+            f"{actor[-1]['spares_ready_step']}; {actor[-1]['tps_incl_spares']:.0f} with the spares' start-up; "
+            f"{actor[-1]['tps_after_save']:.0f} after its save at step {SAVE_AT}); final loss "
+            f"{plain[-1]['final_loss']!r} / {actor[-1]['final_loss']!r}",
+            flush=True,
+        )
     threads = {r["threads"] for r in plain + actor}
-    assert threads == {THREADS}, f"torch threads differ between the paths: plain {[r['threads'] for r in plain]}, " \
-                                 f"actor {[r['threads'] for r in actor]} (expected {THREADS})"
+    assert threads == {THREADS}, (
+        f"torch threads differ between the paths: plain {[r['threads'] for r in plain]}, "
+        f"actor {[r['threads'] for r in actor]} (expected {THREADS})"
+    )
     assert all(p["final_loss"] == a["final_loss"] for p, a in zip(plain, actor)), "paths diverged"
     a_tps = statistics.median(p["tps"] for p in plain)
     b_tps = statistics.median(p["tps"] for p in actor)
     b_incl = statistics.median(p["tps_incl_spares"] for p in actor)
     b_after = statistics.median(p["tps_after_save"] for p in actor)
-    print(json.dumps({
-        "benchmark": "train_overhead", "steps": STEPS, "reps": REPS, "threads": THREADS,
-        "plain_tokens_per_s": round(a_tps, 1), "actor_tokens_per_s": round(b_tps, 1),
-        "ratio_actor_over_plain": round(b_tps / a_tps, 4), "target_ratio": 0.95,
-        "ratio_incl_spare_startup": round(b_incl / a_tps, 4),
-        "actor_after_save_tokens_per_s": round(b_after, 1), "ratio_after_save": round(b_after / a_tps, 4),
-        "spares_ready_steps": [p["spares_ready_step"] for p in actor], "spares_s": [p["spares_s"] for p in actor],
-        "plain_wall_s": round(statistics.median(p["wall_s"] for p in plain), 2),
-        "actor_wall_s_incl_startup": round(statistics.median(p["wall_s"] for p in actor), 2),
-        "plain_runs": [round(p["tps"], 1) for p in plain], "actor_runs": [round(p["tps"], 1) for p in actor],
-        "actor_after_save_runs": [round(p["tps_after_save"], 1) for p in actor],
-        "same_final_loss": True,
-    }))
+    print(
+        json.dumps(
+            {
+                "benchmark": "train_overhead",
+                "steps": STEPS,
+                "reps": REPS,
+                "threads": THREADS,
+                "plain_tokens_per_s": round(a_tps, 1),
+                "actor_tokens_per_s": round(b_tps, 1),
+                "ratio_actor_over_plain": round(b_tps / a_tps, 4),
+                "target_ratio": 0.95,
+                "ratio_incl_spare_startup": round(b_incl / a_tps, 4),
+                "actor_after_save_tokens_per_s": round(b_after, 1),
+                "ratio_after_save": round(b_after / a_tps, 4),
+                "spares_ready_steps": [p["spares_ready_step"] for p in actor],
+                "spares_s": [p["spares_s"] for p in actor],
+                "plain_wall_s": round(statistics.median(p["wall_s"] for p in plain), 2),
+                "actor_wall_s_incl_startup": round(statistics.median(p["wall_s"] for p in actor), 2),
+                "plain_runs": [round(p["tps"], 1) for p in plain],
+                "actor_runs": [round(p["tps"], 1) for p in actor],
+                "actor_after_save_runs": [round(p["tps_after_save"], 1) for p in actor],
+                "same_final_loss": True,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

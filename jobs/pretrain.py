@@ -24,8 +24,11 @@ def main() -> int:
     ap.add_argument("--config", required=True, help="TOML config, e.g. jobs/configs/tiny.toml")
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     ap.add_argument("--resume", action="store_true")
-    ap.add_argument("--overwrite", action="store_true", help="replace another run's checkpoints in checkpoint.uri "
-                                                              "(deleted after this run's first commit)")
+    ap.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="replace another run's checkpoints in checkpoint.uri (deleted after this run's first commit)",
+    )
     ap.add_argument("--inject", metavar="KIND@STEP[:RANK]", help="fault injection drill (docs/resilience.md)")
     args = ap.parse_args()
     argv = ["train", args.config, "--no-progress"]
@@ -38,8 +41,19 @@ def main() -> int:
     if args.inject:
         argv += ["--inject", args.inject]
     # after `ray job stop` (SIGTERM) the job prints how to continue: the same job with --resume
-    restart = ["ray", "job", "submit", "--working-dir", ".", "--", "python", "jobs/pretrain.py",
-               "--config", args.config, *[a for o in args.overrides for a in ("--set", o)]]
+    restart = [
+        "ray",
+        "job",
+        "submit",
+        "--working-dir",
+        ".",
+        "--",
+        "python",
+        "jobs/pretrain.py",
+        "--config",
+        args.config,
+        *[a for o in args.overrides for a in ("--set", o)],
+    ]
     return raysc_main(argv, restart_command=restart)
 
 

@@ -41,8 +41,14 @@ from raysc.config.load import ConfigError, load_config
 EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last checkpoint(s) failed to save
 
 
-def run_training(config: str | Path | None, overrides: list[str], resume: bool, resume_from: str | None,
-                 progress: bool = True, overwrite: bool = False) -> dict:
+def run_training(
+    config: str | Path | None,
+    overrides: list[str],
+    resume: bool,
+    resume_from: str | None,
+    progress: bool = True,
+    overwrite: bool = False,
+) -> dict:
     from raysc.fleet.driver import check_inputs, train
 
     cfg = load_config(config, overrides)
@@ -59,12 +65,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     if args.init_from:
         overrides.append(f"model.init_from={json.dumps(args.init_from)}")
     try:
-        summary = run_training(args.config, overrides, args.resume, args.resume_from, not args.no_progress,
-                               args.overwrite)
+        summary = run_training(
+            args.config, overrides, args.resume, args.resume_from, not args.no_progress, args.overwrite
+        )
     except RunStopped as e:
-        restart = args.restart_command or ["raysc", "train", args.config,
-                                           *[a for o in args.overrides for a in ("--set", o)],
-                                           *(["--init-from", args.init_from] if args.init_from else [])]
+        restart = args.restart_command or [
+            "raysc",
+            "train",
+            args.config,
+            *[a for o in args.overrides for a in ("--set", o)],
+            *(["--init-from", args.init_from] if args.init_from else []),
+        ]
         if e.checkpoint is not None:
             print(f"resume with: {shlex.join([*restart, '--resume'])}", flush=True)
         else:  # nothing committed: start over (from the same checkpoint when one was given)
@@ -74,8 +85,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(json.dumps(summary), flush=True)
     lag = summary.get("checkpoint_lag_steps") or 0
     if lag:  # finished, but the newest durable state is behind: a scheduler must be able to see it
-        print(f"error: training finished but the newest committed checkpoint is {lag} steps behind "
-              f"({summary.get('failed_saves')} failed save(s); see the checkpoint_lagging events)", file=sys.stderr)
+        print(
+            f"error: training finished but the newest committed checkpoint is {lag} steps behind "
+            f"({summary.get('failed_saves')} failed save(s); see the checkpoint_lagging events)",
+            file=sys.stderr,
+        )
         return EXIT_CHECKPOINT_LAG
     return 0
 
@@ -117,8 +131,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_parity(args: argparse.Namespace) -> int:
     from raysc.fleet.parity import run_parity
 
-    report = run_parity(args.config, args.layout, args.overrides, steps=args.steps, rtol=args.rtol,
-                        work_dir=args.work_dir, progress=False)
+    report = run_parity(
+        args.config,
+        args.layout,
+        args.overrides,
+        steps=args.steps,
+        rtol=args.rtol,
+        work_dir=args.work_dir,
+        progress=False,
+    )
     print(report.table())
     return 0 if report.ok else 1
 
@@ -131,21 +152,33 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(st))
         return 0
     gp = f"{st['goodput']:.1%}" if st["goodput"] is not None else "-"
-    print(f"{st['run_dir']}: {st['state']}, step {st['step']}/{st['total_steps']}, loss {st['loss']}, "
-          f"{(st['tokens_per_s'] or 0):.0f} tokens/s, goodput {gp}")
-    print(f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
-          f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, running {st['wall_s']} s over "
-          f"{st['sessions']} session(s)")
+    print(
+        f"{st['run_dir']}: {st['state']}, step {st['step']}/{st['total_steps']}, loss {st['loss']}, "
+        f"{(st['tokens_per_s'] or 0):.0f} tokens/s, goodput {gp}"
+    )
+    print(
+        f"restarts {st['restarts']}, skipped updates {st['skipped_updates']}, failed saves "
+        f"{st['failed_saves']}, last checkpoint {st['last_checkpoint']}, running {st['wall_s']} s over "
+        f"{st['sessions']} session(s)"
+    )
     if st.get("resizes"):
         print(f"elastic: data-parallel size {st['dp']} now; resized: " + "; ".join(st["resizes"]))
     print("recent: " + "; ".join(st["last_events"]))
     if st.get("trackers"):
-        print("trackers: " + "; ".join(f"{name} {t.get('state')}" + (f" (run {t['run_id']})" if t.get("run_id") else "")
-                                       + (f": {t['error']}" if t.get("state") != "ok" and t.get("error") else "")
-                                       for name, t in st["trackers"].items()))
+        print(
+            "trackers: "
+            + "; ".join(
+                f"{name} {t.get('state')}"
+                + (f" (run {t['run_id']})" if t.get("run_id") else "")
+                + (f": {t['error']}" if t.get("state") != "ok" and t.get("error") else "")
+                for name, t in st["trackers"].items()
+            )
+        )
     if st.get("serving"):
         sv = st["serving"]
-        print(f"serving: {sv['model_id']} at {sv['url']} (step {sv['step']}, app {sv['app']}, replicas {sv['replicas']})")
+        print(
+            f"serving: {sv['model_id']} at {sv['url']} (step {sv['step']}, app {sv['app']}, replicas {sv['replicas']})"
+        )
     return 0
 
 
@@ -160,8 +193,11 @@ def cmd_scale(args: argparse.Namespace) -> int:
     from raysc.scaling.chinchilla import format_plan, parse_count, plan
 
     cfg = load_config(args.config, args.overrides)
-    given = {k: parse_count(v, f"--{k}") for k, v in (("params", args.params), ("compute", args.compute),
-                                                      ("tokens", args.tokens)) if v is not None}
+    given = {
+        k: parse_count(v, f"--{k}")
+        for k, v in (("params", args.params), ("compute", args.compute), ("tokens", args.tokens))
+        if v is not None
+    }
     if args.global_batch_tokens is not None:
         batch = parse_count(args.global_batch_tokens, "--global-batch-tokens")
     else:  # a config file's batch; the built-in default (2,048 tokens) means nothing at scale
@@ -231,89 +267,188 @@ def _spec_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 COMMANDS = (
-    Command("train", "train a model from a TOML config", cmd_train, (
-        arg("config", help="TOML config, e.g. jobs/configs/tiny.toml"),
-        SET.but(help="override a config key, e.g. --set train.steps=50 (repeatable)"),
-        arg("--resume", action="store_true", help="continue from the newest verified checkpoint"),
-        arg("--resume-from", metavar="URI/step_N",
-            help="continue from this checkpoint (any run's, any layout: it is resharded)"),
-        arg("--overwrite", action="store_true",
-            help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
-                 "once this run commits its first checkpoint (never before)"),
-        arg("--init-from", metavar="HF_DIR|URL", default=None,
-            help="continued pre-training: start from this Hugging Face Llama checkpoint (same as --set "
-                 "model.init_from=...; its tokenizer.json is used when present)"),
-        arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
-        arg("--inject", metavar="KIND@STEP[:RANK]", default=None,
-            help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "
-                 "comma-separated)"))),
-    Command("export", "export a run's checkpoint as a Hugging Face Llama folder or a GGUF file", cmd_export, (
-        RUN_DIR,
-        arg("--format", choices=("hf", "gguf"), default="hf",
-            help="hf: a Hugging Face Llama folder (vLLM, transformers); gguf: one file for llama.cpp"),
-        arg("--type", choices=("f32", "f16", "q8_0", "q4_0"), default=None,
-            help="GGUF tensor type (default f32; q4_0 keeps the output projection at q8_0)"),
-        arg("--method", choices=("rtn", "gptq"), default=None,
-            help="how q4_0 rounds the block linears: rtn (nearest, default) or gptq (error-compensating, "
-                 "calibrated on the run's training split)"),
-        arg("--calib-tokens", type=int, default=16384, help="GPTQ's calibration tokens"),
-        arg("--out", help="output folder (hf, required) or file (gguf; default RUN_DIR/model-TYPE.gguf)"),
-        STEP.but(help="checkpoint step to export (default: the newest committed one)"))),
-    Command("generate", "generate text from a run's newest checkpoint", cmd_generate, (
-        RUN_DIR,
-        arg("--prompt", required=True),
-        arg("--max-new-tokens", type=int, default=64),
-        arg("--temperature", type=float, default=0.0, help="0 = greedy"),
-        arg("--top-k", type=int, default=0, help="sample from the k most likely tokens"),
-        arg("--seed", type=int, default=0))),
-    Command("parity", "check that a parallel layout reproduces single-process training", cmd_parity, (
-        arg("config", help="TOML config (the model, data and batch to compare)"),
-        arg("--layout", required=True, help="parallel degrees, e.g. pp=2,tp=2 or cp=2,tp=2"),
-        arg("--steps", type=int, default=10),
-        arg("--rtol", type=float, default=1e-4, help="largest relative difference that matches"),
-        arg("--work-dir", default="runs/parity", help="where the two runs are written"),
-        SET)),
+    Command(
+        "train",
+        "train a model from a TOML config",
+        cmd_train,
+        (
+            arg("config", help="TOML config, e.g. jobs/configs/tiny.toml"),
+            SET.but(help="override a config key, e.g. --set train.steps=50 (repeatable)"),
+            arg("--resume", action="store_true", help="continue from the newest verified checkpoint"),
+            arg(
+                "--resume-from",
+                metavar="URI/step_N",
+                help="continue from this checkpoint (any run's, any layout: it is resharded)",
+            ),
+            arg(
+                "--overwrite",
+                action="store_true",
+                help="start afresh even though checkpoint.uri holds another run's checkpoints: they are deleted "
+                "once this run commits its first checkpoint (never before)",
+            ),
+            arg(
+                "--init-from",
+                metavar="HF_DIR|URL",
+                default=None,
+                help="continued pre-training: start from this Hugging Face Llama checkpoint (same as --set "
+                "model.init_from=...; its tokenizer.json is used when present)",
+            ),
+            arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
+            arg(
+                "--inject",
+                metavar="KIND@STEP[:RANK]",
+                default=None,
+                help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "
+                "comma-separated)",
+            ),
+        ),
+    ),
+    Command(
+        "export",
+        "export a run's checkpoint as a Hugging Face Llama folder or a GGUF file",
+        cmd_export,
+        (
+            RUN_DIR,
+            arg(
+                "--format",
+                choices=("hf", "gguf"),
+                default="hf",
+                help="hf: a Hugging Face Llama folder (vLLM, transformers); gguf: one file for llama.cpp",
+            ),
+            arg(
+                "--type",
+                choices=("f32", "f16", "q8_0", "q4_0"),
+                default=None,
+                help="GGUF tensor type (default f32; q4_0 keeps the output projection at q8_0)",
+            ),
+            arg(
+                "--method",
+                choices=("rtn", "gptq"),
+                default=None,
+                help="how q4_0 rounds the block linears: rtn (nearest, default) or gptq (error-compensating, "
+                "calibrated on the run's training split)",
+            ),
+            arg("--calib-tokens", type=int, default=16384, help="GPTQ's calibration tokens"),
+            arg("--out", help="output folder (hf, required) or file (gguf; default RUN_DIR/model-TYPE.gguf)"),
+            STEP.but(help="checkpoint step to export (default: the newest committed one)"),
+        ),
+    ),
+    Command(
+        "generate",
+        "generate text from a run's newest checkpoint",
+        cmd_generate,
+        (
+            RUN_DIR,
+            arg("--prompt", required=True),
+            arg("--max-new-tokens", type=int, default=64),
+            arg("--temperature", type=float, default=0.0, help="0 = greedy"),
+            arg("--top-k", type=int, default=0, help="sample from the k most likely tokens"),
+            arg("--seed", type=int, default=0),
+        ),
+    ),
+    Command(
+        "parity",
+        "check that a parallel layout reproduces single-process training",
+        cmd_parity,
+        (
+            arg("config", help="TOML config (the model, data and batch to compare)"),
+            arg("--layout", required=True, help="parallel degrees, e.g. pp=2,tp=2 or cp=2,tp=2"),
+            arg("--steps", type=int, default=10),
+            arg("--rtol", type=float, default=1e-4, help="largest relative difference that matches"),
+            arg("--work-dir", default="runs/parity", help="where the two runs are written"),
+            SET,
+        ),
+    ),
     CKPT,
     CLUSTER,
     QUANTIZE,
     CURATE,
     MIX,
     PACK,
-    Command("plan", "rank every parallel layout of a config on a cluster (memory, tokens/s); --profile "
-                    "measures the top ones", cmd_plan, (_plan_arguments, SET)),
-    Command("preflight", "run the pre-training checklist on the fleet; preflight.json + .md; exit 1 on a fail",
-            cmd_preflight, (
-        arg("config", help="the TOML config of the run to check"),
-        arg("--steps", type=int, default=8, help="steps of the probe run (>= 6)"),
-        SET)),
+    Command(
+        "plan",
+        "rank every parallel layout of a config on a cluster (memory, tokens/s); --profile measures the top ones",
+        cmd_plan,
+        (_plan_arguments, SET),
+    ),
+    Command(
+        "preflight",
+        "run the pre-training checklist on the fleet; preflight.json + .md; exit 1 on a fail",
+        cmd_preflight,
+        (
+            arg("config", help="the TOML config of the run to check"),
+            arg("--steps", type=int, default=8, help="steps of the probe run (>= 6)"),
+            SET,
+        ),
+    ),
     Command("status", "summarise a running or finished run from its records", cmd_status, (RUN_DIR, JSON)),
-    Command("serve", "serve a run's newest checkpoint (or an export) with vLLM on Ray Serve LLM: an "
-                     "OpenAI-compatible endpoint (docs/serving.md)", cmd_serve,
-            (_serve_arguments, SET.but(help="e.g. --set serve.max_num_seqs=64 (repeatable)"))),
+    Command(
+        "serve",
+        "serve a run's newest checkpoint (or an export) with vLLM on Ray Serve LLM: an "
+        "OpenAI-compatible endpoint (docs/serving.md)",
+        cmd_serve,
+        (_serve_arguments, SET.but(help="e.g. --set serve.max_num_seqs=64 (repeatable)")),
+    ),
     Command("demo", "corpus → tokenizer → training → checkpoint → export → sample", cmd_demo, (SET,)),
-    Command("scale", "Chinchilla compute-optimal params/tokens/compute, loss estimate and model shapes "
-                     "(docs/scaling.md)", cmd_scale, (
-        arg("config", nargs="?", help="TOML config whose vocab, GQA ratio and batch are used"),
-        OneOf((arg("--params", help="parameters N, e.g. 1.3e9 or 7B"),
-               arg("--compute", help="training FLOPs C, e.g. 1e21"),
-               arg("--tokens", help="training tokens D, e.g. 1.4T")), required=True),
-        arg("--global-batch-tokens", help="tokens per optimizer step, for the step count (default: the "
-                                          "config's batch, when a config is given)"),
-        SET,
-        JSON.but(help="print one JSON object"))),
-    Command("spec", "speculative decoding", dest="spec_cmd", sub=(
-        Command("tune", "measure a draft run's and prompt lookup's acceptance and cost against a target run; "
-                        "choose k; write <target>/serve_speculative.json", cmd_spec_tune, (_spec_tune_arguments,)),)),
-    Command("mup", "μP tools", dest="mup_cmd", sub=(
-        Command("coord-check", "train SP and μP models at several widths for a few steps; check that μP "
-                               "activations stay flat across widths (PNG + JSON)", cmd_mup_coord_check, (
-            arg("config", help="TOML config: depth, head_dim, vocab, data, batch, optim.lr"),
-            arg("--widths", default="64,128,256,512", help="comma-separated model.dim values"),
-            arg("--steps", type=int, default=5),
-            arg("--seeds", type=int, default=1, help="average the activations over this many seeds"),
-            arg("--bound", type=float, default=0.25, help="largest μP slope of log|activation| vs log width"),
-            arg("--out", help="output folder (default <run.dir>/coord_check)"),
-            SET)),)),
+    Command(
+        "scale",
+        "Chinchilla compute-optimal params/tokens/compute, loss estimate and model shapes (docs/scaling.md)",
+        cmd_scale,
+        (
+            arg("config", nargs="?", help="TOML config whose vocab, GQA ratio and batch are used"),
+            OneOf(
+                (
+                    arg("--params", help="parameters N, e.g. 1.3e9 or 7B"),
+                    arg("--compute", help="training FLOPs C, e.g. 1e21"),
+                    arg("--tokens", help="training tokens D, e.g. 1.4T"),
+                ),
+                required=True,
+            ),
+            arg(
+                "--global-batch-tokens",
+                help="tokens per optimizer step, for the step count (default: the "
+                "config's batch, when a config is given)",
+            ),
+            SET,
+            JSON.but(help="print one JSON object"),
+        ),
+    ),
+    Command(
+        "spec",
+        "speculative decoding",
+        dest="spec_cmd",
+        sub=(
+            Command(
+                "tune",
+                "measure a draft run's and prompt lookup's acceptance and cost against a target run; "
+                "choose k; write <target>/serve_speculative.json",
+                cmd_spec_tune,
+                (_spec_tune_arguments,),
+            ),
+        ),
+    ),
+    Command(
+        "mup",
+        "μP tools",
+        dest="mup_cmd",
+        sub=(
+            Command(
+                "coord-check",
+                "train SP and μP models at several widths for a few steps; check that μP "
+                "activations stay flat across widths (PNG + JSON)",
+                cmd_mup_coord_check,
+                (
+                    arg("config", help="TOML config: depth, head_dim, vocab, data, batch, optim.lr"),
+                    arg("--widths", default="64,128,256,512", help="comma-separated model.dim values"),
+                    arg("--steps", type=int, default=5),
+                    arg("--seeds", type=int, default=1, help="average the activations over this many seeds"),
+                    arg("--bound", type=float, default=0.25, help="largest μP slope of log|activation| vs log width"),
+                    arg("--out", help="output folder (default <run.dir>/coord_check)"),
+                    SET,
+                ),
+            ),
+        ),
+    ),
 )
 
 
@@ -350,8 +485,11 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     except RunFailed as e:
         print(f"error: run failed: {e}", file=sys.stderr)
         if getattr(args, "func", None) is cmd_train:  # the supervisor heals what it can; this one it could not
-            print("its committed checkpoints are kept: once the cause is fixed, the same command with --resume "
-                  "continues from the newest", file=sys.stderr)
+            print(
+                "its committed checkpoints are kept: once the cause is fixed, the same command with --resume "
+                "continues from the newest",
+                file=sys.stderr,
+            )
         return 1
     except (PreflightRequired, ClusterAddressError, ClusterTooSmall, StoreUnreadable) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -48,8 +48,11 @@ def run_demo(overrides: list[str] = ()) -> dict:
     summary = {**summary, "export": str(hf_dir), "demo_wall_s": round(time.time() - t0, 1)}
     print("== summary", flush=True)
     val = "missing" if summary["val_loss"] is None else f"{summary['val_loss']:.3f}"  # (validation_missing)
-    print(f"   loss {summary['final_loss']:.3f} (val {val}) after {summary['steps']} steps, "
-          f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%} of measured CPU matmul peak, "
-          f"{summary['demo_wall_s']} s", flush=True)
+    print(
+        f"   loss {summary['final_loss']:.3f} (val {val}) after {summary['steps']} steps, "
+        f"{summary['tokens_per_s']:.0f} tokens/s, MFU {summary['mfu']:.1%} of measured CPU matmul peak, "
+        f"{summary['demo_wall_s']} s",
+        flush=True,
+    )
     print(json.dumps(summary), flush=True)
     return summary

@@ -15,9 +15,18 @@ from lanes import GPU_DESELECTED as _GPU_DESELECTED, GPU_NOTICE, Lanes
 from raysc.config import Config, load_config
 
 TINY = [
-    "model.vocab_size=512", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2",
-    "train.seq_len=64", "train.global_batch=8", "train.steps=20", "train.log_every=10",
-    "schedule.warmup_steps=5", "data.max_corpus_mb=1.0", "data.tokenizer_sample_mb=0.5",
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "train.global_batch=8",
+    "train.steps=20",
+    "train.log_every=10",
+    "schedule.warmup_steps=5",
+    "data.max_corpus_mb=1.0",
+    "data.tokenizer_sample_mb=0.5",
     "parallel.cpus_per_worker=1",
     # warm spares cost a process start per rank; on 2 cores that slows every test run, so only the
     # recovery tests that measure or rely on them turn them on
@@ -83,9 +92,12 @@ def pytest_collection_modifyitems(config, items):
     import torch
 
     if not torch.cuda.is_available() and not config.option.collectonly:
-        pytest.exit(f"{len(gpu)} GPU tests selected but torch {torch.__version__} sees no CUDA device "
-                    f"(CUDA build: {torch.version.cuda or 'none'}); run them on a machine with a GPU and a "
-                    f"CUDA build of torch", returncode=1)
+        pytest.exit(
+            f"{len(gpu)} GPU tests selected but torch {torch.__version__} sees no CUDA device "
+            f"(CUDA build: {torch.version.cuda or 'none'}); run them on a machine with a GPU and a "
+            f"CUDA build of torch",
+            returncode=1,
+        )
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -120,8 +132,7 @@ def make_cfg(cache_dir, tmp_path):
     """A tiny config whose run directory lives in this test's tmp_path."""
 
     def make(*overrides: str, run: str = "run") -> Config:
-        return load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{tmp_path / run}"',
-                                  *overrides])
+        return load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{tmp_path / run}"', *overrides])
 
     return make
 
@@ -160,8 +171,9 @@ def _no_placement_group_left(request):
     if left:
         for name in set(left.values()):
             remove_groups_of(name.removeprefix("raysc-").rsplit("-", 1)[0])
-        pytest.fail(f"placement group(s) {sorted(left.values())} were left standing on the session's Ray",
-                    pytrace=False)
+        pytest.fail(
+            f"placement group(s) {sorted(left.values())} were left standing on the session's Ray", pytrace=False
+        )
 
 
 @pytest.fixture(scope="session")
@@ -183,15 +195,22 @@ def s3_server():
     server.start()
     host, port = server._server.server_address
     endpoint = f"http://{host}:{port}"
-    client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing",
-                          aws_secret_access_key="testing-secret", region_name="us-east-1")
+    client = boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        aws_access_key_id="testing",
+        aws_secret_access_key="testing-secret",
+        region_name="us-east-1",
+    )
     yield {"endpoint": endpoint, "client": client, "server": server}
     server.stop()
 
 
 def s3_options(endpoint: str) -> str:
-    return (f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "testing", '
-            f'secret = "testing-secret", region_name = "us-east-1"}}')
+    return (
+        f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "testing", '
+        f'secret = "testing-secret", region_name = "us-east-1"}}'
+    )
 
 
 _HEAD_WHY = pytest.StashKey[object]()  # says why the ray_head cluster is gone, or None while it is up
@@ -207,8 +226,14 @@ def _ray_head_death(head, out: Path, temp: Path) -> str | None:
         return None
     parts = [f"`ray start --head --block` exited {code}; its output ({out}):\n{_tail(out)}"]
     logs = temp / "session_latest" / "logs"
-    for name in ("ray_process_exit.log", "gcs_server.out", "gcs_server.err", "dashboard.log", "raylet.out",
-                 "monitor.log"):
+    for name in (
+        "ray_process_exit.log",
+        "gcs_server.out",
+        "gcs_server.err",
+        "dashboard.log",
+        "raylet.out",
+        "monitor.log",
+    ):
         if (logs / name).is_file():
             parts.append(f"{name}:\n{_tail(logs / name)}")
     return "\n".join(parts)
@@ -234,11 +259,21 @@ def _lead_with_the_run_trail(report, lines: int = 40) -> None:
     """A failed test's report leads with the last ``[raysc]`` lines its runs printed (the supervisor's
     events as the driver relayed them): CI's record keeps the head and the tail of the output only, and
     a run's own account (restarts, hangs, timeouts) scrolled out of it behind Ray's worker logs."""
-    trail = [line for name, text in report.sections if name.startswith("Captured stdout")
-             for line in text.splitlines() if line.startswith("[raysc]")]
+    trail = [
+        line
+        for name, text in report.sections
+        if name.startswith("Captured stdout")
+        for line in text.splitlines()
+        if line.startswith("[raysc]")
+    ]
     if trail:
-        report.sections.insert(0, (f"raysc events (last {min(lines, len(trail))} of {len(trail)})",
-                                   "\n".join(line[:300] for line in trail[-lines:])))
+        report.sections.insert(
+            0,
+            (
+                f"raysc events (last {min(lines, len(trail))} of {len(trail)})",
+                "\n".join(line[:300] for line in trail[-lines:]),
+            ),
+        )
 
 
 @pytest.fixture
@@ -277,19 +312,40 @@ def _ray_head_cluster(request, tmp_path_factory):
     # metrics reach the node's exporter every second, not every 10 s (tests/test_grafana.py scrapes them)
     env["RAY_metrics_report_interval_ms"] = "1000"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"  # an activated venv
-    names = ["port", "dashboard-port", "ray-client-server-port", "dashboard-agent-listen-port",
-             "dashboard-agent-grpc-port", "runtime-env-agent-port", "metrics-export-port", "node-manager-port",
-             "object-manager-port"]
+    names = [
+        "port",
+        "dashboard-port",
+        "ray-client-server-port",
+        "dashboard-agent-listen-port",
+        "dashboard-agent-grpc-port",
+        "runtime-env-agent-port",
+        "metrics-export-port",
+        "node-manager-port",
+        "object-manager-port",
+    ]
     kept = tmp_path_factory.mktemp("ray-head")  # outlives the temp dir: its output, and its logs if it died
     out = kept / "ray-start.out"
 
     def start() -> tuple[subprocess.Popen, dict]:
         ports = dict(zip(names, free_ports(len(names))))  # distinct, outside the ephemeral range (ports.py)
         with open(out, "a") as log:
-            head = subprocess.Popen([ray_bin, "start", "--head", "--block", "--num-cpus=4",
-                                     "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--temp-dir={temp}",
-                                     *[f"--{k}={v}" for k, v in ports.items()]],
-                                    env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            head = subprocess.Popen(
+                [
+                    ray_bin,
+                    "start",
+                    "--head",
+                    "--block",
+                    "--num-cpus=4",
+                    "--include-dashboard=true",
+                    "--dashboard-host=127.0.0.1",
+                    f"--temp-dir={temp}",
+                    *[f"--{k}={v}" for k, v in ports.items()],
+                ],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         return head, ports
 
     head, ports = start()
@@ -319,10 +375,14 @@ def _ray_head_cluster(request, tmp_path_factory):
         # exits on its way up is started once more (its output kept in ray-start.out) before the tests fail
         for attempt in (1, 2):
             deadline = time.monotonic() + 180
-            while head.poll() is None and subprocess.run([ray_bin, "job", "list", "--address", address], env=env,
-                                                         capture_output=True).returncode != 0:
-                assert time.monotonic() < deadline, \
-                    f"the head's job server did not answer within 180 s:\n{_tail(out)}"
+            while (
+                head.poll() is None
+                and subprocess.run(
+                    [ray_bin, "job", "list", "--address", address], env=env, capture_output=True
+                ).returncode
+                != 0
+            ):
+                assert time.monotonic() < deadline, f"the head's job server did not answer within 180 s:\n{_tail(out)}"
                 time.sleep(0.5)
             if head.poll() is None:
                 break
@@ -343,9 +403,13 @@ def live_actors(address: str, besides: set[str] = frozenset()) -> list:
     """Actors of the cluster at ``address`` that are not DEAD (the job server's own and ``besides`` excepted)."""
     from ray.util.state import list_actors
 
-    return [a for a in list_actors(address=address, filters=[("state", "!=", "DEAD")], limit=1000,
-                                   raise_on_missing_output=False)
-            if a.class_name != "JobSupervisor" and a.actor_id not in besides]
+    return [
+        a
+        for a in list_actors(
+            address=address, filters=[("state", "!=", "DEAD")], limit=1000, raise_on_missing_output=False
+        )
+        if a.class_name != "JobSupervisor" and a.actor_id not in besides
+    ]
 
 
 _POOL_IDS = """
@@ -371,8 +435,13 @@ def pool_actor_ids(cluster: dict) -> set[str]:
     import sys
 
     for _ in range(3):  # a landing CI once saw this driver exit 1 with its stderr unseen: say why, try again
-        done = subprocess.run([sys.executable, "-c", _POOL_IDS, cluster["gcs"]], env=cluster["env"],
-                              capture_output=True, text=True, timeout=120)
+        done = subprocess.run(
+            [sys.executable, "-c", _POOL_IDS, cluster["gcs"]],
+            env=cluster["env"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         if done.returncode == 0:
             return set(json.loads(done.stdout.strip().splitlines()[-1]))
         print(f"pool_actor_ids: the listing driver exited {done.returncode}: {done.stderr[-3000:]}")
@@ -388,9 +457,9 @@ def packed_corpus(ray_session, cache_dir, tmp_path_factory):
     from raysc.curate.pipeline import curate
 
     root = tmp_path_factory.mktemp("packed-corpus")
-    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'curate.output="{root / "cur"}"',
-                             "quality.enabled=false"])
+    cfg = load_config(
+        None, [*TINY, f'data.cache_dir="{cache_dir}"', f'curate.output="{root / "cur"}"', "quality.enabled=false"]
+    )
     curate(cfg, log=lambda *_: None)
-    index = pack_curated(str(root / "cur"), None, 512, 64, str(root / "packed"), log=lambda *_: None,
-                         sample_mb=0.5)
+    index = pack_curated(str(root / "cur"), None, 512, 64, str(root / "packed"), log=lambda *_: None, sample_mb=0.5)
     return {"root": root, "index": index, "packed": str(root / "packed")}

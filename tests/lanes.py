@@ -21,9 +21,18 @@ GPU_DESELECTED = pytest.StashKey[int]()
 # here, not derived from the fixtures, because xdist's controller schedules by test id without
 # collecting (and pytest 9 ignores the id suffix that xdist's own ``--dist loadgroup`` relies on).
 OWN_CLUSTERS_LANE = {
-    "test_multinode.py", "test_elastic.py", "test_autoscaling.py", "test_job_submit.py", "test_grafana.py",
-    "test_stop.py", "test_newcomer.py", "test_families.py", "test_startup_memory.py", "test_scaling.py",
-    "test_stability.py", "test_materialise.py",
+    "test_multinode.py",
+    "test_elastic.py",
+    "test_autoscaling.py",
+    "test_job_submit.py",
+    "test_grafana.py",
+    "test_stop.py",
+    "test_newcomer.py",
+    "test_families.py",
+    "test_startup_memory.py",
+    "test_scaling.py",
+    "test_stability.py",
+    "test_materialise.py",
 }
 
 
@@ -53,11 +62,18 @@ class Lanes:
         return LaneScheduling(config, log)
 
     def pytest_collection_modifyitems(self, config, items):
-        wrong = sorted({item.nodeid.split("::")[0] for item in items
-                        if lane(item.nodeid) == "own-clusters" and "ray_session" in getattr(item, "fixturenames", ())})
+        wrong = sorted(
+            {
+                item.nodeid.split("::")[0]
+                for item in items
+                if lane(item.nodeid) == "own-clusters" and "ray_session" in getattr(item, "fixturenames", ())
+            }
+        )
         if wrong:
-            raise pytest.UsageError(f"{', '.join(wrong)} use(s) ray_session but sit(s) in the own-clusters lane: "
-                                    f"take the module out of OWN_CLUSTERS_LANE in tests/lanes.py")
+            raise pytest.UsageError(
+                f"{', '.join(wrong)} use(s) ray_session but sit(s) in the own-clusters lane: "
+                f"take the module out of OWN_CLUSTERS_LANE in tests/lanes.py"
+            )
 
     def pytest_sessionfinish(self, session):
         if hasattr(session.config, "workeroutput"):  # an xdist worker

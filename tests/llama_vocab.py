@@ -18,14 +18,32 @@ VOCAB = ROOT / ".cache" / "llama-vocab"
 # what each model's repository ships beside tokenizer.json (Llama 3: no add_bos_token, its post-processor
 # adds BOS; GPT-2: config.json only)
 FOLDERS = {
-    "llama-bpe": {"tokenizer_config.json": {"bos_token": "<|begin_of_text|>", "eos_token": "<|end_of_text|>",
-                                            "tokenizer_class": "PreTrainedTokenizerFast"}},
-    "llama-spm": {"tokenizer_config.json": {"bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
-                                            "add_bos_token": True, "add_eos_token": False,
-                                            "tokenizer_class": "LlamaTokenizer"}},
-    "qwen2": {"tokenizer_config.json": {"bos_token": None, "eos_token": "<|endoftext|>",
-                                        "pad_token": "<|endoftext|>", "tokenizer_class": "Qwen2Tokenizer"},
-              "generation_config.json": {"bos_token_id": 151643, "eos_token_id": 151643}},
+    "llama-bpe": {
+        "tokenizer_config.json": {
+            "bos_token": "<|begin_of_text|>",
+            "eos_token": "<|end_of_text|>",
+            "tokenizer_class": "PreTrainedTokenizerFast",
+        }
+    },
+    "llama-spm": {
+        "tokenizer_config.json": {
+            "bos_token": "<s>",
+            "eos_token": "</s>",
+            "unk_token": "<unk>",
+            "add_bos_token": True,
+            "add_eos_token": False,
+            "tokenizer_class": "LlamaTokenizer",
+        }
+    },
+    "qwen2": {
+        "tokenizer_config.json": {
+            "bos_token": None,
+            "eos_token": "<|endoftext|>",
+            "pad_token": "<|endoftext|>",
+            "tokenizer_class": "Qwen2Tokenizer",
+        },
+        "generation_config.json": {"bos_token_id": 151643, "eos_token_id": 151643},
+    },
     "gpt-2": {"config.json": {"bos_token_id": 50256, "eos_token_id": 50256, "model_type": "gpt2"}},
 }
 BYTE_LEVEL = ["llama-bpe", "qwen2", "gpt-2"]  # llama.cpp's gpt2 model; llama-spm is its llama (SentencePiece) one
@@ -63,8 +81,9 @@ def convert(name: str, folder: Path) -> None:
     steps = [processors.ByteLevel(trim_offsets=False)] if name in BYTE_LEVEL else []
     if name in ADDS_BOS:  # Llama 3's and Llama 2's add their BOS in the post-processor
         bos, bos_id = ADDS_BOS[name]
-        steps.append(processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
-                                                   special_tokens=[(bos, bos_id)]))
+        steps.append(
+            processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B", special_tokens=[(bos, bos_id)])
+        )
     tok.post_processor = processors.Sequence(steps) if len(steps) > 1 else (steps[0] if steps else None)
     spec = json.loads(tok.to_str())
     # the converter adds special tokens the model never had (Llama 3 gains an <|endoftext|> at 128256)

@@ -59,16 +59,21 @@ class FaultProxy:
                 line = f"{self.command} {self.path}"
                 rule = proxy._match(line)
                 if rule is not None:
-                    xml = (f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{rule.code}</Code>'
-                           f"<Message>injected by the test proxy</Message><RequestId>0</RequestId></Error>").encode()
+                    xml = (
+                        f'<?xml version="1.0" encoding="UTF-8"?><Error><Code>{rule.code}</Code>'
+                        f"<Message>injected by the test proxy</Message><RequestId>0</RequestId></Error>"
+                    ).encode()
                     self.send_response(rule.status)
                     self.send_header("Content-Type", "application/xml")
                     self.send_header("Content-Length", str(len(xml)))
                     self.end_headers()
                     self.wfile.write(xml)
                     return
-                headers = {k: v for k, v in self.headers.items()
-                           if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")}
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in ("transfer-encoding", "content-length", "connection", "expect")
+                }
                 headers["Content-Length"] = str(len(body))
                 target = urlsplit(proxy.target)
                 conn = http.client.HTTPConnection(target.hostname, target.port, timeout=60)
@@ -80,8 +85,10 @@ class FaultProxy:
                     if k.lower() not in ("transfer-encoding", "content-length", "connection"):
                         self.send_header(k, v)
                 # a HEAD answer has no body but carries the object's size
-                self.send_header("Content-Length", resp.getheader("Content-Length", "0") if self.command == "HEAD"
-                                 else str(len(data)))
+                self.send_header(
+                    "Content-Length",
+                    resp.getheader("Content-Length", "0") if self.command == "HEAD" else str(len(data)),
+                )
                 self.end_headers()
                 if self.command != "HEAD":
                     self.wfile.write(data)

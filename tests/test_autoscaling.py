@@ -34,8 +34,9 @@ def test_the_shipped_yaml_is_what_up_starts_and_passes_rays_validation():
     # Ray's own checks of a cluster config (its prepare_config would fill defaults from the fake provider's
     # example.yaml, which Ray's wheel does not ship: the shipped file sets every field itself)
     validate_config(copy.deepcopy(shipped))
-    bigger = autoscaling.config(max_nodes=8, min_nodes=1, cpus_per_node=2, gpus_per_node=1, idle_timeout_s=30,
-                                gcs_address="127.0.0.1:7000")
+    bigger = autoscaling.config(
+        max_nodes=8, min_nodes=1, cpus_per_node=2, gpus_per_node=1, idle_timeout_s=30, gcs_address="127.0.0.1:7000"
+    )
     worker = bigger["available_node_types"][autoscaling.WORKER_TYPE]
     assert (worker["min_workers"], worker["max_workers"], bigger["max_workers"]) == (1, 8, 8)
     assert worker["resources"]["CPU"] == 2 and worker["resources"]["GPU"] == 1
@@ -56,9 +57,28 @@ def test_a_run_gets_its_nodes_from_the_autoscaler_and_they_go_when_idle(cache_di
     workers waits, saying so, while the autoscaler adds two 1-CPU nodes, trains on them, and once it has
     ended the idle nodes are removed; `down` leaves no process of the cluster behind."""
     state = tmp_path / "state.json"
-    up = subprocess.run([RAYSC, "cluster", "local", "up", "--autoscale", "--max-nodes", "2", "--cpus-per-node", "1",
-                         "--idle-timeout-s", "3", "--no-dashboard", "--state", str(state), "--json"],
-                        capture_output=True, text=True, timeout=180)
+    up = subprocess.run(
+        [
+            RAYSC,
+            "cluster",
+            "local",
+            "up",
+            "--autoscale",
+            "--max-nodes",
+            "2",
+            "--cpus-per-node",
+            "1",
+            "--idle-timeout-s",
+            "3",
+            "--no-dashboard",
+            "--state",
+            str(state),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert up.returncode == 0, up.stderr[-2000:]
     st = ClusterState.read(state)
     try:
@@ -66,8 +86,13 @@ def test_a_run_gets_its_nodes_from_the_autoscaler_and_they_go_when_idle(cache_di
         assert autoscaling.alive_worker_nodes(st) == []
         run_dir = tmp_path / "run"
         cmd = [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
-        for s in [*TINY, "train.steps=4", "parallel.dp_replicate=2", f'data.cache_dir="{cache_dir}"',
-                  f'run.dir="{run_dir}"']:
+        for s in [
+            *TINY,
+            "train.steps=4",
+            "parallel.dp_replicate=2",
+            f'data.cache_dir="{cache_dir}"',
+            f'run.dir="{run_dir}"',
+        ]:
             cmd += ["--set", s]
         run = subprocess.run(cmd, env=st.env(), cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert run.returncode == 0, run.stderr[-3000:]
@@ -77,8 +102,9 @@ def test_a_run_gets_its_nodes_from_the_autoscaler_and_they_go_when_idle(cache_di
         removed_in = _nodes_within(st, 0, timeout_s=90)
         print(f"idle nodes removed {removed_in:.1f}s after the run ended")
     finally:
-        down = subprocess.run([RAYSC, "cluster", "local", "down", "--state", str(state)], capture_output=True,
-                              text=True, timeout=120)
+        down = subprocess.run(
+            [RAYSC, "cluster", "local", "down", "--state", str(state)], capture_output=True, text=True, timeout=120
+        )
     assert down.returncode == 0, down.stderr
     left = subprocess.run(["pgrep", "-f", st.temp_dir], capture_output=True, text=True).stdout.split()
     assert not left, f"processes of the cluster still running: {left}"
@@ -97,8 +123,13 @@ def test_bad_node_limits_and_a_hand_added_node_are_refused_before_anything_start
     state = tmp_path / "state.json"  # the record of an autoscaling cluster: its autoscaler adds the nodes
     gone = subprocess.Popen(["true"])
     gone.wait()  # a holder pid that no longer exists: nothing may be signalled by mistake
-    ClusterState(pid=gone.pid, address="127.0.0.1:1", dashboard=None, temp_dir=str(tmp_path),
-                 autoscale={"min_nodes": 0, "max_nodes": 2}).write(state)
+    ClusterState(
+        pid=gone.pid,
+        address="127.0.0.1:1",
+        dashboard=None,
+        temp_dir=str(tmp_path),
+        autoscale={"min_nodes": 0, "max_nodes": 2},
+    ).write(state)
     with pytest.raises(RuntimeError, match="autoscales: its autoscaler adds nodes when work asks for them"):
         add_node(state)
 
@@ -115,8 +146,10 @@ def test_a_node_start_that_timed_out_on_a_busy_machine_is_tried_once_more(capsys
     def flaky() -> str:
         tries.append(1)
         if len(tries) == 1:
-            raise RuntimeError("the autoscaling cluster did not come up within 120s; its log: ...\nException: The "
-                               "current node timed out during startup. This could happen because ...")
+            raise RuntimeError(
+                "the autoscaling cluster did not come up within 120s; its log: ...\nException: The "
+                "current node timed out during startup. This could happen because ..."
+            )
         return "up"
 
     assert once_more_if_overloaded(flaky, "the cluster") == "up" and len(tries) == 2

@@ -20,26 +20,30 @@ from raysc.fleet.records import read_jsonl
 def _client_error(code: str, status: int) -> Exception:
     from botocore.exceptions import ClientError
 
-    err = ClientError({"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}},
-                      "PutObject")
+    err = ClientError(
+        {"Error": {"Code": code, "Message": "m"}, "ResponseMetadata": {"HTTPStatusCode": status}}, "PutObject"
+    )
     try:  # s3fs passes unknown codes on as an OSError caused by the ClientError
         raise OSError(errno.EIO, "m") from err
     except OSError as e:
         return e
 
 
-@pytest.mark.parametrize("exc, permanent", [
-    (OSError(errno.ENOSPC, "No space left on device"), "no space left on the device"),
-    (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
-    (PermissionError("Access Denied"), "permission denied"),
-    (FileNotFoundError("The specified bucket does not exist"), "the bucket or directory is missing"),
-    (_client_error("QuotaExceeded", 403), "quota exceeded (QuotaExceeded)"),
-    (_client_error("XMinioStorageFull", 507), "no space left on the server (XMinioStorageFull)"),
-    (_client_error("SlowDown", 503), None),
-    (_client_error("InternalError", 500), None),
-    (ConnectionResetError("Connection reset by peer"), None),
-    (TimeoutError("read timed out"), None),
-])
+@pytest.mark.parametrize(
+    "exc, permanent",
+    [
+        (OSError(errno.ENOSPC, "No space left on device"), "no space left on the device"),
+        (OSError(errno.EDQUOT, "Disk quota exceeded"), "disk quota exceeded"),
+        (PermissionError("Access Denied"), "permission denied"),
+        (FileNotFoundError("The specified bucket does not exist"), "the bucket or directory is missing"),
+        (_client_error("QuotaExceeded", 403), "quota exceeded (QuotaExceeded)"),
+        (_client_error("XMinioStorageFull", 507), "no space left on the server (XMinioStorageFull)"),
+        (_client_error("SlowDown", 503), None),
+        (_client_error("InternalError", 500), None),
+        (ConnectionResetError("Connection reset by peer"), None),
+        (TimeoutError("read timed out"), None),
+    ],
+)
 def test_failures_are_classified(exc, permanent):
     assert permanent_reason(exc) == permanent
 
@@ -99,16 +103,21 @@ def proxy(s3_server):
     p.close()
 
 
-def test_quota_on_s3_cleans_up_reports_the_lag_and_exits_non_zero(ray_session, s3_server, proxy, make_cfg,
-                                                                  tmp_path, capsys):
+def test_quota_on_s3_cleans_up_reports_the_lag_and_exits_non_zero(
+    ray_session, s3_server, proxy, make_cfg, tmp_path, capsys
+):
     """Through the S3 HTTP protocol: moto behind a proxy that answers like a store whose quota is spent."""
     from raysc.cli import main
     from raysc.config.load import dump_config
 
     bucket = f"raysc-{uuid.uuid4().hex[:10]}"
     s3_server["client"].create_bucket(Bucket=bucket)
-    store_args = [f'checkpoint.uri="s3://{bucket}/run"', s3_options(proxy.endpoint), "checkpoint.every_steps=5",
-                  "checkpoint.upload_retries=3"]
+    store_args = [
+        f'checkpoint.uri="s3://{bucket}/run"',
+        s3_options(proxy.endpoint),
+        "checkpoint.every_steps=5",
+        "checkpoint.upload_retries=3",
+    ]
     # step 5: two throttled answers, then accepted; step 10 (the last): the quota is spent
     proxy.fail(rf"PUT /{bucket}/run/step_00000005/__0_0\.distcp", "SlowDown", status=503, times=2)
     quota = proxy.fail(rf"PUT /{bucket}/run/step_000000(1\d|2\d)/\.metadata", "QuotaExceeded")
@@ -131,14 +140,22 @@ def test_quota_on_s3_cleans_up_reports_the_lag_and_exits_non_zero(ray_session, s
     assert quota.hits == 1  # one attempt, not upload_retries + 1
 
     # saves keep failing: the lag grows in the events, and the run stops after max_failed_saves in a row
-    cfg = make_cfg(*store_args, "train.steps=40", "checkpoint.max_failed_saves=2",
-                   f'checkpoint.uri="s3://{bucket}/stop"', run="stop")
+    cfg = make_cfg(
+        *store_args,
+        "train.steps=40",
+        "checkpoint.max_failed_saves=2",
+        f'checkpoint.uri="s3://{bucket}/stop"',
+        run="stop",
+    )
     proxy.fail(rf"PUT /{bucket}/stop/step_000000(1\d|2\d)/\.metadata", "QuotaExceeded")
     path.write_text(dump_config(cfg))
     assert main(["train", str(path), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert "2 checkpoint save(s) in a row failed" in err and "newest durable checkpoint is step 5" in err
-    lag = [(e["step"], e["durable_step"], e["steps_at_risk"], e["action"])
-           for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_lagging"]
+    lag = [
+        (e["step"], e["durable_step"], e["steps_at_risk"], e["action"])
+        for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+        if e["kind"] == "checkpoint_lagging"
+    ]
     assert lag == [(10, 5, 5, "keep training; the next checkpoint step tries again"), (15, 5, 10, "stop the run")]
     assert CheckpointStore.for_config(cfg).steps() == [5]

@@ -35,8 +35,15 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
 
     bucket = _bucket(s3_server)
     opts = s3_options(s3_server["endpoint"])
-    full = make_cfg(f'checkpoint.uri="s3://{bucket}/full"', opts, "checkpoint.every_steps=5",
-                    "checkpoint.keep_last=2", "checkpoint.keep_every_steps=10", "train.steps=20", run="full")
+    full = make_cfg(
+        f'checkpoint.uri="s3://{bucket}/full"',
+        opts,
+        "checkpoint.every_steps=5",
+        "checkpoint.keep_last=2",
+        "checkpoint.keep_every_steps=10",
+        "train.steps=20",
+        run="full",
+    )
     train(full, progress=False)
     store = CheckpointStore(full.checkpoint_uri, full.checkpoint.storage_options)
     assert store.steps() == [10, 15, 20]  # keep_last=2 plus the keep_every_steps=10 long-term keep
@@ -48,8 +55,9 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     ref = {m["step"]: m for m in read_jsonl(Path(full.run_dir) / "metrics.jsonl")}
 
     # a second run that stopped after step 10 (the checkpoint copied into its own prefix)
-    part = make_cfg(f'checkpoint.uri="s3://{bucket}/part"', opts, "checkpoint.every_steps=5", "train.steps=20",
-                    run="part")
+    part = make_cfg(
+        f'checkpoint.uri="s3://{bucket}/part"', opts, "checkpoint.every_steps=5", "train.steps=20", run="part"
+    )
     fs = store.storage.fs
     for f in fs.ls(f"{bucket}/full/step_00000010"):
         fs.copy(f, f.replace("/full/", "/part/"))
@@ -66,8 +74,11 @@ def test_s3_resume_is_bit_exact_and_secrets_stay_out(ray_session, s3_server, mak
     assert "resumed" in [e["kind"] for e in read_jsonl(Path(part.run_dir) / "events.jsonl")]
 
     # secrets appear nowhere the run writes
-    for path in [Path(full.run_dir) / "config.toml", Path(full.run_dir) / "events.jsonl",
-                 Path(part.run_dir) / "events.jsonl"]:
+    for path in [
+        Path(full.run_dir) / "config.toml",
+        Path(full.run_dir) / "events.jsonl",
+        Path(part.run_dir) / "events.jsonl",
+    ]:
         assert SECRET not in path.read_text(), path
     assert SECRET not in json.dumps(manifest)
 
@@ -94,12 +105,17 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
 
     port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"}  # only the create_bucket below is unauthenticated
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)], env=env,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         endpoint = f"http://127.0.0.1:{port}"
-        client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="a", aws_secret_access_key="b",
-                              region_name="us-east-1")
+        client = boto3.client(
+            "s3", endpoint_url=endpoint, aws_access_key_id="a", aws_secret_access_key="b", region_name="us-east-1"
+        )
         for _ in range(100):
             try:
                 client.create_bucket(Bucket="locked")
@@ -112,8 +128,10 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
     finally:
         server.terminate()
         server.wait(timeout=10)
-    assert not (Path(cfg.run_dir) / "metrics.jsonl").exists() or not \
-        (Path(cfg.run_dir) / "metrics.jsonl").read_text().strip()  # no step ran
+    assert (
+        not (Path(cfg.run_dir) / "metrics.jsonl").exists()
+        or not (Path(cfg.run_dir) / "metrics.jsonl").read_text().strip()
+    )  # no step ran
     assert SECRET not in (Path(cfg.run_dir) / "events.jsonl").read_text()
 
 
@@ -188,8 +206,12 @@ def test_ckpt_cli_lists_and_verifies(ray_session, s3_server, make_cfg, capsys):
     from raysc.fleet.driver import train
 
     bucket = _bucket(s3_server)
-    cfg = make_cfg(f'checkpoint.uri="s3://{bucket}/run"', s3_options(s3_server["endpoint"]), "train.steps=6",
-                   "checkpoint.every_steps=3")
+    cfg = make_cfg(
+        f'checkpoint.uri="s3://{bucket}/run"',
+        s3_options(s3_server["endpoint"]),
+        "train.steps=6",
+        "checkpoint.every_steps=3",
+    )
     train(cfg, progress=False)
     so = json.dumps(cfg.checkpoint.storage_options)
     capsys.readouterr()
@@ -224,8 +246,14 @@ def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server
 
     bucket = _bucket(s3_server)
     options = s3_options(s3_server["endpoint"])[:-1] + ", config_kwargs = {retries = {max_attempts = 1}}}"
-    cfg = make_cfg(f'checkpoint.uri="s3://{bucket}/run"', options, "train.steps=15",
-                   "checkpoint.every_steps=5", "checkpoint.upload_retries=2", "checkpoint.keep_last=3")
+    cfg = make_cfg(
+        f'checkpoint.uri="s3://{bucket}/run"',
+        options,
+        "train.steps=15",
+        "checkpoint.every_steps=5",
+        "checkpoint.upload_retries=2",
+        "checkpoint.keep_last=3",
+    )
     wsgi.app = flaky
     try:
         summary = train(cfg, progress=False)

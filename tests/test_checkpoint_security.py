@@ -89,8 +89,15 @@ def _plant(uri: Path | str, step: int, name: str, data: bytes, fs=None) -> None:
 
 
 def test_rank_state_round_trips_data_and_refuses_everything_else(tmp_path):
-    state = {"step": 3, "rng": torch.get_rng_state(), "betas": (0.9, 0.95), "by_domain": {0: [1, 2], 1: []},
-             "nan": float("nan"), "cuda_rng": None, "nested": [{"a": (1, "x")}]}
+    state = {
+        "step": 3,
+        "rng": torch.get_rng_state(),
+        "betas": (0.9, 0.95),
+        "by_domain": {0: [1, 2], 1: []},
+        "nan": float("nan"),
+        "cuda_rng": None,
+        "nested": [{"a": (1, "x")}],
+    }
     save_rank_state(tmp_path / "s.safetensors", state)
     back = load_rank_state(tmp_path / "s.safetensors")
     assert torch.equal(back.pop("rng"), state.pop("rng")) and back.pop("nan") != back.get("nan")
@@ -203,7 +210,8 @@ def _make_v3(store: CheckpointStore, tmp_path: Path, step: int, extra_obj) -> No
     files = store.upload(step, local, names, {k: v for k, v in digests.items() if k in names})
     manifest = store.commit(step, files, {"tokens": step})
     (Path(store.uri) / f"step_{step:08d}" / "manifest.json").write_text(
-        json.dumps({**manifest, "format": "raysc-ckpt-v3"}))
+        json.dumps({**manifest, "format": "raysc-ckpt-v3"})
+    )
 
 
 def test_previous_format_is_reported_and_converted_only_deliberately(tmp_path, capsys, monkeypatch):
@@ -212,8 +220,14 @@ def test_previous_format_is_reported_and_converted_only_deliberately(tmp_path, c
     monkeypatch.delenv(KEY_ENV, raising=False)
     uri = tmp_path / "store"
     store = CheckpointStore(str(uri))
-    extra = {"step": 4, "tokens": 100, "torch_rng": torch.get_rng_state(), "loader": {"cursor": 32},
-             "scheduler": {"last_epoch": 4, "base_lrs": [0.001]}, "cuda_rng": None}
+    extra = {
+        "step": 4,
+        "tokens": 100,
+        "torch_rng": torch.get_rng_state(),
+        "loader": {"cursor": 32},
+        "scheduler": {"last_epoch": 4, "base_lrs": [0.001]},
+        "cuda_rng": None,
+    }
     _make_v3(store, tmp_path, 4, extra)
     assert store.latest() is None and "raysc ckpt convert" in store.verify(4)
     assert main(["ckpt", "verify", str(uri)]) == 1
@@ -235,8 +249,9 @@ def test_previous_format_is_reported_and_converted_only_deliberately(tmp_path, c
     assert not marker.exists() and store.read_manifest(8)["format"] == "raysc-ckpt-v3"
 
 
-def test_restores_fall_back_past_planted_payloads_on_s3_and_signed_local(ray_session, s3_server, make_cfg,
-                                                                         tmp_path, monkeypatch):
+def test_restores_fall_back_past_planted_payloads_on_s3_and_signed_local(
+    ray_session, s3_server, make_cfg, tmp_path, monkeypatch
+):
     """The attack end to end: payloads planted in the newest checkpoints of a real run, then `--resume`.
     S3 without a key: the parsers refuse both files. Local store with a key: the signature refuses first."""
     from raysc.fleet.driver import train

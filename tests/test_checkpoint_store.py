@@ -110,8 +110,9 @@ def test_staging_checksums_the_bytes_dcp_wrote_and_catches_later_corruption(tmp_
         store.upload(2, tmp_path / "s", names, digests, retries=0)
 
 
-def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cannot_be_read(tmp_path, capsys,
-                                                                                             monkeypatch):
+def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cannot_be_read(
+    tmp_path, capsys, monkeypatch
+):
     """`raysc ckpt list RUN_DIR` lists the run's own checkpoint.uri (a README walk passed the run directory
     and got "no committed checkpoints"); an unreachable endpoint is one line and exit 2, not a traceback."""
     from raysc.cli import main
@@ -132,8 +133,9 @@ def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cann
     port = free_port()
     monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")  # credentials there, the endpoint not
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
-    options = json.dumps({"endpoint_url": f"http://127.0.0.1:{port}",
-                          "config_kwargs": {"retries": {"max_attempts": 1}}})
+    options = json.dumps(
+        {"endpoint_url": f"http://127.0.0.1:{port}", "config_kwargs": {"retries": {"max_attempts": 1}}}
+    )
     assert main(["ckpt", "list", "s3://bucket/run", "--storage-options", options]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot list checkpoints under s3://bucket/run: ") and err.count("\n") == 1, err

@@ -20,8 +20,9 @@ def test_compiled_blocks_train_like_eager_and_keep_the_checkpoint_names(make_cfg
 
     torch._dynamo.reset()
     counters.clear()
-    compiled = Trainer(make_cfg("train.steps=3", "train.compile=true", run="compiled"), packed.train,
-                       measure_peak=False)
+    compiled = Trainer(
+        make_cfg("train.steps=3", "train.compile=true", run="compiled"), packed.train, measure_peak=False
+    )
     got = [compiled.train_step() for _ in range(3)]
     assert counters["stats"]["unique_graphs"] >= 1, dict(counters["stats"])  # inductor compiled the blocks
     for w, g in zip(want, got):

@@ -17,8 +17,10 @@ def test_example_configs_load(name):
 
 
 def test_overrides_apply_with_types():
-    cfg = load_config(ROOT / "jobs/configs/tiny.toml",
-                      ["train.steps=50", "optim.lr=3e-4", "model.tie_embeddings=true", "run.name=exp1"])
+    cfg = load_config(
+        ROOT / "jobs/configs/tiny.toml",
+        ["train.steps=50", "optim.lr=3e-4", "model.tie_embeddings=true", "run.name=exp1"],
+    )
     assert cfg.train.steps == 50 and cfg.optim.lr == 3e-4
     assert cfg.model.tie_embeddings is True and cfg.run.name == "exp1"
     assert cfg.optim.clip_norm == 1.0  # the documented default
@@ -80,7 +82,8 @@ def test_cross_key_rules(tmp_path):
     assert "not divisible by model.n_heads" in _error(tmp_path, overrides=["model.dim=100", "model.n_heads=3"])
     assert "must divide model.n_heads" in _error(tmp_path, overrides=["model.n_heads=4", "model.n_kv_heads=3"])
     assert "multiple of train.seq_len" in _error(
-        tmp_path, overrides=["train.global_batch_tokens=1000", "train.seq_len=128"])
+        tmp_path, overrides=["train.global_batch_tokens=1000", "train.seq_len=128"]
+    )
     assert "exactly one of" in _error(tmp_path, overrides=["train.global_batch=8", "train.global_batch_tokens=1024"])
     assert "micro_batch=3" in _error(tmp_path, overrides=["train.global_batch=8", "train.micro_batch=3"])
     assert "needs parallel.device='cuda'" in _error(tmp_path, overrides=['train.dtype="bf16"'])
@@ -88,21 +91,21 @@ def test_cross_key_rules(tmp_path):
         assert "set model.mup = false" in _error(tmp_path, overrides=["model.mup=true", switch])
 
 
-
 def test_layout_rules_name_the_numbers(tmp_path):
     assert "model.n_kv_heads=2 is not divisible by parallel.tp=4" in _error(tmp_path, overrides=["parallel.tp=4"])
     assert "n_layers=4 is not divisible by parallel.pp×pp_virtual_stages=2×4" in _error(
-        tmp_path, overrides=["parallel.pp=2", "parallel.pp_virtual_stages=4",
-                             'parallel.pp_schedule="interleaved_1f1b"'])
+        tmp_path, overrides=["parallel.pp=2", "parallel.pp_virtual_stages=4", 'parallel.pp_schedule="interleaved_1f1b"']
+    )
     assert "2×parallel.cp=6" in _error(tmp_path, overrides=["parallel.cp=3", "train.seq_len=128"])
     assert "dp×microbatches=2×3" in _error(
-        tmp_path, overrides=["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=3"])
+        tmp_path, overrides=["parallel.pp=2", "parallel.dp_shard=2", "parallel.pp_microbatches=3"]
+    )
     assert "needs at least pp=4 microbatches" in _error(
-        tmp_path, overrides=["parallel.pp=4", "parallel.pp_microbatches=2"])
+        tmp_path, overrides=["parallel.pp=4", "parallel.pp_microbatches=2"]
+    )
     assert "needs an interleaved schedule" in _error(tmp_path, overrides=["parallel.pp_virtual_stages=2"])
     assert "sequence_parallel needs parallel.tp > 1" in _error(tmp_path, overrides=["parallel.sequence_parallel=true"])
-    assert "tie_embeddings cannot be used" in _error(
-        tmp_path, overrides=["parallel.pp=2", "model.tie_embeddings=true"])
+    assert "tie_embeddings cannot be used" in _error(tmp_path, overrides=["parallel.pp=2", "model.tie_embeddings=true"])
     cfg = load_config(None, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=2"])
     assert cfg.parallel.world_size == 8
 
@@ -120,5 +123,6 @@ def test_malformed_toml_and_missing_file(tmp_path):
 def test_config_reference_doc_is_current():
     from raysc.config.reference import render
 
-    assert (ROOT / "docs/config.md").read_text() == render(), \
+    assert (ROOT / "docs/config.md").read_text() == render(), (
         "docs/config.md is stale: run `python -m raysc.config.reference > docs/config.md`"
+    )

@@ -39,14 +39,21 @@ def _seconds(code: str) -> float:
     """How long a fresh Python process running ``code`` takes on this machine now: what the commands under
     test are timed against, so that a slower or busier machine moves both (issue 62)."""
     t0 = time.monotonic()
-    subprocess.run([sys.executable, "-c", code], env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
-                   check=True, capture_output=True, timeout=300)
+    subprocess.run(
+        [sys.executable, "-c", code],
+        env={k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"},
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
     return time.monotonic() - t0
 
 
 def test_an_address_where_nothing_listens_or_http_answers_is_refused_and_a_real_gcs_passes(ray_session):
     port = free_port()
-    with pytest.raises(ClusterAddressError, match=rf"RAY_ADDRESS=127\.0\.0\.1:{port}: nothing answers there.*port 6379"):
+    with pytest.raises(
+        ClusterAddressError, match=rf"RAY_ADDRESS=127\.0\.0\.1:{port}: nothing answers there.*port 6379"
+    ):
         check_address(f"127.0.0.1:{port}")
     http = ThreadingHTTPServer(("127.0.0.1", 0), _Page)
     threading.Thread(target=http.serve_forever, daemon=True).start()
@@ -67,9 +74,23 @@ def test_raysc_train_with_a_wrong_ray_address_fails_within_seconds(tmp_path):
     floor = _seconds("import ray, torch")
     env = {**os.environ, "RAY_ADDRESS": f"127.0.0.1:{free_port()}"}
     t0 = time.monotonic()
-    run = subprocess.run([RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress", "--set", "train.steps=2",
-                          "--set", f'run.dir="{tmp_path / "run"}"'], env=env, cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    run = subprocess.run(
+        [
+            RAYSC,
+            "train",
+            "jobs/configs/tiny.toml",
+            "--no-progress",
+            "--set",
+            "train.steps=2",
+            "--set",
+            f'run.dir="{tmp_path / "run"}"',
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     took = time.monotonic() - t0
     assert run.returncode == 2, run.stderr[-2000:]
     assert f"RAY_ADDRESS={env['RAY_ADDRESS']}: nothing answers there" in run.stderr and "ray status" in run.stderr
@@ -81,14 +102,18 @@ def test_a_fleet_no_node_can_hold_stops_at_once_on_a_ray_this_process_started(ra
     on the session's own Ray (started by this process: nothing adds nodes) naming need, have and the fix,
     and on a joined cluster (an autoscaler may add nodes) says what it waits for instead."""
     assert shortfall({"CPU": 3.0}, 3, [{"CPU": 4.0}, {"CPU": 4.0}]) == (
-        "3 actor(s) of 3 CPU (9 CPU in all), but the cluster's 2 node(s): 4 CPU, 4 CPU hold 2 (in all 8 CPU)")
+        "3 actor(s) of 3 CPU (9 CPU in all), but the cluster's 2 node(s): 4 CPU, 4 CPU hold 2 (in all 8 CPU)"
+    )
     assert shortfall({"CPU": 2.0}, 4, [{"CPU": 4.0}, {"CPU": 4.0}]) == ""
     cpus = int(ray_session.cluster_resources()["CPU"])
     fits = load_config(None, [f"parallel.cpus_per_worker={cpus}"]).parallel
     require_fleet_fit("the run", fits, 1)  # the whole node for one worker: it fits
     big = load_config(None, [f"parallel.cpus_per_worker={cpus + 1}"]).parallel
-    with pytest.raises(ClusterTooSmall, match=rf"the run needs 1 actor\(s\) of {cpus + 1} CPU .* hold 0 .*started its "
-                                              rf"own local Ray.*lower parallel.cpus_per_worker \(now {cpus + 1}"):
+    with pytest.raises(
+        ClusterTooSmall,
+        match=rf"the run needs 1 actor\(s\) of {cpus + 1} CPU .* hold 0 .*started its "
+        rf"own local Ray.*lower parallel.cpus_per_worker \(now {cpus + 1}",
+    ):
         require_fleet_fit("the run", big, 1)
     said = []
     monkeypatch.setattr("raysc.cluster.fit.started_here", lambda: False)
@@ -101,13 +126,19 @@ def test_raysc_preflight_of_a_gpu_recipe_on_this_machines_cpus_stops_within_seco
     with the machine's own CPUs and stops, before tokenizing anything, with exit 2 and the reason (it used
     to wait out supervisor.start_timeout_s, 300 s, with Ray's autoscaler warnings): within 3 times what a
     trivial program that imports torch and starts and stops a local Ray with the machine's CPUs takes here."""
-    floor = _seconds("import os, ray, torch; ray.init(num_cpus=os.cpu_count(), include_dashboard=False); "
-                     "ray.shutdown()")
+    floor = _seconds(
+        "import os, ray, torch; ray.init(num_cpus=os.cpu_count(), include_dashboard=False); ray.shutdown()"
+    )
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     t0 = time.monotonic()
-    run = subprocess.run([RAYSC, "preflight", "jobs/configs/llama-3.2-1b.toml", "--set",
-                          f'run.dir="{tmp_path / "run"}"'], env=env, cwd=ROOT, capture_output=True, text=True,
-                         timeout=120)
+    run = subprocess.run(
+        [RAYSC, "preflight", "jobs/configs/llama-3.2-1b.toml", "--set", f'run.dir="{tmp_path / "run"}"'],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     took = time.monotonic() - t0
     assert run.returncode == 2, run.stdout[-2000:] + run.stderr[-2000:]
     assert "needs 1 actor(s) of 8 CPU + 1 GPU" in run.stderr and "set parallel.device=cpu" in run.stderr

@@ -31,10 +31,18 @@ def test_gopher_c4_fineweb_rules_on_hand_made_documents():
     assert rules.judge(GOOD)["keep"], rules.judge(GOOD)
     cases = {
         "gopher_min_words": "Too short to be a document at all.",
-        "gopher_stop_words": " ".join(["alpha beta gamma delta epsilon."] * 12) + "\n" + GOOD.replace(
-            " the ", " ").replace(" to ", " ").replace(" and ", " ").replace(" that ", " ").replace(
-            " of ", " ").replace(" with ", " ").replace("The ", "").replace(" be ", " ").replace(
-            " have ", " ").replace("the ", ""),
+        "gopher_stop_words": " ".join(["alpha beta gamma delta epsilon."] * 12)
+        + "\n"
+        + GOOD.replace(" the ", " ")
+        .replace(" to ", " ")
+        .replace(" and ", " ")
+        .replace(" that ", " ")
+        .replace(" of ", " ")
+        .replace(" with ", " ")
+        .replace("The ", "")
+        .replace(" be ", " ")
+        .replace(" have ", " ")
+        .replace("the ", ""),
         "gopher_bullet_lines": "\n".join(f"- item number {i} of the list with the usual words." for i in range(60)),
         "gopher_rep_dup_line_frac": "\n".join([GOOD.split("\n")[0]] + ["Click here to subscribe to the news."] * 20),
         "gopher_symbol_word_ratio": GOOD + " " + " ".join(["#tag"] * 30),
@@ -80,8 +88,12 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     src = tmp_path / "in"
     src.mkdir()
     lines = [_json.dumps(r).encode() for r in records]
-    lines += [b'{"id": "broken", "text": "unterminated', b"\xff\xfe not utf-8 \xff",
-              b'{"id": "no-text", "body": "x"}', b'{"id": "blank", "text": "   \\n  "}']
+    lines += [
+        b'{"id": "broken", "text": "unterminated',
+        b"\xff\xfe not utf-8 \xff",
+        b'{"id": "no-text", "body": "x"}',
+        b'{"id": "blank", "text": "   \\n  "}',
+    ]
     (src / "part-0.jsonl").write_bytes(b"\n".join(lines) + b"\n")
     pq.write_table(pa.table({"id": ["pq1"], "text": [prose[30]], "domain": ["prose"]}), src / "part-1.parquet")
     (src / "notes.txt").write_text(prose[31])
@@ -106,8 +118,11 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     report = curate(cfg, log=lambda *_: None)
     assert all(s > 0.85 for *_, s in near) and all(s < 0.3 for s in far)
     kept = pq.read_table(tmp_path / "out" / "documents").to_pydict()
-    dropped = pq.read_table(tmp_path / "out" / "dropped").to_pydict() if (tmp_path / "out" / "dropped").exists() \
+    dropped = (
+        pq.read_table(tmp_path / "out" / "dropped").to_pydict()
+        if (tmp_path / "out" / "dropped").exists()
         else {"id": [], "q_reason": []}
+    )
     ids = set(kept["id"]) | set(dropped["id"])  # after dedup, before the quality verdict
     assert "exact-copy" not in ids and "doc000" in ids
     for orig, dup, _ in near:  # exactly one survivor per near-duplicate pair: the smallest id
@@ -117,13 +132,23 @@ def test_curation_pipeline_dedups_scores_and_survives_bad_input(ray_session, mak
     assert "notes.txt" in set(kept["source"]) | set(dropped.get("source", []))  # a plain-text file is a document
     assert report["removed"]["exact_duplicates"] == 1 and report["removed"]["near_duplicates"] == 8
     assert report["bad_input"]["by_reason"] == {
-        "malformed JSON (Unterminated string starting at)": 1, "not UTF-8 (invalid start byte at byte 0)": 1,
-        "missing or non-string field 'text'": 1, "empty document": 1,
+        "malformed JSON (Unterminated string starting at)": 1,
+        "not UTF-8 (invalid start byte at byte 0)": 1,
+        "missing or non-string field 'text'": 1,
+        "empty document": 1,
         "corrupt or truncated gzip file (EOFError)": 1,
-        "corrupt or truncated zstd file (a frame ends before its end mark)": 1, "corrupt or truncated Parquet file": 1}
+        "corrupt or truncated zstd file (a frame ends before its end mark)": 1,
+        "corrupt or truncated Parquet file": 1,
+    }
     assert {s["where"] for s in report["bad_input"]["samples"]} == {
-        "part-0.jsonl:40", "part-0.jsonl:41", "part-0.jsonl:42", "part-0.jsonl:43", "cut-4.jsonl.gz",
-        "cut-5.jsonl.zst", "broken.parquet"}
+        "part-0.jsonl:40",
+        "part-0.jsonl:41",
+        "part-0.jsonl:42",
+        "part-0.jsonl:43",
+        "cut-4.jsonl.gz",
+        "cut-5.jsonl.zst",
+        "broken.parquet",
+    }
     assert report["documents"]["kept"] == len(kept["id"]) and report["domains"]["prose"] >= 1
     assert set(dropped["q_reason"]) <= {"", *report["quality"]["dropped_by_rule"]}
     assert (tmp_path / "out" / "quality_histograms.png").stat().st_size > 1000
@@ -145,8 +170,10 @@ def test_ray_datas_no_cpu_warning_is_shown_only_when_true(ray_session):
     logger, seen = logging.getLogger("ray.data.dataset"), []
     handler = logging.Handler(logging.WARNING)
     handler.emit = seen.append
-    warning = ("Warning: The Ray cluster currently does not have any available CPUs. The Dataset job will hang "
-               "unless more CPUs are freed up.")
+    warning = (
+        "Warning: The Ray cluster currently does not have any available CPUs. The Dataset job will hang "
+        "unless more CPUs are freed up."
+    )
     logger.addHandler(handler)
     try:
         with cpu_alarms_checked():
@@ -205,10 +232,11 @@ def test_curated_documents_pack_into_per_domain_token_shards(packed_corpus):
     assert starts[0] == 0 and all(stream[s - 1] == EOS_ID for s in starts[1:])
     tok = Tokenizer.from_file(str(root / "packed" / index["tokenizer"]))  # trained by pack, shipped with it
     assert tok.get_vocab_size() == 512
-    first = tok.decode(stream[:starts[1] - 1].tolist())
+    first = tok.decode(stream[: starts[1] - 1].tolist())
     assert first.strip() and first.strip()[:30] in "\n".join(texts)
-    loader = MixtureLoader(domains, parse_schedule("0:prose=0.5,code=0.5"), seed=0, global_batch=4,
-                           tokens_per_sample=64)
+    loader = MixtureLoader(
+        domains, parse_schedule("0:prose=0.5,code=0.5"), seed=0, global_batch=4, tokens_per_sample=64
+    )
     assert loader.next_batch().shape == (4, 65)
 
 
@@ -219,9 +247,14 @@ def test_curated_corpus_trains_on_a_schedule_and_resumes_it_exactly(packed_corpu
     from raysc.fleet.driver import train
     from raysc.fleet.records import read_jsonl
 
-    base = [f'data.source="{packed_corpus["packed"]}"', "parallel.dp_shard=2", "checkpoint.every_steps=10",
-            "checkpoint.async=false", 'data.schedule="0:code=0.8,prose=0.2; 5120:prose=0.8,code=0.2"',
-            "optim.lr=5e-3"]
+    base = [
+        f'data.source="{packed_corpus["packed"]}"',
+        "parallel.dp_shard=2",
+        "checkpoint.every_steps=10",
+        "checkpoint.async=false",
+        'data.schedule="0:code=0.8,prose=0.2; 5120:prose=0.8,code=0.2"',
+        "optim.lr=5e-3",
+    ]
     ref = make_cfg(*base, run="ref")
     train(ref, progress=False)
     cfg = make_cfg(*base, 'supervisor.inject="kill@15"', "supervisor.restart_backoff_s=0.1", run="kill")
@@ -309,17 +342,28 @@ def test_fineweb_parquet_and_a_dolma_jsonl_zst_go_through_curate_pack_and_train(
     docs = [d["text"] for d in iter_documents(1.0) if len(d["text"].split()) > 150][:40]
     src = tmp_path / "in"
     src.mkdir()
-    web = [{"text": t, "id": f"<urn:uuid:{i:08x}>", "url": f"https://example.org/{i}", "dump": "CC-MAIN-2024-10",
-            "language_score": 0.9, "token_count": len(t.split())} for i, t in enumerate(docs[:30])]
+    web = [
+        {
+            "text": t,
+            "id": f"<urn:uuid:{i:08x}>",
+            "url": f"https://example.org/{i}",
+            "dump": "CC-MAIN-2024-10",
+            "language_score": 0.9,
+            "token_count": len(t.split()),
+        }
+        for i, t in enumerate(docs[:30])
+    ]
     pq.write_table(pa.Table.from_pylist(web), src / "000_00000.parquet")
-    dolma = [{"doc_id": f"dolma-{i}", "text": t, "source_url": f"https://dolma.example/{i}"}
-             for i, t in enumerate(docs[30:])]
+    dolma = [
+        {"doc_id": f"dolma-{i}", "text": t, "source_url": f"https://dolma.example/{i}"} for i, t in enumerate(docs[30:])
+    ]
     blob = "".join(_json.dumps(r) + "\n" for r in dolma).encode()
     (src / "dolma-0000.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(blob))
 
     out = tmp_path / "out"
-    report = curate(make_cfg(f'curate.input="{src}"', f'curate.output="{out}"', "quality.enabled=false"),
-                    log=lambda *_: None)
+    report = curate(
+        make_cfg(f'curate.input="{src}"', f'curate.output="{out}"', "quality.enabled=false"), log=lambda *_: None
+    )
     kept = pq.read_table(out / "documents").to_pydict()
     assert report["documents"]["kept"] == len(kept["id"]) == 40 and report["bad_input"]["by_reason"] == {}
     # no rule asked for: no measurement made (the report says so), no q_* column written
@@ -328,9 +372,16 @@ def test_fineweb_parquet_and_a_dolma_jsonl_zst_go_through_curate_pack_and_train(
     urls = dict(zip(kept["id"], kept["url"]))
     assert all(urls[w["id"]] == w["url"] for w in web)  # FineWeb's own ids and URLs, not content hashes
     # the Dolma file names its fields differently: curate.id_field / url_field pick them
-    report = curate(make_cfg(f'curate.input="{src}/dolma-0000.jsonl.zst"', f'curate.output="{tmp_path / "d"}"',
-                             "quality.enabled=false", 'curate.id_field="doc_id"', 'curate.url_field="source_url"'),
-                    log=lambda *_: None)
+    report = curate(
+        make_cfg(
+            f'curate.input="{src}/dolma-0000.jsonl.zst"',
+            f'curate.output="{tmp_path / "d"}"',
+            "quality.enabled=false",
+            'curate.id_field="doc_id"',
+            'curate.url_field="source_url"',
+        ),
+        log=lambda *_: None,
+    )
     kept = pq.read_table(tmp_path / "d" / "documents").to_pydict()
     assert sorted(zip(kept["id"], kept["url"])) == sorted((r["doc_id"], r["source_url"]) for r in dolma)
     index = pack_curated(str(out), None, 512, 64, str(out / "packed"), log=lambda *_: None, sample_mb=0.5)

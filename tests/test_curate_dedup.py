@@ -32,10 +32,23 @@ def test_synth_corpus_is_deterministic_streamed_and_its_truth_is_measured(tmp_pa
     a = [json.loads(line) for f in sorted((tmp_path / "a" / "docs").iterdir()) for line in f.open()]
     b = pq.read_table(tmp_path / "b" / "docs" / "part-00000.parquet").to_pylist()
     # the Parquet shards read like FineWeb's: its columns, the same documents
-    assert set(b[0]) == {"text", "id", "dump", "url", "date", "file_path", "language", "language_score",
-                         "token_count", "domain"}
+    assert set(b[0]) == {
+        "text",
+        "id",
+        "dump",
+        "url",
+        "date",
+        "file_path",
+        "language",
+        "language_score",
+        "token_count",
+        "domain",
+    }
     assert b[5]["url"].endswith("/" + b[5]["id"]) and b[5]["token_count"] == len(b[5]["text"].encode()) // 4
-    assert a == [{k: d[k] for k in ("id", "text", "domain")} for d in b] and (tmp_path / "a" / "truth.jsonl").read_bytes() == (tmp_path / "b" / "truth.jsonl").read_bytes()
+    assert (
+        a == [{k: d[k] for k in ("id", "text", "domain")} for d in b]
+        and (tmp_path / "a" / "truth.jsonl").read_bytes() == (tmp_path / "b" / "truth.jsonl").read_bytes()
+    )
     by_id = {d["id"]: d["text"] for d in a}
     truth = read_truth(tmp_path / "a")
     assert len(truth) == meta["roles"]["near"] + meta["roles"]["exact"]
@@ -70,8 +83,9 @@ def test_dedup_kernel_removes_exact_and_near_copies_only():
     import hashlib
 
     texts = [normalise(d["text"]) for d in docs]
-    batch = pa.table({"text": texts, "node": [d["id"] for d in docs],
-                      "hash": [hashlib.sha1(t.encode()).hexdigest() for t in texts]})
+    batch = pa.table(
+        {"text": texts, "node": [d["id"] for d in docs], "hash": [hashlib.sha1(t.encode()).hexdigest() for t in texts]}
+    )
     d = DedupConfig()
     table = key_rows(doc_keys(batch, MinHasher(d.num_perm, d.bands, d.rows, d.shingle, d.seed), True, True))
     order = list(range(len(table)))
@@ -135,15 +149,26 @@ def test_the_vectorised_kernel_equals_the_per_key_definition():
             sig[rng.random(112) >= agree] += 1  # agrees with the key's first member on ~``agree`` of them
             rows.append((k, f"d{m:03d}", (base[m] if m == members[0] else sig).tobytes(), False))
     rows = [rows[i] for i in rng.permutation(len(rows))]
-    table = pa.table({"bucket": pa.array([r[0] for r in rows], pa.int64()), "node": [r[1] for r in rows],
-                      "sig": pa.array([r[2] for r in rows], pa.binary()), "exact": [r[3] for r in rows]})
+    table = pa.table(
+        {
+            "bucket": pa.array([r[0] for r in rows], pa.int64()),
+            "node": [r[1] for r in rows],
+            "sig": pa.array([r[2] for r in rows], pa.binary()),
+            "exact": [r[3] for r in rows],
+        }
+    )
     # one signature per node: a node's rows in different keys carry its own signature (as key_rows makes them)
     sig_of = {}
     for r in rows:
         if r[2]:
             sig_of.setdefault(r[1], r[2])
-    table = table.set_column(2, "sig", pa.array([sig_of[n] if s else b"" for n, s in
-                                                 zip(table["node"].to_pylist(), table["sig"].to_pylist())], pa.binary()))
+    table = table.set_column(
+        2,
+        "sig",
+        pa.array(
+            [sig_of[n] if s else b"" for n, s in zip(table["node"].to_pylist(), table["sig"].to_pylist())], pa.binary()
+        ),
+    )
     got = bucket_forest(table, 0.7)
     edges = set(zip(got["a"].to_pylist(), got["b"].to_pylist(), got["exact"].to_pylist()))
     want = bucket_forest_per_key(table, 0.7)
@@ -183,14 +208,26 @@ def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_se
     for doc, pair in Synth(spec, line_pools(1.0)):
         docs.append(doc)
         truth += [pair] if pair else []
-    batch = normalise_batch(pa.table({"text": [d["text"] for d in docs], "id": [d["id"] for d in docs],
-                                      "domain": ["prose"] * len(docs), "bad": [""] * len(docs)}))
+    batch = normalise_batch(
+        pa.table(
+            {
+                "text": [d["text"] for d in docs],
+                "id": [d["id"] for d in docs],
+                "domain": ["prose"] * len(docs),
+                "bad": [""] * len(docs),
+            }
+        )
+    )
     ds = ray_session.data.from_arrow(batch.select(["id", "text", "hash", "node"])).repartition(4)
     # the keys computed where the documents are read (raysc curate: dd.keyer), or by dedup itself
     keyed = ds.map_batches(dd.keyer(DedupConfig()), batch_format="pyarrow").materialize()
     kept, stats = {}, {}
-    for path, limit, given in (("one task", dd.GATHER_MAX_DOCS, ds), ("shuffle", 0, ds),
-                               ("one task, keys read", dd.GATHER_MAX_DOCS, keyed), ("shuffle, keys read", 0, keyed)):
+    for path, limit, given in (
+        ("one task", dd.GATHER_MAX_DOCS, ds),
+        ("shuffle", 0, ds),
+        ("one task, keys read", dd.GATHER_MAX_DOCS, keyed),
+        ("shuffle, keys read", 0, keyed),
+    ):
         monkeypatch.setattr(dd, "GATHER_MAX_DOCS", limit)
         out, stats[path] = dd.dedup(given, len(docs), DedupConfig(), log=lambda *_: None)
         rows = out.take_all()
@@ -200,8 +237,12 @@ def test_dedup_in_one_task_or_by_the_key_shuffle_keeps_the_same_documents(ray_se
     for path in ("shuffle", "one task, keys read", "shuffle, keys read"):
         b = stats[path]
         assert kept[path] == kept["one task"], path
-        assert (a.documents, a.exact_removed, a.near_removed, a.clusters) == (b.documents, b.exact_removed,
-                                                                             b.near_removed, b.clusters), path
+        assert (a.documents, a.exact_removed, a.near_removed, a.clusters) == (
+            b.documents,
+            b.exact_removed,
+            b.near_removed,
+            b.clusters,
+        ), path
     assert (a.shuffles, stats["shuffle"].shuffles) == (0, 1) and a.exact_removed > 0 and a.near_removed > 0
     assert {p["original"] for p in truth} <= kept["one task"]
     assert not {p["copy"] for p in truth if p["kind"] == "exact"} & kept["one task"]

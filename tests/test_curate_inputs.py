@@ -29,16 +29,21 @@ def _rows(uri: str, monkeypatch=None, arrow: bool = True) -> list[dict]:
     return table.to_pylist()
 
 
-GOOD = [{"text": "first doc", "id": "a1", "domain": "prose", "url": "https://x.org/1"},
-        {"text": "", "id": "", "domain": "", "url": None, "extra": {"nested": [1, 2]}},
-        {"text": "third\nline", "id": "c3"}]
+GOOD = [
+    {"text": "first doc", "id": "a1", "domain": "prose", "url": "https://x.org/1"},
+    {"text": "", "id": "", "domain": "", "url": None, "extra": {"nested": [1, 2]}},
+    {"text": "third\nline", "id": "c3"},
+]
 
 
-@pytest.mark.parametrize("records", [
-    GOOD,
-    [{"text": "int ids", "id": 0}, {"text": "x", "id": 17, "domain": "code"}, {"text": "y"}],
-    [{"text": "no other fields"}, {"text": "é ünïcode ✓"}],
-])
+@pytest.mark.parametrize(
+    "records",
+    [
+        GOOD,
+        [{"text": "int ids", "id": 0}, {"text": "x", "id": 17, "domain": "code"}, {"text": "y"}],
+        [{"text": "no other fields"}, {"text": "é ünïcode ✓"}],
+    ],
+)
 def test_good_jsonl_by_arrow_matches_the_per_record_parser(tmp_path, monkeypatch, records):
     uri = _jsonl(tmp_path / "a.jsonl", records)
     want = parse_file(uri, {}, *FIELDS)
@@ -46,8 +51,10 @@ def test_good_jsonl_by_arrow_matches_the_per_record_parser(tmp_path, monkeypatch
 
 
 def test_good_parquet_and_compressed_jsonl_by_arrow(tmp_path, monkeypatch):
-    pq.write_table(pa.table({"text": ["p1", "p2", "p3"], "id": [0, 5, None], "url": ["u", None, "w"],
-                             "dump": ["CC", "CC", "CC"]}), tmp_path / "f.parquet")
+    pq.write_table(
+        pa.table({"text": ["p1", "p2", "p3"], "id": [0, 5, None], "url": ["u", None, "w"], "dump": ["CC", "CC", "CC"]}),
+        tmp_path / "f.parquet",
+    )
     with gzip.open(tmp_path / "g.jsonl.gz", "wt") as f:
         f.write("".join(json.dumps(r) + "\n" for r in GOOD))
     for name in ("f.parquet", "g.jsonl.gz"):
@@ -90,12 +97,14 @@ def test_a_json_file_may_be_one_array_or_one_record(tmp_path):
         ("a", "first", "export.json[0]", ""),
         ("", "", "export.json[1]", "missing or non-string field 'text'"),
         ("", "", "export.json[2]", "missing or non-string field 'text'"),
-        ("", "last", "export.json[3]", "")]
+        ("", "last", "export.json[3]", ""),
+    ]
     assert rows == parse_file(str(arr), {}, *FIELDS)
     one = tmp_path / "one.json"
     one.write_text(json.dumps({"text": "a single\nrecord", "id": 7, "url": "u"}, indent=1))
     assert [(r["id"], r["text"], r["url"], r["source"]) for r in _rows(str(one))] == [
-        ("7", "a single\nrecord", "u", "one.json")]
+        ("7", "a single\nrecord", "u", "one.json")
+    ]
     broken = tmp_path / "broken.json"
     broken.write_text(json.dumps(records, indent=2)[:-10])
     bad = _rows(str(broken))

@@ -58,8 +58,10 @@ def test_signatures_are_the_min_of_each_multiply_shift_hash(monkeypatch):
     mh = MinHasher(scheme="k_permutations")
     hashes, starts = mh.shingle_hashes(texts)
     ends = [*starts[1:], len(hashes)]
-    want = [[min(((int(a) * int(h) + int(b)) % 2**64) >> 32 for h in hashes[lo:hi])
-             for a, b in zip(mh._a, mh._b)] for lo, hi in zip(starts, ends)]
+    want = [
+        [min(((int(a) * int(h) + int(b)) % 2**64) >> 32 for h in hashes[lo:hi]) for a, b in zip(mh._a, mh._b)]
+        for lo, hi in zip(starts, ends)
+    ]
     assert mh.signatures(texts).tolist() == want
 
 
@@ -89,8 +91,7 @@ def test_one_permutation_signatures_follow_their_definition(monkeypatch):
             x = _mix(int(h) ^ int(mh._key))
             b = ((x >> 32) * k) >> 32
             own[b] = min(own.get(b, 2**32), min(x & 0xFFFFFFFF, 2**32 - 2))
-        want.append([own[i] if i in own else own[next(int(j) for j in mh._jump[i] if int(j) in own)]
-                     for i in range(k)])
+        want.append([own[i] if i in own else own[next(int(j) for j in mh._jump[i] if int(j) in own)] for i in range(k)])
     got = mh.signatures(texts)
     assert got.tolist() == want
     assert len(set(got[-1].tolist())) == 1 and len(set(got[3].tolist())) > 20  # 1 shingle: every bin its value

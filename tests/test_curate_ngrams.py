@@ -12,10 +12,17 @@ from raysc.curate.ngrams import ngram_repetition, ngram_repetition_reference
 TOP, DUP = [2, 3, 4], [5, 6, 7, 8, 9, 10]
 
 
-EDGE = ["", "one", "a b", "a a a a a a a a a a a a", "to be or not to be that is the question to be or not",
-        # a tie: "x y" and "p q" both twice; "p q" occurs first, and its words are longer
-        "pp qq x y pp qq x y", "x y pp qq x y pp qq",
-        "the cat sat on the mat the cat sat on the mat the cat sat on the mat and then some more words here"]
+EDGE = [
+    "",
+    "one",
+    "a b",
+    "a a a a a a a a a a a a",
+    "to be or not to be that is the question to be or not",
+    # a tie: "x y" and "p q" both twice; "p q" occurs first, and its words are longer
+    "pp qq x y pp qq x y",
+    "x y pp qq x y pp qq",
+    "the cat sat on the mat the cat sat on the mat the cat sat on the mat and then some more words here",
+]
 
 
 def test_the_batch_equals_the_per_document_definition():
@@ -49,8 +56,15 @@ def test_gophers_letter_words_are_counted_as_per_word_definition():
     from raysc.curate.quality import measure_gopher
 
     letter = re.compile(r"[^\W\d_]")
-    for text in ["a\x1cb c\u00a0d", "12 3_ _x é9 ٣ x\u2028y", "###... …", " \t lead trail \n", "", "_ __ 9a a9 ²³ Ⅻ",
-                 "word1 2word __init__ 3.14 e=mc² ∑x"]:
+    for text in [
+        "a\x1cb c\u00a0d",
+        "12 3_ _x é9 ٣ x\u2028y",
+        "###... …",
+        " \t lead trail \n",
+        "",
+        "_ __ 9a a9 ²³ Ⅻ",
+        "word1 2word __init__ 3.14 e=mc² ∑x",
+    ]:
         w = text.split()
         want = sum(bool(letter.search(x)) for x in w) / max(len(w), 1)
         assert measure_gopher(text)["alpha_words_ratio"] == want, text

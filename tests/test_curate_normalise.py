@@ -14,8 +14,33 @@ from raysc.curate.inputs import ISSPACE, normalise, normalise_batch, normalise_t
 
 # every kind of character the normalisation touches: decomposed and composed accents, each Unicode
 # space and line separator, carriage returns, blank lines
-ALPHABET = ["a", "b", "é", "e\u0301", "x y", " ", "  ", "\t", "\n", "\r", "\r\n", "\x0b", "\x0c", "\x1c", "\x85",
-            "\xa0", "\u1680", "\u2000", "\u200a", "\u200b", "\u2028", "\u2029", "\u202f", "\u3000", "def f():"]
+ALPHABET = [
+    "a",
+    "b",
+    "é",
+    "e\u0301",
+    "x y",
+    " ",
+    "  ",
+    "\t",
+    "\n",
+    "\r",
+    "\r\n",
+    "\x0b",
+    "\x0c",
+    "\x1c",
+    "\x85",
+    "\xa0",
+    "\u1680",
+    "\u2000",
+    "\u200a",
+    "\u200b",
+    "\u2028",
+    "\u2029",
+    "\u202f",
+    "\u3000",
+    "def f():",
+]
 
 
 def test_isspace_lists_every_character_str_strip_removes():
@@ -33,8 +58,15 @@ def test_the_batch_normalisation_equals_the_per_document_one():
 
 def test_a_batch_gets_each_documents_hash_id_domain_and_bad_reason():
     texts = ["  Hello\u00a0 world \r\n", "def f():\n    return 1\n", " \n ", "ignored", "Caf\u0065\u0301"]
-    batch = pa.table({"text": texts, "id": ["d1", "", "d3", "d4", ""], "domain": ["prose", "", "", "", "web"],
-                      "bad": ["", "", "", "malformed JSON", ""], "url": ["u"] * 5})
+    batch = pa.table(
+        {
+            "text": texts,
+            "id": ["d1", "", "d3", "d4", ""],
+            "domain": ["prose", "", "", "", "web"],
+            "bad": ["", "", "", "malformed JSON", ""],
+            "url": ["u"] * 5,
+        }
+    )
     out = normalise_batch(batch).to_pydict()
     want_text = [normalise(texts[0]), normalise(texts[1]), "", "", normalise(texts[4])]
     hashes = [hashlib.sha1(t.encode()).hexdigest() for t in want_text]

@@ -44,12 +44,16 @@ def test_document_perplexity_is_the_models_mean_next_token_loss():
 
 
 def test_the_perplexity_verdict_buckets_per_domain_and_keeps_rule_reasons():
-    limits = {"prose": {"p33": 10.0, "p67": 20.0, "keep_at_or_below": 15.0},
-              "code": {"p33": 3.0, "p67": 5.0, "keep_at_or_below": None}}
-    batch = {"domain": np.array(["prose", "prose", "prose", "prose", "code"], dtype=object),
-             "q_ppl": np.array([5.0, 12.0, 30.0, 30.0, 900.0]),
-             "q_keep": np.array([True, True, True, False, True]),
-             "q_reason": np.array(["", "", "", "gopher_min_words", ""], dtype=object)}
+    limits = {
+        "prose": {"p33": 10.0, "p67": 20.0, "keep_at_or_below": 15.0},
+        "code": {"p33": 3.0, "p67": 5.0, "keep_at_or_below": None},
+    }
+    batch = {
+        "domain": np.array(["prose", "prose", "prose", "prose", "code"], dtype=object),
+        "q_ppl": np.array([5.0, 12.0, 30.0, 30.0, 900.0]),
+        "q_keep": np.array([True, True, True, False, True]),
+        "q_reason": np.array(["", "", "", "gopher_min_words", ""], dtype=object),
+    }
     judge_perplexity(batch, limits)
     assert batch["q_ppl_bucket"].tolist() == ["head", "middle", "tail", "tail", "tail"]
     assert batch["q_keep"].tolist() == [True, True, False, False, True]  # code has no limit
@@ -66,8 +70,9 @@ def test_a_perplexity_filter_without_a_reference_model_is_refused():
 def _noisy(text: str, rng: random.Random) -> str:
     """Web-page junk: a third of the words replaced by random letter strings."""
     letters = "bcdfghjklmnpqrstvwxz"
-    return " ".join("".join(rng.choice(letters) for _ in range(len(w))) if rng.random() < 0.35 else w
-                    for w in text.split())
+    return " ".join(
+        "".join(rng.choice(letters) for _ in range(len(w))) if rng.random() < 0.35 else w for w in text.split()
+    )
 
 
 def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile(ray_session, make_cfg, tmp_path):
@@ -96,21 +101,34 @@ def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile
     src.mkdir()
     (src / "part-0.jsonl").write_text("".join(json.dumps(r) + "\n" for r in clean + noisy))
 
-    missing = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "x"}"',
-                       f'quality.reference_run="{tmp_path / "nope"}"')
+    missing = make_cfg(
+        f'curate.input="{src}"', f'curate.output="{tmp_path / "x"}"', f'quality.reference_run="{tmp_path / "nope"}"'
+    )
     with pytest.raises(FileNotFoundError, match="quality.reference_run.*train a reference model"):
         curate(missing, log=lambda *_: None)
     assert not (tmp_path / "x").exists()
     # scorers on GPUs the session's Ray (started by this process) will never have: refused before any work
-    gpus = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "x"}"', "quality.score_gpus=1",
-                    f'quality.reference_run="{ref_cfg.run.dir}"', "quality.keep_top_percent=50")
-    with pytest.raises(ClusterTooSmall, match=r"the perplexity scoring needs 1 actor\(s\) of 1 GPU.*quality.score_gpus=0"):
+    gpus = make_cfg(
+        f'curate.input="{src}"',
+        f'curate.output="{tmp_path / "x"}"',
+        "quality.score_gpus=1",
+        f'quality.reference_run="{ref_cfg.run.dir}"',
+        "quality.keep_top_percent=50",
+    )
+    with pytest.raises(
+        ClusterTooSmall, match=r"the perplexity scoring needs 1 actor\(s\) of 1 GPU.*quality.score_gpus=0"
+    ):
         curate(gpus, log=lambda *_: None)
     assert not (tmp_path / "x").exists()
 
-    cfg = make_cfg(f'curate.input="{src}"', f'curate.output="{tmp_path / "out"}"', "quality.enabled=false",
-                   f'quality.reference_run="{ref_cfg.run.dir}"', "quality.keep_top_percent=50",
-                   "quality.score_actors=2")
+    cfg = make_cfg(
+        f'curate.input="{src}"',
+        f'curate.output="{tmp_path / "out"}"',
+        "quality.enabled=false",
+        f'quality.reference_run="{ref_cfg.run.dir}"',
+        "quality.keep_top_percent=50",
+        "quality.score_actors=2",
+    )
     report = curate(cfg, log=lambda *_: None)
     kept = pq.read_table(tmp_path / "out" / "documents").to_pydict()
     dropped = pq.read_table(tmp_path / "out" / "dropped").to_pydict()

@@ -80,7 +80,7 @@ def test_minhash_shingles_combine_the_word_hashes():
     want = []
     for t in texts:
         ws = [w.word_hash(x) for x in w.words(t)]
-        windows = [ws[p:p + 5] for p in range(len(ws) - 4)] or [ws]
+        windows = [ws[p : p + 5] for p in range(len(ws) - 4)] or [ws]
         want.append([finalise(sum(h * int(mh._mix[k]) for k, h in enumerate(win)) % m) for win in windows])
     assert starts.tolist() == np.cumsum([0] + [len(x) for x in want[:-1]]).tolist()
     assert hashes.tolist() == [h for doc in want for h in doc]

@@ -95,16 +95,16 @@ def test_a_compressed_jsonl_corpus_trains_like_the_plain_one_and_a_damaged_file_
     plain, packed = tmp_path / "plain", tmp_path / "packed"
     plain.mkdir()
     packed.mkdir()
-    for i, part in enumerate([lines[:third], lines[third:2 * third], lines[2 * third:]]):
+    for i, part in enumerate([lines[:third], lines[third : 2 * third], lines[2 * third :]]):
         (plain / f"part-{i}.jsonl").write_bytes(b"".join(part))
     (packed / "part-0.jsonl").write_bytes(b"".join(lines[:third]))
-    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third:2 * third])))
-    (packed / "part-2.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[2 * third:])))
+    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third : 2 * third])))
+    (packed / "part-2.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[2 * third :])))
     assert list(read_documents(packed)) == list(read_documents(plain)) == docs
     before = file_sha256_dir(packed)
-    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third:2 * third - 1])))
+    (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third : 2 * third - 1])))
     assert file_sha256_dir(packed) != before
-    cut = zstandard.ZstdCompressor().compress(b"".join(lines[2 * third:]))
+    cut = zstandard.ZstdCompressor().compress(b"".join(lines[2 * third :]))
     (packed / "part-2.jsonl.zst").write_bytes(cut[: len(cut) // 2])
     with pytest.raises(ValueError, match=r"part-2.jsonl.zst': corrupt or truncated zstd file .*fetch it again"):
         prepare_data(make_cfg(f'data.source="{packed}"'))

@@ -16,9 +16,21 @@ from raysc.cli import build_parser
 from raysc.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-PLACEHOLDERS = {"CONFIG": "jobs/configs/tiny.toml", "RUN_DIR": "runs/tiny", "RUN": "runs/tiny", "N": "8",
-                "C": "1e21", "D": "1e9", "T": "1e6", "K=V": "train.steps=10", "DIR": "runs/x", "FILE": "x.gguf",
-                "URI": "s3://bucket/run", "DOMAIN": "prose", "key=value": "train.steps=10"}
+PLACEHOLDERS = {
+    "CONFIG": "jobs/configs/tiny.toml",
+    "RUN_DIR": "runs/tiny",
+    "RUN": "runs/tiny",
+    "N": "8",
+    "C": "1e21",
+    "D": "1e9",
+    "T": "1e6",
+    "K=V": "train.steps=10",
+    "DIR": "runs/x",
+    "FILE": "x.gguf",
+    "URI": "s3://bucket/run",
+    "DOMAIN": "prose",
+    "key=value": "train.steps=10",
+}
 
 
 def _command_lines() -> list[tuple[str, str]]:

@@ -14,7 +14,14 @@ import torch
 
 from raysc.config import load_config
 from raysc.config.checks import ConfigError
-from raysc.model.documents import BLOCK, QueryBlocks, block_causal_mask, document_ids, document_mask, positions_in_document
+from raysc.model.documents import (
+    BLOCK,
+    QueryBlocks,
+    block_causal_mask,
+    document_ids,
+    document_mask,
+    positions_in_document,
+)
 from raysc.model.llama import build_model
 
 SMALL = ["model.vocab_size=300", "model.dim=64", "model.n_layers=2", "model.n_heads=4", "model.n_kv_heads=2"]
@@ -22,19 +29,28 @@ SMALL = ["model.vocab_size=300", "model.dim=64", "model.n_layers=2", "model.n_he
 
 def test_document_ids_count_the_eos_tokens_before_each_position():
     eos = 9
-    rows = torch.tensor([[1, 2, 9, 3, 9, 9, 4, 5],    # an EOS ends its own document; an empty one between two EOS
-                         [1, 2, 3, 4, 5, 6, 7, 8],    # one document fragment
-                         [9, 1, 2, 3, 4, 5, 6, 9]])   # begins at an EOS (the end of the previous row's document)
+    rows = torch.tensor(
+        [
+            [1, 2, 9, 3, 9, 9, 4, 5],  # an EOS ends its own document; an empty one between two EOS
+            [1, 2, 3, 4, 5, 6, 7, 8],  # one document fragment
+            [9, 1, 2, 3, 4, 5, 6, 9],
+        ]
+    )  # begins at an EOS (the end of the previous row's document)
     assert document_ids(rows, eos).tolist() == [[0, 0, 0, 1, 1, 2, 3, 3], [0] * 8, [0, 1, 1, 1, 1, 1, 1, 1]]
     assert positions_in_document(document_ids(rows, eos)).tolist() == [
-        [0, 1, 2, 0, 1, 0, 0, 1], list(range(8)), [0, 0, 1, 2, 3, 4, 5, 6]]
+        [0, 1, 2, 0, 1, 0, 0, 1],
+        list(range(8)),
+        [0, 0, 1, 2, 3, 4, 5, 6],
+    ]
     mask = block_causal_mask(document_ids(rows[:1], eos), torch.arange(8))
     assert mask.shape == (1, 1, 8, 8)
     assert mask[0, 0, 3].tolist() == [False, False, False, True, False, False, False, False]
     assert mask[0, 0, 7].tolist() == [False] * 6 + [True, True]
     # a subset of queries (a context-parallel rank's chunks) against the whole row
     assert block_causal_mask(document_ids(rows[:1], eos), torch.tensor([2, 7]))[0, 0].tolist() == [
-        [True, True, True] + [False] * 5, [False] * 6 + [True, True]]
+        [True, True, True] + [False] * 5,
+        [False] * 6 + [True, True],
+    ]
 
 
 def test_long_rows_attend_by_query_blocks_exactly_as_under_the_whole_mask():
@@ -49,8 +65,11 @@ def test_long_rows_attend_by_query_blocks_exactly_as_under_the_whole_mask():
     rows[1, BLOCK - 1] = 0
     docs = document_ids(rows, 0)  # row 2: no boundary
     # a block's keys start at the earliest document start of its queries in any row of the batch
-    assert [b[:3] for b in QueryBlocks(docs[:2]).blocks] == [(0, BLOCK, 0), (BLOCK, 2 * BLOCK, 41),
-                                                             (2 * BLOCK, seq, BLOCK)]
+    assert [b[:3] for b in QueryBlocks(docs[:2]).blocks] == [
+        (0, BLOCK, 0),
+        (BLOCK, 2 * BLOCK, 41),
+        (2 * BLOCK, seq, BLOCK),
+    ]
     blocks = document_mask(docs, None)
     assert isinstance(blocks, QueryBlocks) and [b[2] for b in blocks.blocks] == [0, 0, 0]
     for part in (docs[:2], docs):  # keys skipped before the blocks' documents; a batch that skips none
@@ -82,7 +101,7 @@ def test_a_masked_row_is_each_document_on_its_own(restart):
     for b in range(2):
         cuts = [0, *[i + 1 for i in range(24) if rows[b, i] == 0], 24]
         for start, end in zip(cuts, cuts[1:]):
-            alone = model(rows[b:b + 1, start:end], positions=None if restart else torch.arange(start, end))
+            alone = model(rows[b : b + 1, start:end], positions=None if restart else torch.arange(start, end))
             torch.testing.assert_close(got[b, start:end], alone[0], rtol=1e-5, atol=1e-5)
             if start > 0:  # unmasked, a later document sees the ones before it
                 assert (plain[b, start:end] - alone[0]).abs().max() > 1e-3
@@ -108,8 +127,7 @@ def test_a_run_masks_documents_at_the_eos_it_packed_with(ray_session, make_cfg):
     from raysc.fleet.records import read_jsonl
     from raysc.train.trainer import Trainer
 
-    cfg = make_cfg("train.steps=1", "train.document_mask=true", "train.document_positions=true",
-                   'data.eos_token="Ċ"')
+    cfg = make_cfg("train.steps=1", "train.document_mask=true", "train.document_positions=true", 'data.eos_token="Ċ"')
     train(cfg, progress=False)
     loss = [m for m in read_jsonl(Path(cfg.run.dir) / "metrics.jsonl") if m.get("step") == 1][0]["loss"]
     packed, _, info = prepare_data(cfg)

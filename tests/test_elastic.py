@@ -42,8 +42,15 @@ def test_sizes_keep_the_micro_batch_and_the_hash():
     assert cfg.train.micro_batch == 4  # the configured local batch: a smaller fleet accumulates
     el.resize(1)
     assert (cfg.parallel.world_size, el.world(4), config_hash(cfg)) == (2, 8, before)
-    pp = _cfg("parallel.elastic=true", "parallel.dp_shard=4", "parallel.elastic_dim=dp_shard", "parallel.pp=2",
-              "parallel.pp_microbatches=2", "train.global_batch=16", "model.tie_embeddings=false")
+    pp = _cfg(
+        "parallel.elastic=true",
+        "parallel.dp_shard=4",
+        "parallel.elastic_dim=dp_shard",
+        "parallel.pp=2",
+        "parallel.pp_microbatches=2",
+        "train.global_batch=16",
+        "model.tie_embeddings=false",
+    )
     el = Elastic(pp)
     el.resize(2)
     assert pp.parallel.pp_microbatches == 4 and pp.train.micro_batch == 0  # 2 rows a microbatch at every size
@@ -73,22 +80,37 @@ def test_the_batch_fingerprint_ignores_the_split_and_sees_other_rows():
 
 def _command(run_dir: Path, cache_dir: str, steps: int, *overrides: str) -> list[str]:
     cmd = [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
-    for s in [*TINY, f"train.steps={steps}", "checkpoint.every_steps=5", "parallel.tp=2", "parallel.dp_replicate=2",
-              f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', *overrides]:
+    for s in [
+        *TINY,
+        f"train.steps={steps}",
+        "checkpoint.every_steps=5",
+        "parallel.tp=2",
+        "parallel.dp_replicate=2",
+        f'data.cache_dir="{cache_dir}"',
+        f'run.dir="{run_dir}"',
+        *overrides,
+    ]:
         cmd += ["--set", s]
     return cmd
 
 
-def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: int, *overrides: str,
-                       timeout_s: float = 400) -> int:
+def _train_until_grown(
+    st: ClusterState, run_dir: Path, cache_dir: str, steps: int, *overrides: str, timeout_s: float = 400
+) -> int:
     """Run until the fleet has grown back and trained a step at its configured size, then stop the run as
     `ray job stop` does (SIGTERM: it stops at a step boundary and commits that step). Waits on the event,
     not a number of slow steps: how long the autoscaler takes to add a node depends on the machine's load
     (a fixed 36 s of slow steps once ran out in a CI lane). Once the run has shrunk, the cluster may grow to
     three nodes (`_two_nodes` holds it at two until then). The step the run stopped at."""
     log = (run_dir.parent / f"{run_dir.name}.log").open("w")
-    run = subprocess.Popen(_command(run_dir, cache_dir, steps, *overrides), env=st.env(), cwd=ROOT,
-                           stdout=log, stderr=subprocess.STDOUT, text=True)
+    run = subprocess.Popen(
+        _command(run_dir, cache_dir, steps, *overrides),
+        env=st.env(),
+        cwd=ROOT,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + timeout_s
     try:
         while run.poll() is None and time.monotonic() < deadline:
@@ -107,8 +129,11 @@ def _train_until_grown(st: ClusterState, run_dir: Path, cache_dir: str, steps: i
         log.close()
     out = (run_dir.parent / f"{run_dir.name}.log").read_text()
     events = read_jsonl(run_dir / "events.jsonl")
-    assert code == 143, (code, out[-3000:], [{k: e.get(k) for k in ("kind", "step", "failed_step", "resumed_step",
-                                                                    "from", "to", "error")} for e in events])
+    assert code == 143, (
+        code,
+        out[-3000:],
+        [{k: e.get(k) for k in ("kind", "step", "failed_step", "resumed_step", "from", "to", "error")} for e in events],
+    )
     return [e for e in events if e["kind"] == "run_stopped"][0]["step"]
 
 
@@ -165,9 +190,30 @@ def _two_nodes(state: Path, tries: int = 3) -> ClusterState:
     from raysc.cluster.autoscaling import alive_worker_nodes
 
     for _ in range(tries):
-        up = subprocess.run([RAYSC, "cluster", "local", "up", "--autoscale", "--nodes", "2", "--max-nodes", "3",
-                             "--cpus-per-node", "2", "--idle-timeout-s", "60", "--no-dashboard", "--state",
-                             str(state), "--json"], capture_output=True, text=True, timeout=180)
+        up = subprocess.run(
+            [
+                RAYSC,
+                "cluster",
+                "local",
+                "up",
+                "--autoscale",
+                "--nodes",
+                "2",
+                "--max-nodes",
+                "3",
+                "--cpus-per-node",
+                "2",
+                "--idle-timeout-s",
+                "60",
+                "--no-dashboard",
+                "--state",
+                str(state),
+                "--json",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=180,
+        )
         assert up.returncode == 0, up.stderr[-2000:]
         st = ClusterState.read(state)
         deadline = time.monotonic() + 15  # the extra launch was queued 1.5-3 s after the first two
@@ -190,14 +236,23 @@ def test_a_run_shrinks_on_a_lost_node_and_grows_back_on_the_uninterrupted_runs_s
         # as long as it needs (up to ~3 min): the run is stopped once it has grown back
         total = 80
         slow = ",".join(f"slow@{s}:0" for s in range(14, total - 5))
-        stopped = _train_until_grown(st, el_dir, cache_dir, total, "parallel.elastic=true", "parallel.min_dp=1",
-                                     "supervisor.node_wait_s=2", f'supervisor.inject="node_loss@13:2,{slow}"')
+        stopped = _train_until_grown(
+            st,
+            el_dir,
+            cache_dir,
+            total,
+            "parallel.elastic=true",
+            "parallel.min_dp=1",
+            "supervisor.node_wait_s=2",
+            f'supervisor.inject="node_loss@13:2,{slow}"',
+        )
         events = read_jsonl(el_dir / "events.jsonl")
         resized = [e for e in events if e["kind"] == "resized"]
         print(json.dumps(resized, indent=1))
         assert [(e["from"], e["to"]) for e in resized] == [(2, 1), (1, 2)], [
             {k: e.get(k) for k in ("kind", "step", "time", "failed_step", "resumed_step", "seconds", "error")}
-            for e in events]
+            for e in events
+        ]
         assert "node was lost" in resized[0]["why"] and resized[0]["steps_lost"] == 2  # restored step 10
         assert resized[1]["steps_lost"] == 0
         ref, el = _uninterrupted(cache_dir, stopped, total), _kept_steps(el_dir)

@@ -17,8 +17,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_placed_growth_request_is_seen_at_the_next_look(ray_session):
     from ray.util.placement_group import placement_group_table
 
-    cfg = load_config(ROOT / "jobs/configs/tiny.toml",
-                      [*TINY, "parallel.elastic=true", "parallel.dp_replicate=2", "run.name=growth-check"])
+    cfg = load_config(
+        ROOT / "jobs/configs/tiny.toml",
+        [*TINY, "parallel.elastic=true", "parallel.dp_replicate=2", "run.name=growth-check"],
+    )
     el = Elastic(cfg)
     el.resize(1)  # a node was lost: the run trains at half its size and asks for the rest
     el.request_growth()

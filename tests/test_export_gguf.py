@@ -53,8 +53,16 @@ def exported(cache_dir, tmp_path_factory):
     from raysc.export import restore
 
     root = tmp_path_factory.mktemp("gguf")
-    cfg = load_config(None, [*TINY, f'data.cache_dir="{cache_dir}"', f'run.dir="{root / "run"}"',
-                             f"train.seq_len={SEQ}", f"train.steps={STEPS}"])
+    cfg = load_config(
+        None,
+        [
+            *TINY,
+            f'data.cache_dir="{cache_dir}"',
+            f'run.dir="{root / "run"}"',
+            f"train.seq_len={SEQ}",
+            f"train.steps={STEPS}",
+        ],
+    )
     packed, tok_path, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train, measure_peak=False)
     for _ in range(STEPS):
@@ -65,25 +73,42 @@ def exported(cache_dir, tmp_path_factory):
         mp.setattr(restore, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", STEPS))
         for t in TYPES:
             files[t] = root / f"model-{t}.gguf"
-            assert cli.main(["export", str(root / "run"), "--format", "gguf", "--type", t,
-                             "--out", str(files[t])]) == 0
+            assert cli.main(["export", str(root / "run"), "--format", "gguf", "--type", t, "--out", str(files[t])]) == 0
         files["q4_0-gptq"] = root / "model-q4_0-gptq.gguf"
-        assert cli.main(["export", str(root / "run"), "--format", "gguf", "--type", "q4_0", "--method", "gptq",
-                         "--calib-tokens", str(CALIB_TOKENS), "--out", str(files["q4_0-gptq"])]) == 0
+        assert (
+            cli.main(
+                [
+                    "export",
+                    str(root / "run"),
+                    "--format",
+                    "gguf",
+                    "--type",
+                    "q4_0",
+                    "--method",
+                    "gptq",
+                    "--calib-tokens",
+                    str(CALIB_TOKENS),
+                    "--out",
+                    str(files["q4_0-gptq"]),
+                ]
+            )
+            == 0
+        )
     return model, tok_path, packed.val[:VAL_ROWS], files
 
 
 def _llama(path, f32_cache: bool = False):
     kv = {"type_k": 0, "type_v": 0} if f32_cache else {}  # GGML_TYPE_F32: no F16 rounding in the KV cache
-    return llama_cpp.Llama(model_path=str(path), n_ctx=SEQ, n_batch=SEQ, n_threads=2, logits_all=True,
-                           seed=0, verbose=False, **kv)
+    return llama_cpp.Llama(
+        model_path=str(path), n_ctx=SEQ, n_batch=SEQ, n_threads=2, logits_all=True, seed=0, verbose=False, **kv
+    )
 
 
 def _nll(llm, row: np.ndarray) -> float:
     """Summed negative log-likelihood of row[1:] given its prefix, by llama.cpp."""
     llm.reset()
     llm.eval(row[:-1].tolist())
-    logits = torch.from_numpy(np.array(llm.scores[:len(row) - 1], dtype=np.float32))
+    logits = torch.from_numpy(np.array(llm.scores[: len(row) - 1], dtype=np.float32))
     return F.cross_entropy(logits, torch.from_numpy(row[1:].astype(np.int64)), reduction="sum").item()
 
 
@@ -119,7 +144,7 @@ def test_f32_greedy_continuation_equals_raysc(exported):
             llm.eval(ids)
             with torch.no_grad():  # the logits themselves, not only their argmax
                 logits = model(torch.tensor([ids]))[0]
-            assert np.abs(llm.scores[:len(ids)] - logits.numpy()).max() < 1e-4, p
+            assert np.abs(llm.scores[: len(ids)] - logits.numpy()).max() < 1e-4, p
             theirs = []
             for _ in range(32):
                 nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -143,9 +168,18 @@ def test_q8_0_perplexity_within_1pct_of_f32(exported, capsys):
             ppl[t] = math.exp(sum(_nll(llm, row) for row in val) / tokens)
             ppl[t + "_s"] = time.perf_counter() - start
     with capsys.disabled():
-        print("\nGGUF perplexity on", tokens, "held-out tokens:", json.dumps(
-            {"raysc": round(ours, 4), **{k: round(v, 4) for k, v in ppl.items()},
-             **{f"{t}_bytes": files[t].stat().st_size for t in TYPES}}))
+        print(
+            "\nGGUF perplexity on",
+            tokens,
+            "held-out tokens:",
+            json.dumps(
+                {
+                    "raysc": round(ours, 4),
+                    **{k: round(v, 4) for k, v in ppl.items()},
+                    **{f"{t}_bytes": files[t].stat().st_size for t in TYPES},
+                }
+            ),
+        )
     assert abs(ppl["f32"] / ours - 1) < 1e-3
     assert abs(ppl["q8_0"] / ppl["f32"] - 1) < 0.01
     assert ppl["q4_0"] > ppl["q8_0"]
@@ -162,11 +196,19 @@ def test_q4_0_gptq_beats_llama_cpp_q4_0(exported, tmp_path, capsys):
     assert llama_cpp.llama_model_quantize(str(files["f32"]).encode(), str(theirs).encode(), params) == 0
     tokens = val.shape[0] * (val.shape[1] - 1)
     ppl = {}
-    for name, path in (("llama.cpp q4_0", theirs), ("raysc q4_0 rtn", files["q4_0"]),
-                       ("raysc q4_0 gptq", files["q4_0-gptq"])):
+    for name, path in (
+        ("llama.cpp q4_0", theirs),
+        ("raysc q4_0 rtn", files["q4_0"]),
+        ("raysc q4_0 gptq", files["q4_0-gptq"]),
+    ):
         with closing(_llama(path)) as llm:
             ppl[name] = math.exp(sum(_nll(llm, row) for row in val) / tokens)
     with capsys.disabled():
-        print("\nQ4_0 perplexity:", json.dumps({k: round(v, 4) for k, v in ppl.items()}),
-              "bytes:", theirs.stat().st_size, files["q4_0-gptq"].stat().st_size)
+        print(
+            "\nQ4_0 perplexity:",
+            json.dumps({k: round(v, 4) for k, v in ppl.items()}),
+            "bytes:",
+            theirs.stat().st_size,
+            files["q4_0-gptq"].stat().st_size,
+        )
     assert ppl["raysc q4_0 gptq"] < ppl["llama.cpp q4_0"]

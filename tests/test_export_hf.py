@@ -28,9 +28,10 @@ def test_export_loads_in_transformers_with_equal_logits(make_cfg, tmp_path, tie,
     assert config["architectures"] == ["LlamaForCausalLM"] and config["tie_word_embeddings"] is tie
     hf = transformers.LlamaForCausalLM.from_pretrained(out, torch_dtype=torch.float32).eval()
     tok = transformers.PreTrainedTokenizerFast.from_pretrained(out)
-    prompt = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n    return"
+    prompt = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n    return'
     ids = tok(prompt, return_tensors="pt").input_ids
     from raysc.data.tokenizer import load_tokenizer
+
     assert ids[0].tolist() == load_tokenizer(tok_path).encode(prompt).ids
     assert tok.eos_token_id == 0 and tok.decode(ids[0]) == prompt
     with torch.no_grad():
@@ -39,4 +40,5 @@ def test_export_loads_in_transformers_with_equal_logits(make_cfg, tmp_path, tie,
     # greedy continuations agree too
     gen = hf.generate(ids, max_new_tokens=8, do_sample=False)
     from raysc.model.generate import generate
-    assert gen[0, ids.shape[1]:].tolist() == generate(model, ids[0].tolist(), 8)
+
+    assert gen[0, ids.shape[1] :].tolist() == generate(model, ids[0].tolist(), 8)

@@ -37,25 +37,65 @@ from greedy_check import forced_mismatches
 from forked import run_forked
 
 HERE = Path(__file__).resolve().parent
-SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=2,
-             rms_norm_eps=1e-6, max_position_embeddings=128, tie_word_embeddings=False)
-BASE = ["model.dim=64", "model.n_layers=2", "model.n_heads=2", "model.n_kv_heads=2", "model.ffn_dim=128",
-        "model.norm_eps=1e-6", "model.max_seq_len=128", "train.seq_len=32", "train.global_batch=8", "train.seed=3"]
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+SHAPE = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=2,
+    rms_norm_eps=1e-6,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
+BASE = [
+    "model.dim=64",
+    "model.n_layers=2",
+    "model.n_heads=2",
+    "model.n_kv_heads=2",
+    "model.ffn_dim=128",
+    "model.norm_eps=1e-6",
+    "model.max_seq_len=128",
+    "train.seq_len=32",
+    "train.global_batch=8",
+    "train.seed=3",
+]
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
 # name: (transformers config class, vocabulary folder, vocabulary size, its config.json extras, raysc's keys)
 FAMILIES = {
-    "llama3": ("LlamaConfig", "llama-bpe", 128256, {"rope_parameters": LLAMA3_ROPE},
-               ["model.rope_theta=500000.0", "model.rope_scaling=llama3", "model.rope_factor=4.0",
-                "model.rope_original_max_position=16"]),
+    "llama3": (
+        "LlamaConfig",
+        "llama-bpe",
+        128256,
+        {"rope_parameters": LLAMA3_ROPE},
+        [
+            "model.rope_theta=500000.0",
+            "model.rope_scaling=llama3",
+            "model.rope_factor=4.0",
+            "model.rope_original_max_position=16",
+        ],
+    ),
     "llama2": ("LlamaConfig", "llama-spm", 32000, {}, []),
-    "qwen2": ("Qwen2Config", "qwen2", 151936,
-              {"use_sliding_window": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
-              ["model.attention_bias=true", "model.rope_theta=1000000.0"]),
-    "qwen3": ("Qwen3Config", "qwen2", 151936,
-              {"head_dim": 64, "use_sliding_window": False,
-               "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
-              ["model.qk_norm=true", "model.head_dim=64", "model.rope_theta=1000000.0"]),
+    "qwen2": (
+        "Qwen2Config",
+        "qwen2",
+        151936,
+        {"use_sliding_window": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        ["model.attention_bias=true", "model.rope_theta=1000000.0"],
+    ),
+    "qwen3": (
+        "Qwen3Config",
+        "qwen2",
+        151936,
+        {"head_dim": 64, "use_sliding_window": False, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}},
+        ["model.qk_norm=true", "model.head_dim=64", "model.rope_theta=1000000.0"],
+    ),
 }
 ADDS_BOS = {"llama3": 128000, "llama2": 1}
 ROWS = np.random.default_rng(1).integers(0, 32000, size=(16, 33))
@@ -109,15 +149,22 @@ def families(hf_folders, tmp_path_factory) -> dict[str, dict]:
         model = trainer.model.eval()
         special = read_special_tokens(src / "tokenizer.json")
         export = export_hf(model, src / "tokenizer.json", root / f"{name}-export", special=special)
-        out[name] = {"source": src, "step0_equal": step0, "first_loss": first, "model": model, "export": export,
-                     "special": special}
+        out[name] = {
+            "source": src,
+            "step0_equal": step0,
+            "first_loss": first,
+            "model": model,
+            "export": export,
+            "special": special,
+        }
     return out
 
 
 def _rank(rank: int, port: int, cases: dict[str, tuple[str, float]]) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120)
+    )
     errors = []
     for name, (source, want) in cases.items():
         cfg = load_config(None, [*_overrides(name, Path(source)), *layout_overrides("dp_shard=2,tp=2")])
@@ -157,8 +204,9 @@ def test_the_export_loads_in_transformers_and_llama_cpp_with_raysc_outputs(famil
     prompts = [tok(p).input_ids for p in PROMPTS]
     bare = [tok(p, add_special_tokens=False).input_ids for p in PROMPTS]
     assert prompts == [[ADDS_BOS[name], *b] if name in ADDS_BOS else b for b in bare]  # BOS once, or never
-    gguf = export_gguf(fam["model"], fam["export"] / "tokenizer.json", tmp_path / f"{name}.gguf",
-                       special=fam["special"])
+    gguf = export_gguf(
+        fam["model"], fam["export"] / "tokenizer.json", tmp_path / f"{name}.gguf", special=fam["special"]
+    )
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=64, n_batch=64, logits_all=True, verbose=False)
     assert llm.metadata["general.architecture"] == {"qwen2": "qwen2", "qwen3": "qwen3"}.get(name, "llama")
     generated = []
@@ -178,10 +226,17 @@ def test_vllm_serves_each_family_export_with_transformers_greedy_tokens(families
     import transformers
 
     exports = [str(families[n]["export"]) for n in FAMILIES]
-    run = subprocess.run([sys.executable, str(HERE / "vllm_greedy.py"), json.dumps(PROMPTS), str(NEW), *exports],
-                         capture_output=True, text=True, timeout=600)
-    results = {json.loads(line[7:])["path"]: json.loads(line[7:]) for line in run.stdout.splitlines()
-               if line.startswith("RESULT ")}
+    run = subprocess.run(
+        [sys.executable, str(HERE / "vllm_greedy.py"), json.dumps(PROMPTS), str(NEW), *exports],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    results = {
+        json.loads(line[7:])["path"]: json.loads(line[7:])
+        for line in run.stdout.splitlines()
+        if line.startswith("RESULT ")
+    }
     assert run.returncode == 0 and len(results) == len(exports), run.stderr[-4000:]
     for name in FAMILIES:
         export = families[name]["export"]

@@ -32,8 +32,16 @@ CUDA_BF16 = ['parallel.device="cuda"', 'train.dtype="bf16"']
 # The memory check's model: big enough (~1.6-3.2 GB at the peak) that what the estimate leaves out on
 # purpose (CUDA context, cuBLAS workspaces, the batch, RoPE tables: tens of MB) stays well inside the
 # tolerance, small enough to run in seconds.
-MEMORY_MODEL = ["model.vocab_size=8192", "model.dim=512", "model.n_layers=8", "model.n_heads=8",
-                "model.n_kv_heads=4", "train.seq_len=1024", "train.global_batch=16", "train.micro_batch=8"]
+MEMORY_MODEL = [
+    "model.vocab_size=8192",
+    "model.dim=512",
+    "model.n_layers=8",
+    "model.n_heads=8",
+    "model.n_kv_heads=4",
+    "train.seq_len=1024",
+    "train.global_batch=16",
+    "train.micro_batch=8",
+]
 MEMORY_TOLERANCE = 0.25  # the same bound tests/test_plan.py holds the estimate to on CPU
 
 
@@ -53,9 +61,17 @@ def ray_cuda():
         torch.use_deterministic_algorithms(True)
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    ray.init(address="local", num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=True,
-             runtime_env={"env_vars": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},  # cuBLAS's deterministic mode
-                          "worker_process_setup_hook": deterministic_torch})
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        configure_logging=False,
+        log_to_driver=True,
+        runtime_env={
+            "env_vars": {"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},  # cuBLAS's deterministic mode
+            "worker_process_setup_hook": deterministic_torch,
+        },
+    )
     assert ray.cluster_resources().get("GPU", 0) >= 1, f"Ray sees no GPU: {ray.cluster_resources()}"
     yield ray
     ray.shutdown()
@@ -64,8 +80,13 @@ def ray_cuda():
 def test_tiny_model_trains_on_cuda_in_bf16(make_cfg):
     """fp32 master weights on the GPU, bf16 autocast compute, the same first loss as fp32 on CPU
     (same seed, same batch) to bf16's precision, and the loss falls on a batch it can memorise."""
-    fixed = ["train.steps=150", "optim.lr=1e-2", "schedule.warmup_steps=10", 'schedule.decay="constant"',
-             "optim.weight_decay=0.0"]
+    fixed = [
+        "train.steps=150",
+        "optim.lr=1e-2",
+        "schedule.warmup_steps=10",
+        'schedule.decay="constant"',
+        "optim.weight_decay=0.0",
+    ]
     cfg = make_cfg(*CUDA_BF16, *fixed)
     packed, _, _ = prepare_data(cfg)
     rows = packed.train[:8]  # the same 8 sequences every step
@@ -156,6 +177,8 @@ def test_memory_estimate_matches_the_cuda_peak(make_cfg, recompute):
     got = measure_peak(cfg)
     assert got["method"] == "cuda allocator" and got["steps"] == 4
     ratio = got["peak_bytes"] / est["total"]
-    print(f"{lay.describe()}: estimated {est['total'] / 1e9:.3f} GB, measured {got['peak_bytes'] / 1e9:.3f} GB, "
-          f"ratio {ratio:.3f}")
+    print(
+        f"{lay.describe()}: estimated {est['total'] / 1e9:.3f} GB, measured {got['peak_bytes'] / 1e9:.3f} GB, "
+        f"ratio {ratio:.3f}"
+    )
     assert abs(ratio - 1) <= MEMORY_TOLERANCE, (lay.describe(), est, got)

@@ -38,17 +38,43 @@ def test_every_panel_of_the_grafana_board_returns_data_from_prometheus(ray_head,
     sd["refresh_interval"] = "1s"
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     port = free_port()
-    prom = subprocess.Popen([prometheus, f"--config.file={tmp_path / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={tmp_path / 'tsdb'}", f"--web.listen-address=127.0.0.1:{port}"],
-                            stdout=open(tmp_path / "prometheus.log", "wb"), stderr=subprocess.STDOUT)
+    prom = subprocess.Popen(
+        [
+            prometheus,
+            f"--config.file={tmp_path / 'prometheus.yml'}",
+            f"--storage.tsdb.path={tmp_path / 'tsdb'}",
+            f"--web.listen-address=127.0.0.1:{port}",
+        ],
+        stdout=open(tmp_path / "prometheus.log", "wb"),
+        stderr=subprocess.STDOUT,
+    )
     api = f"http://127.0.0.1:{port}/api/v1"
     try:
         t0 = time.time()
         env = ray_head["env"] | {"RAY_ADDRESS": ray_head["gcs"]}
-        run = subprocess.run([RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress", "--set", "train.steps=60",
-                              "--set", "checkpoint.every_steps=20", "--set", "supervisor.warm_spares=false",
-                              "--set", f'run.dir="{tmp_path / "run"}"', "--set", f'data.cache_dir="{cache_dir}"'],
-                             env=env, cwd=ROOT, capture_output=True, text=True, timeout=280)
+        run = subprocess.run(
+            [
+                RAYSC,
+                "train",
+                "jobs/configs/tiny.toml",
+                "--no-progress",
+                "--set",
+                "train.steps=60",
+                "--set",
+                "checkpoint.every_steps=20",
+                "--set",
+                "supervisor.warm_spares=false",
+                "--set",
+                f'run.dir="{tmp_path / "run"}"',
+                "--set",
+                f'data.cache_dir="{cache_dir}"',
+            ],
+            env=env,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=280,
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         t1 = time.time()
         targets = requests.get(f"{api}/targets", timeout=10).json()["data"]["activeTargets"]
@@ -56,15 +82,19 @@ def test_every_panel_of_the_grafana_board_returns_data_from_prometheus(ray_head,
         missing = []
         for title, expr in _panel_queries():
             q = re.sub(r'=~"\$run"', '=~".+"', expr)
-            r = requests.get(f"{api}/query_range", timeout=10,
-                             params={"query": q, "start": t0, "end": t1 + 5, "step": "1s"}).json()
+            r = requests.get(
+                f"{api}/query_range", timeout=10, params={"query": q, "start": t0, "end": t1 + 5, "step": "1s"}
+            ).json()
             assert r["status"] == "success", (title, q, r)
             values = [float(v) for series in r["data"]["result"] for _, v in series["values"]]
             if not values or not all(math.isfinite(v) for v in values):
                 missing.append((title, q))
         assert not missing, f"panels without data: {missing}\n{(tmp_path / 'prometheus.log').read_text()[-2000:]}"
-        steps = requests.get(f"{api}/query", timeout=10,
-                             params={"query": 'max_over_time(ray_raysc_step{run="tiny"}[10m])', "time": t1 + 5}).json()
+        steps = requests.get(
+            f"{api}/query",
+            timeout=10,
+            params={"query": 'max_over_time(ray_raysc_step{run="tiny"}[10m])', "time": t1 + 5},
+        ).json()
         assert float(steps["data"]["result"][0]["value"][1]) >= 40  # the gauges followed the run
     finally:
         prom.terminate()

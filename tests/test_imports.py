@@ -26,15 +26,19 @@ def test_no_import_cycle_between_raysc_packages():
     graph = _tool()
     found = graph.imports()
     cycles = graph.cycles(graph.edges(found))
-    detail = "\n".join(f"{' <-> '.join(c)}:\n" + "\n".join(
-        f"    {i.path}:{i.line} imports {i.module}" for i in graph.cycle_edges(found, c)) for c in cycles)
+    detail = "\n".join(
+        f"{' <-> '.join(c)}:\n"
+        + "\n".join(f"    {i.path}:{i.line} imports {i.module}" for i in graph.cycle_edges(found, c))
+        for c in cycles
+    )
     assert not cycles, f"import cycles between raysc packages (python tools/import_graph.py):\n{detail}"
 
 
 def test_config_imports_nothing_above_it():
     upward = [i for i in _tool().imports() if i.src == "config" and i.dst != "config"]
     assert not upward, "raysc.config must import only raysc.config:\n" + "\n".join(
-        f"    {i.path}:{i.line} imports {i.module}" for i in upward)
+        f"    {i.path}:{i.line} imports {i.module}" for i in upward
+    )
 
 
 def test_the_graph_sees_function_level_imports(tmp_path: Path):
@@ -54,7 +58,9 @@ def test_the_supervisor_and_the_worker_actor_class_import_no_torch():
     neither may pull in torch (~4 s of every run's start on a 2-core machine; the ranks import it)."""
     import subprocess
 
-    code = ("import sys, raysc.fleet.supervisor, raysc.fleet.worker; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sympy')))")
+    code = (
+        "import sys, raysc.fleet.supervisor, raysc.fleet.worker; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'sympy')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"the supervisor imports {out.strip()}"

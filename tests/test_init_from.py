@@ -75,8 +75,9 @@ def test_round_trip_one_process_is_bit_identical(extra, export, tmp_path):
 
 def _rank(rank: int, port: int, out: str, params: dict[str, torch.Tensor], ref_loss: float) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60)
+    )
     errors = []
     for layout in LAYOUTS:
         cfg = load_config(None, [*MODEL, f'model.init_from="{out}"', *layout_overrides(layout)])
@@ -106,16 +107,33 @@ def test_round_trip_under_fsdp_tp_and_pp(export):
 
 def test_transformers_checkpoint_gives_transformers_logits(tmp_path):
     import transformers
+
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=500000.0, max_position_embeddings=64,
-        tie_word_embeddings=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        rope_theta=500000.0,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf", max_shard_size="100KB")  # sharded: model.safetensors.index.json
     assert (tmp_path / "hf" / hf_checkpoint.INDEX).is_file()
-    cfg = load_config(None, [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=500000.0",
-                             f'model.init_from="{tmp_path / "hf"}"'])
+    cfg = load_config(
+        None,
+        [
+            *MODEL,
+            "model.ffn_dim=160",
+            "model.norm_eps=1e-6",
+            "model.rope_theta=500000.0",
+            f'model.init_from="{tmp_path / "hf"}"',
+        ],
+    )
     ours = Trainer(cfg, ROWS, measure_peak=False).model.eval()
     ids = torch.from_numpy(ROWS[:2, :32])
     with torch.no_grad():
@@ -134,10 +152,20 @@ def _tokenizer(tmp_path: Path) -> Path:
     return tok
 
 
-LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 4.0, "low_freq_factor": 1.0,
-               "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
-RAYSC_LLAMA3 = ["model.rope_theta=500000.0", "model.rope_scaling=llama3", "model.rope_factor=4.0",
-                "model.rope_original_max_position=16"]
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 4.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 16,
+}
+RAYSC_LLAMA3 = [
+    "model.rope_theta=500000.0",
+    "model.rope_scaling=llama3",
+    "model.rope_factor=4.0",
+    "model.rope_original_max_position=16",
+]
 
 
 def test_llama3_rope_scaling_matches_transformers_on_import_export_and_in_llama_cpp(tmp_path):
@@ -150,15 +178,24 @@ def test_llama3_rope_scaling_matches_transformers_on_import_export_and_in_llama_
     from raysc.export.gguf import export_gguf
 
     hf_cfg = transformers.LlamaConfig(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
-        rope_parameters=LLAMA3_ROPE)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_parameters=LLAMA3_ROPE,
+    )
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     hf.save_pretrained(tmp_path / "hf")
     base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", *RAYSC_LLAMA3]
-    ours = Trainer(load_config(None, [*base, f'model.init_from="{tmp_path / "hf"}"']), ROWS,
-                   measure_peak=False).model.eval()
+    ours = Trainer(
+        load_config(None, [*base, f'model.init_from="{tmp_path / "hf"}"']), ROWS, measure_peak=False
+    ).model.eval()
     ids = torch.from_numpy(ROWS[:2, :32])
 
     with torch.no_grad():
@@ -195,9 +232,18 @@ def test_qwen2_imports_exports_and_runs_in_llama_cpp_with_transformers_logits(tm
     from raysc.export.gguf import export_gguf
 
     hf_cfg = transformers.Qwen2Config(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=64, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}, use_sliding_window=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+    )
     torch.manual_seed(0)
     hf = transformers.Qwen2ForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -206,11 +252,17 @@ def test_qwen2_imports_exports_and_runs_in_llama_cpp_with_transformers_logits(tm
                 p.normal_(0.0, 0.5)  # transformers starts them at zero: make them matter
     hf.save_pretrained(tmp_path / "hf")
     base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=1000000.0"]
-    with pytest.raises(CheckpointMismatch, match=r"q/k/v biases \(qwen2\) but model.attention_bias = false; set "
-                                                 r"model.attention_bias=true"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"q/k/v biases \(qwen2\) but model.attention_bias = false; set "
+        r"model.attention_bias=true",
+    ):
         Trainer(load_config(None, [*base, f'model.init_from="{tmp_path / "hf"}"']), ROWS, measure_peak=False)
-    ours = Trainer(load_config(None, [*base, "model.attention_bias=true", f'model.init_from="{tmp_path / "hf"}"']),
-                   ROWS, measure_peak=False).model.eval()
+    ours = Trainer(
+        load_config(None, [*base, "model.attention_bias=true", f'model.init_from="{tmp_path / "hf"}"']),
+        ROWS,
+        measure_peak=False,
+    ).model.eval()
     ids = torch.from_numpy(ROWS[:2, :32])
 
     with torch.no_grad():
@@ -248,10 +300,19 @@ def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_pat
     from raysc.export.gguf import export_gguf
 
     hf_cfg = transformers.Qwen3Config(
-        vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=32, rms_norm_eps=1e-6, max_position_embeddings=64,
-        tie_word_embeddings=False, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        use_sliding_window=False)
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=160,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+        use_sliding_window=False,
+    )
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -259,8 +320,13 @@ def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_pat
             if name.endswith(("q_norm.weight", "k_norm.weight")):
                 p.uniform_(0.5, 1.5)  # transformers starts them at one: make them matter
     hf.save_pretrained(tmp_path / "hf")
-    base = [*MODEL, "model.ffn_dim=160", "model.norm_eps=1e-6", "model.rope_theta=1000000.0",
-            f'model.init_from="{tmp_path / "hf"}"']
+    base = [
+        *MODEL,
+        "model.ffn_dim=160",
+        "model.norm_eps=1e-6",
+        "model.rope_theta=1000000.0",
+        f'model.init_from="{tmp_path / "hf"}"',
+    ]
     with pytest.raises(CheckpointMismatch) as refused:
         Trainer(load_config(None, base), ROWS, measure_peak=False)
     assert "q/k norms (qwen3) but model.qk_norm = false; set model.qk_norm=true" in str(refused.value)
@@ -272,8 +338,9 @@ def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_pat
         theirs = hf(ids).logits
         assert _close(ours(ids), theirs)
         unnormed = Llama(load_config(None, qwen3[:-1] + ["model.qk_norm=false"]).model, 32).eval()
-        unnormed.load_state_dict({k: v for k, v in ours.state_dict().items()
-                                  if not k.endswith(("q_norm.weight", "k_norm.weight"))})
+        unnormed.load_state_dict(
+            {k: v for k, v in ours.state_dict().items() if not k.endswith(("q_norm.weight", "k_norm.weight"))}
+        )
         assert not _close(unnormed(ids), theirs)  # the norms count
     tok = _tokenizer(tmp_path)
     out = export_hf(ours, tok, tmp_path / "export")
@@ -283,8 +350,13 @@ def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_pat
     assert type(back).__name__ == "Qwen3ForCausalLM"
     with torch.no_grad():
         assert _close(back(ids).logits, theirs)
-    llm = llama_cpp.Llama(model_path=str(export_gguf(ours, tok, tmp_path / "model.gguf")), n_ctx=64, n_batch=64,
-                          logits_all=True, verbose=False)
+    llm = llama_cpp.Llama(
+        model_path=str(export_gguf(ours, tok, tmp_path / "model.gguf")),
+        n_ctx=64,
+        n_batch=64,
+        logits_all=True,
+        verbose=False,
+    )
     assert llm.metadata["general.architecture"] == "qwen3"
     llm.eval(ids[0].tolist())
     got = torch.tensor(np.array(llm.scores[:32]))
@@ -298,8 +370,10 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
     cfg = load_config(None, [*MODEL, "model.ffn_dim=96", f'model.init_from="{out}"'])
     with pytest.raises(CheckpointMismatch) as e:
         Trainer(cfg, ROWS, measure_peak=False)
-    assert ("model.layers.0.mlp.gate_proj.weight (layers.0.mlp.w_gate.weight): checkpoint shape [192, 64], "
-            "the config's model needs [96, 64]") in str(e.value)
+    assert (
+        "model.layers.0.mlp.gate_proj.weight (layers.0.mlp.w_gate.weight): checkpoint shape [192, 64], "
+        "the config's model needs [96, 64]"
+    ) in str(e.value)
     assert "set model.ffn_dim=192" in str(e.value)
     # a missing tensor: the same folder without one layer's up projection
     cut = tmp_path / "cut"
@@ -309,8 +383,11 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
     tensors = load_file(str(out / hf_checkpoint.WEIGHTS))
     del tensors["model.layers.1.mlp.up_proj.weight"]
     save_file(tensors, str(cut / hf_checkpoint.WEIGHTS))
-    with pytest.raises(CheckpointMismatch, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
-                                                 r"\(layers\.1\.mlp\.w_up\.weight\): not in model\.safetensors"):
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
+        r"\(layers\.1\.mlp\.w_up\.weight\): not in model\.safetensors",
+    ):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{cut}"']), ROWS, measure_peak=False)
     # a llama3-scaled rope into a config without the scaling, and with another factor
     scaled = tmp_path / "scaled"
@@ -320,24 +397,42 @@ def test_a_checkpoint_that_does_not_fit_is_refused_naming_the_difference(export,
     hf_cfg = json.loads((out / "config.json").read_text())
     hf_cfg["rope_parameters"] = {**LLAMA3_ROPE, "rope_theta": 10000.0}
     (scaled / "config.json").write_text(json.dumps(hf_cfg))
-    with pytest.raises(CheckpointMismatch, match="rope type 'llama3' but model.rope_scaling = 'none'; set "
-                                                 "model.rope_scaling=llama3"):
+    with pytest.raises(
+        CheckpointMismatch, match="rope type 'llama3' but model.rope_scaling = 'none'; set model.rope_scaling=llama3"
+    ):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
-    with pytest.raises(CheckpointMismatch, match="rope factor = 4.0 but model.rope_factor = 8.0; set "
-                                                 "model.rope_factor=4.0"):
-        Trainer(load_config(None, [*MODEL, "model.rope_scaling=llama3", "model.rope_original_max_position=16",
-                                   f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
+    with pytest.raises(
+        CheckpointMismatch, match="rope factor = 4.0 but model.rope_factor = 8.0; set model.rope_factor=4.0"
+    ):
+        Trainer(
+            load_config(
+                None,
+                [
+                    *MODEL,
+                    "model.rope_scaling=llama3",
+                    "model.rope_original_max_position=16",
+                    f'model.init_from="{scaled}"',
+                ],
+            ),
+            ROWS,
+            measure_peak=False,
+        )
     # an architecture raysc does not read, and Mistral's sliding window, are named
     (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "gemma"}))
-    with pytest.raises(CheckpointMismatch, match="model_type 'gemma' is not one raysc reads .llama, qwen2, qwen3, mistral"):
+    with pytest.raises(
+        CheckpointMismatch, match="model_type 'gemma' is not one raysc reads .llama, qwen2, qwen3, mistral"
+    ):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     (scaled / "config.json").write_text(json.dumps({**hf_cfg, "model_type": "mistral", "sliding_window": 4096}))
     with pytest.raises(CheckpointMismatch, match="sliding-window attention .sliding_window = 4096"):
         Trainer(load_config(None, [*MODEL, f'model.init_from="{scaled}"']), ROWS, measure_peak=False)
     # μP whose folded scales cannot be multiplied back out exactly (m = 64/24)
     with pytest.raises(CheckpointMismatch, match="width multiplier m = 2.66667 is not; set model.mup=false"):
-        Trainer(load_config(None, [*MODEL, "model.mup=true", "model.mup_base_width=24",
-                                   f'model.init_from="{out}"']), ROWS, measure_peak=False)
+        Trainer(
+            load_config(None, [*MODEL, "model.mup=true", "model.mup_base_width=24", f'model.init_from="{out}"']),
+            ROWS,
+            measure_peak=False,
+        )
 
 
 def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_path):
@@ -350,8 +445,10 @@ def test_raysc_train_init_from_s3(export, make_cfg, ray_session, s3_server, tmp_
         s3_server["client"].upload_file(str(f), "hf-models", f"tiny/{f.name}")
     url = "s3://hf-models/tiny"
     # s3fs's own keyword arguments, passed to fsspec as they are
-    options = (f'model.init_from_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
-               f'secret = "testing-secret", client_kwargs = {{region_name = "us-east-1"}}}}')
+    options = (
+        f'model.init_from_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
+        f'secret = "testing-secret", client_kwargs = {{region_name = "us-east-1"}}}}'
+    )
     cfg = make_cfg("train.steps=2", "train.seed=3", f'model.init_from="{url}"', options)
     train(cfg, progress=False)
     run = Path(cfg.run_dir)
@@ -381,8 +478,11 @@ def test_a_corpus_packed_with_another_tokenizer_is_refused_before_ray(export, pa
     _, out = export
     packed = Path(packed_corpus["packed"])
     base = [*MODEL, "train.seq_len=64", f'model.init_from="{out}"', f'data.source="{packed}"']
-    with pytest.raises(ValueError, match=r"data.source .* was packed with another tokenizer \(tokenizer.json in it, "
-                                         r"SHA-256 \w{12}\) than the run's, '.*tokenizer.json' \(model.init_from's, "
-                                         r"SHA-256 \w{12}\); re-pack the corpus with that tokenizer"):
+    with pytest.raises(
+        ValueError,
+        match=r"data.source .* was packed with another tokenizer \(tokenizer.json in it, "
+        r"SHA-256 \w{12}\) than the run's, '.*tokenizer.json' \(model.init_from's, "
+        r"SHA-256 \w{12}\); re-pack the corpus with that tokenizer",
+    ):
         check_inputs(load_config(None, base))
     check_inputs(load_config(None, [*base, f'data.tokenizer="{packed / packed_corpus["index"]["tokenizer"]}"']))

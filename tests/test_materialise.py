@@ -24,8 +24,16 @@ from raysc.train.trainer import Trainer
 from forked import run_forked
 
 # vocabulary 270: uneven FSDP shards (68/67 over 2 ranks of a TP half, 68,68,68,66 over 4)
-MODEL = ["model.vocab_size=270", "model.dim=48", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=32", "train.global_batch=8", "train.seed=7"]
+MODEL = [
+    "model.vocab_size=270",
+    "model.dim=48",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=32",
+    "train.global_batch=8",
+    "train.seed=7",
+]
 LAYOUTS = [  # four ranks each
     "dp_shard=4",
     "dp_replicate=2,tp=2",
@@ -82,8 +90,9 @@ def _check_layout(rank: int, layout: str, ref_val: float, ref_step: dict) -> lis
 def _rank(rank: int, port: int) -> None:
     torch.set_num_threads(1)
     mat.CHUNK_ELEMS = 1000  # every matrix drawn in several blocks
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=60))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=60)
+    )
     one = Trainer(load_config(None, MODEL), ROWS, VAL, measure_peak=False)
     ref_val, ref_step = one.val_loss(), one.train_step()
     errors = []
@@ -118,6 +127,10 @@ def test_row_blocks_draw_what_one_normal_call_draws(shape, monkeypatch):
     monkeypatch.setattr(mat, "CHUNK_ELEMS", 20)
     one, blocks = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
     want = torch.empty(shape).normal_(0.0, 0.02, generator=one)
-    got = torch.cat([torch.empty((e - s, shape[1])).normal_(0.0, 0.02, generator=blocks)
-                     for s, e in mat.row_blocks(torch.Size(shape))])
+    got = torch.cat(
+        [
+            torch.empty((e - s, shape[1])).normal_(0.0, 0.02, generator=blocks)
+            for s, e in mat.row_blocks(torch.Size(shape))
+        ]
+    )
     assert torch.equal(got, want) and torch.equal(one.get_state(), blocks.get_state())

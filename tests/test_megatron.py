@@ -68,10 +68,12 @@ def test_a_megatron_dataset_trains_with_one_eos_per_document_and_bad_ones_are_re
     rows = np.concatenate([packed.train, packed.val])
     assert int((stream == EOS).sum()) == 60 and info["tokens"] == len(stream)
     seq = packed.seq_len
-    assert sorted(map(tuple, rows)) == sorted(tuple(stream[i * seq:i * seq + seq + 1])
-                                              for i in range((len(stream) - 1) // seq))
-    with pytest.raises(ValueError, match="Megatron indexed dataset: token ids without their tokenizer; set "
-                                         "data.tokenizer"):
+    assert sorted(map(tuple, rows)) == sorted(
+        tuple(stream[i * seq : i * seq + seq + 1]) for i in range((len(stream) - 1) // seq)
+    )
+    with pytest.raises(
+        ValueError, match="Megatron indexed dataset: token ids without their tokenizer; set data.tokenizer"
+    ):
         prepare_data(make_cfg(f'data.source="{prefix}"'))
     big = tmp_path / "big"
     megatron.write_indexed(big, [np.array([5, VOCAB + 7, 0])], np.uint16)
@@ -98,8 +100,15 @@ def test_raysc_pack_format_megatron_is_read_by_megatron_core_and_trains_in_raysc
 
     root, index = packed_corpus["root"], packed_corpus["index"]
     out = root / "megatron"
-    meg = pack_curated(str(root / "cur"), str(root / "packed" / "tokenizer.json"), VOCAB, 64, str(out),
-                       log=lambda *_: None, fmt="megatron")
+    meg = pack_curated(
+        str(root / "cur"),
+        str(root / "packed" / "tokenizer.json"),
+        VOCAB,
+        64,
+        str(out),
+        log=lambda *_: None,
+        fmt="megatron",
+    )
     assert meg["format"] == "megatron-indexed-v1" and set(meg["domains"]) == set(index["domains"])
     for name, d in meg["domains"].items():
         assert d["documents"] == index["domains"][name]["documents"]
@@ -110,10 +119,11 @@ def test_raysc_pack_format_megatron_is_read_by_megatron_core_and_trains_in_raysc
             stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])
             part = shard.replace("shard-", "part-").removesuffix(".npy")
             theirs = np.concatenate([np.array(doc) for doc in IndexedDataset(str(out / part))])
-            assert np.array_equal(theirs[:len(stream)], stream)
+            assert np.array_equal(theirs[: len(stream)], stream)
     packed, _, info = prepare_data(make_cfg(f'data.source="{out}"'))
     assert set(packed.train) == set(meg["domains"]) and info["documents"] == sum(
-        d["documents"] for d in meg["domains"].values())
+        d["documents"] for d in meg["domains"].values()
+    )
 
 
 def test_olmo_style_token_files_train_raw_or_with_numpy_headers(make_cfg, tmp_path):
@@ -135,14 +145,16 @@ def test_olmo_style_token_files_train_raw_or_with_numpy_headers(make_cfg, tmp_pa
     assert info["tokens"] == len(stream) and info["documents"] == 40
     seq = packed.seq_len
     rows = np.concatenate([packed.train, packed.val])
-    assert sorted(map(tuple, rows)) == sorted(tuple(stream[i * seq:i * seq + seq + 1])
-                                              for i in range((len(stream) - 1) // seq))
+    assert sorted(map(tuple, rows)) == sorted(
+        tuple(stream[i * seq : i * seq + seq + 1]) for i in range((len(stream) - 1) // seq)
+    )
     odd = tmp_path / "odd.npy"
     odd.write_bytes(b"\x01\x02\x03")
     with pytest.raises(ValueError, match="odd.npy has 3 bytes, not a whole number of uint16 ids.*data.token_dtype"):
         prepare_data(make_cfg(f'data.source="{odd}"', f'data.tokenizer="{tok}"'))
     wide = tmp_path / "wide.npy"
     np.memmap(wide, mode="w+", dtype=np.uint32, shape=(4,))[:] = [7, 70000, 3, 0]
-    with pytest.raises(ValueError, match=f"wide.npy holds token id 70000 but model.vocab_size is {VOCAB}.*set "
-                                         f"data.token_dtype"):
+    with pytest.raises(
+        ValueError, match=f"wide.npy holds token id 70000 but model.vocab_size is {VOCAB}.*set data.token_dtype"
+    ):
         prepare_data(make_cfg(f'data.source="{wide}"', f'data.tokenizer="{tok}"', "data.token_dtype=uint32"))

@@ -76,14 +76,25 @@ def test_mix_tune_end_to_end_on_the_packed_corpus(packed_corpus, make_cfg, tmp_p
     the fitted predictions are the ones plotted, and a second call reuses every finished run."""
     from raysc.mix.tune import TuneOptions, tune_mixture
 
-    overrides = [f'data.source="{packed_corpus["packed"]}"', "data.val_fraction=0.05", "optim.lr=5e-3",
-                 "checkpoint.async=false"]
+    overrides = [
+        f'data.source="{packed_corpus["packed"]}"',
+        "data.val_fraction=0.05",
+        "optim.lr=5e-3",
+        "checkpoint.async=false",
+    ]
     cfg = make_cfg(*overrides, run="mix")
     base = _overrides_of(cfg, overrides)
     # as many at once as the machine has cores: the session's Ray counts 8 CPUs, and five proxies starting
     # at once on 2 cores beside the other lane overran the 60 s start bound in a CI run
-    opts = TuneOptions(target="prose", proxies=5, steps=16, validate_seeds=[1], eval_rows=16, out=str(tmp_path / "t"),
-                       concurrency=os.cpu_count() or 1)
+    opts = TuneOptions(
+        target="prose",
+        proxies=5,
+        steps=16,
+        validate_seeds=[1],
+        eval_rows=16,
+        out=str(tmp_path / "t"),
+        concurrency=os.cpu_count() or 1,
+    )
     lines: list[str] = []
     report = tune_mixture(None, base, opts, log=lines.append)
     out = tmp_path / "t"
@@ -148,14 +159,17 @@ def test_mix_tune_refuses_bad_input_before_any_run(tmp_path, capsys):
     packed.mkdir()
     for d in ("code", "prose"):
         np.save(packed / f"{d}.npy", np.zeros((40, 65), dtype=np.int32))
-    (packed / "index.json").write_text(json.dumps({"domains": {d: {"shards": [f"{d}.npy"], "tokens": 2600}
-                                                               for d in ("code", "prose")}}))
+    (packed / "index.json").write_text(
+        json.dumps({"domains": {d: {"shards": [f"{d}.npy"], "tokens": 2600} for d in ("code", "prose")}})
+    )
     config = tmp_path / "c.toml"
     config.write_text(f'[data]\nsource = "{packed}"\nval_fraction = 0.1\n[run]\ndir = "{tmp_path / "run"}"\n')
-    cases = [(["--set", 'data.source="bundled"'], "raysc pack"),
-             (["--target", "poetry"], "['poetry'] are not in"),
-             (["--proxies", "4"], "at least 5"),
-             (["--set", "data.val_fraction=0"], "data.val_fraction > 0")]
+    cases = [
+        (["--set", 'data.source="bundled"'], "raysc pack"),
+        (["--target", "poetry"], "['poetry'] are not in"),
+        (["--proxies", "4"], "at least 5"),
+        (["--set", "data.val_fraction=0"], "data.val_fraction > 0"),
+    ]
     for extra, message in cases:
         args = ["mix", "tune", str(config), *(["--target", "prose"] if "--target" not in extra else []), *extra]
         assert main(args) == 2, extra

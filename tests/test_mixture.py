@@ -27,8 +27,15 @@ SCHEDULE = "0:prose=0.6,code=0.3,math=0.1; 800:prose=0.2,code=0.2,math=0.6"
 
 
 def _loader(dp_rank=0, dp_size=1, batch=8) -> MixtureLoader:
-    return MixtureLoader(_domains(), parse_schedule(SCHEDULE, list(_domains())), seed=7, global_batch=batch,
-                         tokens_per_sample=SEQ, dp_rank=dp_rank, dp_size=dp_size)
+    return MixtureLoader(
+        _domains(),
+        parse_schedule(SCHEDULE, list(_domains())),
+        seed=7,
+        global_batch=batch,
+        tokens_per_sample=SEQ,
+        dp_rank=dp_rank,
+        dp_size=dp_size,
+    )
 
 
 def test_every_prefix_meets_the_weights_within_one_sample_per_phase():

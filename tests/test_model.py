@@ -52,9 +52,11 @@ def test_attention_matches_reference_softmax():
     attn = m.layers["0"].attn
     x = torch.randn(1, 10, 64)
     from raysc.model.llama import Rope
+
     rope = Rope(m.rope_cos, m.rope_sin, None)
     cos, sin = m.rope_cos[:10], m.rope_sin[:10]
     from raysc.model.llama import apply_rope
+
     q = apply_rope(attn.wq(x).view(1, 10, 4, 16).transpose(1, 2), cos, sin)
     k = apply_rope(attn.wk(x).view(1, 10, 4, 16).transpose(1, 2), cos, sin)
     v = attn.wv(x).view(1, 10, 4, 16).transpose(1, 2)
@@ -70,7 +72,10 @@ def test_param_count_matches_module(tie, bias):
     m = build_model(cfg, 32, seed=0)
     assert sum(p.numel() for p in m.parameters()) == param_count(cfg)["total"]
     if bias:  # Qwen2's q/k/v biases start at zero
-        assert all(not b.any() for n, b in m.named_parameters() if n.endswith(".bias")) and m.layers["0"].attn.wq.bias is not None
+        assert (
+            all(not b.any() for n, b in m.named_parameters() if n.endswith(".bias"))
+            and m.layers["0"].attn.wq.bias is not None
+        )
     if tie:
         assert m.output.weight is m.embed.weight
 

@@ -27,8 +27,12 @@ RAYSC = str(Path(sys.executable).parent / "raysc")
 # the calibrated timeouts at their default floor (30 s): none of these drills hangs a rank (a dead
 # rank's peers get a connection error at once), and a 3 s floor once tripped a healthy run's final
 # validation on a loaded 2-core machine (issue 62)
-BASE = [*TINY, "train.steps=12", "checkpoint.every_steps=4",  # asynchronous saves, the default
-        "supervisor.restart_backoff_s=0.1"]
+BASE = [
+    *TINY,
+    "train.steps=12",
+    "checkpoint.every_steps=4",  # asynchronous saves, the default
+    "supervisor.restart_backoff_s=0.1",
+]
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,9 @@ def cluster(tmp_path_factory):
     local.down(state)
 
 
-def _train(cluster: dict, cache_dir: str, run_dir: Path, *sets: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _train(
+    cluster: dict, cache_dir: str, run_dir: Path, *sets: str, timeout: float = 300
+) -> subprocess.CompletedProcess:
     cmd = [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
     for s in [*BASE, *sets, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"']:
         cmd += ["--set", s]
@@ -51,16 +57,24 @@ def _events(run_dir: Path, kind: str) -> list[dict]:
 
 
 def _alive_nodes(cluster: dict) -> set[str]:
-    code = "import ray; ray.init(logging_level='ERROR'); print(' '.join(n['NodeID'] for n in ray.nodes() " \
-           "if n['Alive'] and n['Resources'].get('CPU')))"
+    code = (
+        "import ray; ray.init(logging_level='ERROR'); print(' '.join(n['NodeID'] for n in ray.nodes() "
+        "if n['Alive'] and n['Resources'].get('CPU')))"
+    )
     out = subprocess.run([sys.executable, "-c", code], env=cluster["env"], capture_output=True, text=True, check=True)
     return set(out.stdout.split())
 
 
 def test_a_tp_group_that_cannot_stay_on_a_node_fails_before_step_1(cluster, cache_dir, tmp_path):
     """tp=2 workers of 1.5 CPUs each: a 2-CPU node holds one of them, so a TP pair would span nodes."""
-    run = _train(cluster, cache_dir, tmp_path / "tp4", "parallel.tp=2", "parallel.cpus_per_worker=1.5",
-                 "parallel.tp_within_node=true")
+    run = _train(
+        cluster,
+        cache_dir,
+        tmp_path / "tp4",
+        "parallel.tp=2",
+        "parallel.cpus_per_worker=1.5",
+        "parallel.tp_within_node=true",
+    )
     assert run.returncode != 0
     assert "parallel.tp_within_node" in run.stderr and "largest node holds 1" in run.stderr, run.stderr[-2000:]
     assert "3 node(s): 2 CPU, 2 CPU, 2 CPU" in run.stderr, run.stderr
@@ -75,8 +89,14 @@ def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path
     restores step 4 from the bucket (the hot copy of that node's files died with it). That the healed
     run ends bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below."""
     run_dir = tmp_path / "lost"
-    run = _train(cluster, cache_dir, run_dir, "parallel.tp=2", "parallel.dp_replicate=2",
-                 'supervisor.inject="slow_upload@8:0,node_loss@11:3"')
+    run = _train(
+        cluster,
+        cache_dir,
+        run_dir,
+        "parallel.tp=2",
+        "parallel.dp_replicate=2",
+        'supervisor.inject="slow_upload@8:0,node_loss@11:3"',
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     first, second = (e["node_ids"] for e in _events(run_dir, "layout"))
     for nodes in (first, second):
@@ -110,12 +130,21 @@ def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypat
     from raysc.cluster.ports import free_port
 
     listening = socket.create_server(("127.0.0.1", 0))
-    nodes = [{"NodeID": "up", "Alive": True, "NodeManagerAddress": "127.0.0.1",
-              "NodeManagerPort": listening.getsockname()[1]},
-             {"NodeID": "raylet-killed", "Alive": True, "NodeManagerAddress": "127.0.0.1",
-              "NodeManagerPort": free_port()},
-             {"NodeID": "declared-dead", "Alive": False, "NodeManagerAddress": "127.0.0.1",
-              "NodeManagerPort": listening.getsockname()[1]}]
+    nodes = [
+        {
+            "NodeID": "up",
+            "Alive": True,
+            "NodeManagerAddress": "127.0.0.1",
+            "NodeManagerPort": listening.getsockname()[1],
+        },
+        {"NodeID": "raylet-killed", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": free_port()},
+        {
+            "NodeID": "declared-dead",
+            "Alive": False,
+            "NodeManagerAddress": "127.0.0.1",
+            "NodeManagerPort": listening.getsockname()[1],
+        },
+    ]
     monkeypatch.setattr(ray, "nodes", lambda: nodes)
     try:
         assert raylet_answers("up")
@@ -125,8 +154,13 @@ def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypat
         listening.close()
 
 
-QUARANTINE = ["parallel.dp_replicate=3", "parallel.cpus_per_worker=2", "train.global_batch=6",
-              "supervisor.sdc_every_steps=2", 'supervisor.inject="bitflip@3:1,kill@6:0"']
+QUARANTINE = [
+    "parallel.dp_replicate=3",
+    "parallel.cpus_per_worker=2",
+    "train.global_batch=6",
+    "supervisor.sdc_every_steps=2",
+    'supervisor.inject="bitflip@3:1,kill@6:0"',
+]
 
 
 def test_a_quarantined_node_is_avoided_or_knowingly_reused(cluster, cache_dir, tmp_path):
@@ -151,8 +185,11 @@ def test_a_quarantined_node_is_avoided_or_knowingly_reused(cluster, cache_dir, t
         # when it was committed (or every rank had uploaded it), else from the start, the save abandoned
         events = read_jsonl(run_dir / "events.jsonl")
         healed = next(i for i, e in enumerate(events) if e["kind"] == "recovered")
-        saves = [(e["kind"], e["step"]) for e in events[:healed]
-                 if e["kind"] in ("checkpoint_saved", "checkpoint_save_abandoned")]
+        saves = [
+            (e["kind"], e["step"])
+            for e in events[:healed]
+            if e["kind"] in ("checkpoint_saved", "checkpoint_save_abandoned")
+        ]
         assert saves in ([("checkpoint_saved", 4)], [("checkpoint_save_abandoned", 4)]), saves
         resumed = 4 if saves[0][0] == "checkpoint_saved" else 0
         assert [e["resumed_step"] for e in _events(run_dir, "recovered")] == [resumed]
@@ -189,32 +226,52 @@ def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_di
 
     def store(endpoint: str, name: str) -> list[str]:
         # one try per request (botocore retries a 503 with backoff for many seconds by default)
-        return [f'checkpoint.uri="s3://{bucket}/{name}"', "checkpoint.upload_retries=0",
-                f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "{creds["key"]}", '
-                f'secret = "{creds["secret"]}", region_name = "us-east-1", '
-                f'config_kwargs = {{retries = {{max_attempts = 1}}}}}}']
+        return [
+            f'checkpoint.uri="s3://{bucket}/{name}"',
+            "checkpoint.upload_retries=0",
+            f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "{creds["key"]}", '
+            f'secret = "{creds["secret"]}", region_name = "us-east-1", '
+            f"config_kwargs = {{retries = {{max_attempts = 1}}}}}}",
+        ]
 
-    sets = ["parallel.dp_replicate=3", "parallel.cpus_per_worker=1", "train.global_batch=6",
-            "supervisor.sdc_every_steps=1", f"train.steps={schedule.steps}", f"checkpoint.every_steps={schedule.every}",
-            "checkpoint.keep_last=1000"]
+    sets = [
+        "parallel.dp_replicate=3",
+        "parallel.cpus_per_worker=1",
+        "train.global_batch=6",
+        "supervisor.sdc_every_steps=1",
+        f"train.steps={schedule.steps}",
+        f"checkpoint.every_steps={schedule.every}",
+        "checkpoint.keep_last=1000",
+    ]
     try:
         # the reference restores nothing (nan skips a step, bitflip is repaired from the replicas), so
         # where it saves does not change its numbers: its run directory, not the bucket
-        ref = _train(cluster, cache_dir, tmp_path / "ref", *sets,
-                     f'supervisor.inject="{chaos.reference_spec(schedule)}"')
+        ref = _train(
+            cluster, cache_dir, tmp_path / "ref", *sets, f'supervisor.inject="{chaos.reference_spec(schedule)}"'
+        )
         assert ref.returncode == 0, ref.stderr[-3000:]
         for step in chaos.outage_steps(schedule):
             proxy.fail(chaos.outage_pattern(bucket, "chaos", step), "ServiceUnavailable", status=503)
         run_dir = tmp_path / "chaos"
-        run = _train(cluster, cache_dir, run_dir, *sets, *store(proxy.endpoint, "chaos"),
-                     f'supervisor.inject="{chaos.inject_spec(schedule)}"')
+        run = _train(
+            cluster,
+            cache_dir,
+            run_dir,
+            *sets,
+            *store(proxy.endpoint, "chaos"),
+            f'supervisor.inject="{chaos.inject_spec(schedule)}"',
+        )
         assert run.returncode == 0, run.stderr[-3000:]
         proxy.clear()
         ck = CheckpointStore(f"s3://{bucket}/chaos", {"endpoint_url": s3_server["endpoint"], **creds})
         committed = [s for s in ck.steps() if ck.verify(s, checksums=True) is None]
         a, b = (dict(load_run(d).model.named_parameters()) for d in (tmp_path / "ref", run_dir))
-        rep = chaos.report(schedule, read_jsonl(run_dir / "events.jsonl"), committed,
-                           params_equal=all(torch.equal(a[k], b[k]) for k in a))
+        rep = chaos.report(
+            schedule,
+            read_jsonl(run_dir / "events.jsonl"),
+            committed,
+            params_equal=all(torch.equal(a[k], b[k]) for k in a),
+        )
     finally:
         proxy.close()
     assert rep["faults"] == {"injected": 5, "fired": 5, "detected": 5, "healed": 5}, rep["per_fault"]

@@ -44,15 +44,38 @@ def _lines(stream, out: queue.Queue) -> None:
 
 def test_raysc_train_then_raysc_serve_on_the_machines_own_cpus(tmp_path, cache_dir):
     env, run_dir = _newcomer_env(), tmp_path / "tiny"
-    train = subprocess.run([RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress", "--set", "train.steps=20",
-                            "--set", f'run.dir="{run_dir}"', "--set", f'data.cache_dir="{cache_dir}"'],
-                           env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    train = subprocess.run(
+        [
+            RAYSC,
+            "train",
+            "jobs/configs/tiny.toml",
+            "--no-progress",
+            "--set",
+            "train.steps=20",
+            "--set",
+            f'run.dir="{run_dir}"',
+            "--set",
+            f'data.cache_dir="{cache_dir}"',
+        ],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert train.returncode == 0, train.stderr[-3000:]
     assert json.loads(train.stdout.strip().splitlines()[-1])["steps"] == 20
 
     port = free_port()
-    serve = subprocess.Popen([RAYSC, "serve", str(run_dir), "--port", str(port)], env=env, cwd=ROOT,
-                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    serve = subprocess.Popen(
+        [RAYSC, "serve", str(run_dir), "--port", str(port)],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     lines: queue.Queue = queue.Queue()
     threading.Thread(target=_lines, args=(serve.stdout, lines), daemon=True).start()
     seen: list[str] = []
@@ -71,9 +94,14 @@ def test_raysc_train_then_raysc_serve_on_the_machines_own_cpus(tmp_path, cache_d
         if (os.cpu_count() or 1) < 3:  # Serve's defaults do not fit: the relays were given a share
             assert any("fitted:" in line for line in seen), "".join(seen)[-4000:]
         client = openai.OpenAI(base_url=info["serving"], api_key="unused")
-        served = [client.completions.create(model=info["model"], prompt=p, max_tokens=24, temperature=0,
-                                            extra_body={"return_token_ids": True}).choices[0].token_ids
-                  for p in PROMPTS]
+        served = [
+            client.completions.create(
+                model=info["model"], prompt=p, max_tokens=24, temperature=0, extra_body={"return_token_ids": True}
+            )
+            .choices[0]
+            .token_ids
+            for p in PROMPTS
+        ]
         assert all(len(ids) == 24 for ids in served), served
         assert not greedy_mismatches(run_dir, info["step"], PROMPTS, served)
     finally:

@@ -27,9 +27,17 @@ from forked import run_forked
 
 # a 4-layer model so that pp=2 with 2 virtual stages has a layer per stage
 PARITY = [
-    "model.vocab_size=512", "model.dim=64", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-    "train.seq_len=64", "train.global_batch=8", "schedule.warmup_steps=2", "data.max_corpus_mb=1.0",
-    "data.tokenizer_sample_mb=0.5", "parallel.cpus_per_worker=0.5",
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "train.global_batch=8",
+    "schedule.warmup_steps=2",
+    "data.max_corpus_mb=1.0",
+    "data.tokenizer_sample_mb=0.5",
+    "parallel.cpus_per_worker=0.5",
     "supervisor.warm_spares=false",  # no faults here: a spare per rank only slows 2 cores (test_reshard too)
     "data.val_fraction=0.002",  # 16 held-out rows, not 79: pipeline validation runs a row per microbatch
 ]
@@ -54,8 +62,12 @@ LAYOUTS = [
 ]
 
 
-SCHEDULE_CLASS = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved_1f1b": "ScheduleInterleaved1F1B",
-                  "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble"}
+SCHEDULE_CLASS = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved_1f1b": "ScheduleInterleaved1F1B",
+    "interleaved_zero_bubble": "ScheduleInterleavedZeroBubble",
+}
 
 
 RAY_LAYOUTS = [  # end to end through Ray: the deepest layout, CP with TP, an interleaved zero-bubble schedule
@@ -68,16 +80,23 @@ MUP_LAYOUTS = ["dp_shard=2,tp=2", "cp=2"]
 # the public families' switches: Qwen2's q/k/v biases (sharded with their weights under TP and SP, on
 # their stage under PP) and Llama 3.1's scaled rope (rotary tables indexed by CP's chunk positions)
 QWEN2 = ["model.attention_bias=true"]
-LLAMA3_ROPE = ["model.rope_scaling=llama3", "model.rope_factor=4.0", "model.rope_original_max_position=16",
-               "model.rope_theta=500000.0"]
+LLAMA3_ROPE = [
+    "model.rope_scaling=llama3",
+    "model.rope_factor=4.0",
+    "model.rope_original_max_position=16",
+    "model.rope_theta=500000.0",
+]
 # Qwen3: a q and a k norm per head (replicated under TP, their gradients summed over the TP group) and
 # heads that are not dim / n_heads wide (model.head_dim): 4 heads of 8 on a 64-wide model.
 # (4 of 32 trains the same way but its 10th step's grad norm drifts 1.4e-4 from one process's under
 # FSDP+TP, past the 1e-4 bound; FSDP alone drifts 2.6e-5 there: reduction order amplified, not a bug)
 QWEN3 = ["model.head_dim=8", "model.qk_norm=true"]
-FAMILY_CASES = [("dp_shard=2,tp=2,sequence_parallel=true", QWEN2), ("dp_shard=2,tp=2", QWEN3),
-                ("pp=2,pp_schedule=1f1b", QWEN2),
-                ("cp=2,tp=2", LLAMA3_ROPE)]
+FAMILY_CASES = [
+    ("dp_shard=2,tp=2,sequence_parallel=true", QWEN2),
+    ("dp_shard=2,tp=2", QWEN3),
+    ("pp=2,pp_schedule=1f1b", QWEN2),
+    ("cp=2,tp=2", LLAMA3_ROPE),
+]
 # the grad norm's bound where 1e-4 is tighter than reduction order allows: the Qwen3 case's grad norm
 # drifts 1.7e-4 from one process's at step 7 (its loss stays within 4e-7 for all 10 steps); with the TP
 # reduction of the q/k norms' gradients taken out it is 2.2e-4 off at step 3 and 3.8e-2 at step 7
@@ -87,9 +106,13 @@ GRAD_RTOL = {"dp_shard=2,tp=2 " + " ".join(QWEN3): 5e-4}
 # CP masks its local queries against the whole row. Boundaries at the corpus's most frequent token
 # (about 2.6 per 64-token row) rather than its EOS (in 1.4% of rows): most rows hold several documents.
 DOCS = ["train.document_mask=true", "train.document_positions=true"]
-DOC_CASES = [("pp=2,pp_schedule=interleaved_zero_bubble,pp_virtual_stages=2", DOCS), ("cp=2", DOCS),
-             ("tp=2,sequence_parallel=true", DOCS), ("pp=2,dp_shard=2,tp=2", DOCS),
-             ("cp=2,tp=2", DOCS[:1])]
+DOC_CASES = [
+    ("pp=2,pp_schedule=interleaved_zero_bubble,pp_virtual_stages=2", DOCS),
+    ("cp=2", DOCS),
+    ("tp=2,sequence_parallel=true", DOCS),
+    ("pp=2,dp_shard=2,tp=2", DOCS),
+    ("cp=2,tp=2", DOCS[:1]),
+]
 STEPS = 10
 
 
@@ -130,8 +153,9 @@ def check_built_parts(layout: str, built: dict) -> None:
     assert built["recompute"] == (par.recompute == "full")
 
 
-def _layout_rank(rank: int, world: int, port: int, layouts: list[tuple[str, list[str]]], overrides: list[str],
-                 out: str) -> None:
+def _layout_rank(
+    rank: int, world: int, port: int, layouts: list[tuple[str, list[str]]], overrides: list[str], out: str
+) -> None:
     """One gloo rank: for each (layout, extra overrides), STEPS steps of a ``Trainer`` under that layout
     against one process's on the same rows; rank 0 writes the losses, grad norms and what it built."""
     import datetime
@@ -146,8 +170,13 @@ def _layout_rank(rank: int, world: int, port: int, layouts: list[tuple[str, list
     from raysc.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=120),
+    )
     results, refs = {}, {}
     for layout, extra in layouts:
         common = [*overrides, *extra, f"train.steps={STEPS}"]
@@ -159,13 +188,22 @@ def _layout_rank(rank: int, world: int, port: int, layouts: list[tuple[str, list
             refs[tuple(extra)] = [one.train_step() for _ in range(STEPS)]
         ref = refs.get(tuple(extra), [])
         cfg = load_config(None, [*common, *layout_overrides(layout)])
-        trainer = Trainer(cfg, packed.train, packed.val, rank=rank, mesh=build_mesh(cfg.parallel.dims, "cpu"),
-                          measure_peak=False, eos_id=boundary)
+        trainer = Trainer(
+            cfg,
+            packed.train,
+            packed.val,
+            rank=rank,
+            mesh=build_mesh(cfg.parallel.dims, "cpu"),
+            measure_peak=False,
+            eos_id=boundary,
+        )
         got = [trainer.train_step() for _ in range(STEPS)]
         results[f"{layout} {' '.join(extra)}".strip()] = {
-            "layout": layout, "built": describe_shard(trainer.shard, trainer.schedule),
+            "layout": layout,
+            "built": describe_shard(trainer.shard, trainer.schedule),
             "steps": [{k: m[k] for k in ("loss", "grad_norm")} for m in got],
-            "ref": [{k: m[k] for k in ("loss", "grad_norm")} for m in ref]}
+            "ref": [{k: m[k] for k in ("loss", "grad_norm")} for m in ref],
+        }
     dist.destroy_process_group()
     if rank == 0:
         Path(out).write_text(json.dumps(results, default=str))
@@ -203,16 +241,18 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
         assert len(r["steps"]) == len(r["ref"]) == STEPS, name
         for step, (got, want) in enumerate(zip(r["steps"], r["ref"]), 1):
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-4), (name, step, "loss")
-            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_RTOL.get(name, 1e-4)), \
-                (name, step, "grad_norm")
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=GRAD_RTOL.get(name, 1e-4)), (
+                name,
+                step,
+                "grad_norm",
+            )
         check_built_parts(r["layout"], r["built"])
 
 
 @pytest.mark.parametrize("layout", RAY_LAYOUTS)
 def test_layout_matches_single_process(ray_session, parity_dirs, layout):
     work, overrides = parity_dirs
-    report = run_parity(None, layout, overrides, steps=10, rtol=1e-4, work_dir=work,
-                        ref_dir=work / "reference")
+    report = run_parity(None, layout, overrides, steps=10, rtol=1e-4, work_dir=work, ref_dir=work / "reference")
     print(report.table())
     assert len(report.steps) == 10
     assert report.ok, report.table()
@@ -264,7 +304,12 @@ def test_context_parallel_chunks_are_load_balanced_and_cover_the_sequence():
 
 def test_layout_string_parsing():
     assert layout_overrides("pp=2, tp=2,sequence_parallel=true,pp_schedule=gpipe") == [
-        "parallel.pp=2", "parallel.tp=2", "parallel.sequence_parallel=true", 'parallel.pp_schedule="gpipe"']
+        "parallel.pp=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        'parallel.pp_schedule="gpipe"',
+    ]
     from raysc.config import ConfigError
+
     with pytest.raises(ConfigError, match="unknown key 'tpp'"):
         layout_overrides("tpp=2")

@@ -24,15 +24,45 @@ from forked import run_forked
 # written as a SwiGLU of the same parameter count and FLOPs (three 12,288 x 32,768), so the model has
 # GPT-3's 175B parameters.
 PUBLISHED = {
-    "gpt3-175b": (["model.vocab_size=51200", "model.dim=12288", "model.n_layers=96", "model.n_heads=96",
-                   "model.n_kv_heads=96", "model.ffn_dim=32768", "train.seq_len=2048", "train.global_batch=1536"],
-                  dict(gpus=1024, gpu_mem_gb=80, peak_tflops=312, intra_gbps=300, inter_gbps=25)),
-    "llama3-70b": (["model.vocab_size=128256", "model.dim=8192", "model.n_layers=80", "model.n_heads=64",
-                    "model.n_kv_heads=8", "model.ffn_dim=28672", "train.seq_len=8192", "train.global_batch=2048"],
-                   dict(gpus=2048)),
-    "llama3-405b": (["model.vocab_size=128256", "model.dim=16384", "model.n_layers=126", "model.n_heads=128",
-                     "model.n_kv_heads=8", "model.ffn_dim=53248", "train.seq_len=8192", "train.global_batch=2048"],
-                    dict(gpus=16384)),
+    "gpt3-175b": (
+        [
+            "model.vocab_size=51200",
+            "model.dim=12288",
+            "model.n_layers=96",
+            "model.n_heads=96",
+            "model.n_kv_heads=96",
+            "model.ffn_dim=32768",
+            "train.seq_len=2048",
+            "train.global_batch=1536",
+        ],
+        dict(gpus=1024, gpu_mem_gb=80, peak_tflops=312, intra_gbps=300, inter_gbps=25),
+    ),
+    "llama3-70b": (
+        [
+            "model.vocab_size=128256",
+            "model.dim=8192",
+            "model.n_layers=80",
+            "model.n_heads=64",
+            "model.n_kv_heads=8",
+            "model.ffn_dim=28672",
+            "train.seq_len=8192",
+            "train.global_batch=2048",
+        ],
+        dict(gpus=2048),
+    ),
+    "llama3-405b": (
+        [
+            "model.vocab_size=128256",
+            "model.dim=16384",
+            "model.n_layers=126",
+            "model.n_heads=128",
+            "model.n_kv_heads=8",
+            "model.ffn_dim=53248",
+            "train.seq_len=8192",
+            "train.global_batch=2048",
+        ],
+        dict(gpus=16384),
+    ),
 }
 
 
@@ -81,8 +111,18 @@ def test_estimate_of_megatrons_published_gpt3_layout_matches_its_throughput():
 
 
 def test_invalid_layouts_are_rejected_with_the_reason():
-    cfg = load_config(None, ["model.vocab_size=512", "model.dim=96", "model.n_layers=3", "model.n_heads=6",
-                             "model.n_kv_heads=3", "train.seq_len=64", "train.global_batch=16"])
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=512",
+            "model.dim=96",
+            "model.n_layers=3",
+            "model.n_heads=6",
+            "model.n_kv_heads=3",
+            "train.seq_len=64",
+            "train.global_batch=16",
+        ],
+    )
     result = plan(cfg, Cluster(gpus=16, gpus_per_node=4, gpu_mem_gb=80))
     rejected = result["rejected"]
     assert rejected["tp group crosses nodes"] > 0
@@ -95,12 +135,22 @@ def test_invalid_layouts_are_rejected_with_the_reason():
 
 
 def test_estimates_follow_the_formulas():
-    cfg = load_config(None, ["model.dim=256", "model.n_layers=8", "model.n_heads=8", "model.n_kv_heads=8",
-                             "train.seq_len=512", "train.global_batch=64"])
+    cfg = load_config(
+        None,
+        [
+            "model.dim=256",
+            "model.n_layers=8",
+            "model.n_heads=8",
+            "model.n_kv_heads=8",
+            "train.seq_len=512",
+            "train.global_batch=64",
+        ],
+    )
     m = cfg.model
     assert bubble_fraction(Layout(pp=4, micro_batch=1), 12) == pytest.approx(3 / 15)
-    assert bubble_fraction(Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), 12) == \
-        pytest.approx(3 / 27)
+    assert bubble_fraction(Layout(pp=4, pp_schedule="interleaved_1f1b", pp_virtual_stages=2), 12) == pytest.approx(
+        3 / 27
+    )
     base = estimate_memory(m, 512, 64, Layout(micro_batch=4), "fp32")
     sp = estimate_memory(m, 512, 64, Layout(tp=2, sequence_parallel=True, micro_batch=4), "fp32")
     tp = estimate_memory(m, 512, 64, Layout(tp=2, micro_batch=4), "fp32")
@@ -114,7 +164,8 @@ def test_estimates_follow_the_formulas():
     assert gpipe["inflight"] == 16 and ofob["inflight"] == 2 and gpipe["activations"] > ofob["activations"]
     cl = Cluster(gpus=4)
     assert estimate_step(m, 512, 64, Layout(dp_shard=4, recompute="full"), cl)["compute_s"] == pytest.approx(
-        4 / 3 * estimate_step(m, 512, 64, Layout(dp_shard=4), cl)["compute_s"])
+        4 / 3 * estimate_step(m, 512, 64, Layout(dp_shard=4), cl)["compute_s"]
+    )
 
 
 def test_full_recompute_gives_the_same_loss_and_gradients(make_cfg):
@@ -126,20 +177,34 @@ def test_full_recompute_gives_the_same_loss_and_gradients(make_cfg):
         cfg = make_cfg(f'parallel.recompute="{mode}"', "train.micro_batch=4")
         packed, _, _ = prepare_data(cfg)
         trainer = Trainer(cfg, packed.train, measure_peak=False)
-        out[mode] = [trainer.train_step()["grad_norm"] for _ in range(3)], [p.detach().clone() for p in
-                                                                            trainer.params]
+        out[mode] = [trainer.train_step()["grad_norm"] for _ in range(3)], [p.detach().clone() for p in trainer.params]
     assert out["none"][0] == out["full"][0]
     assert all(torch.equal(a, b) for a, b in zip(out["none"][1], out["full"][1]))
 
 
-CPU_MODEL = ["model.vocab_size=512", "model.dim=128", "model.n_layers=4", "model.n_heads=4", "model.n_kv_heads=2",
-             "train.seq_len=128", "train.global_batch=8", "supervisor.calibrate_steps=0"]
+CPU_MODEL = [
+    "model.vocab_size=512",
+    "model.dim=128",
+    "model.n_layers=4",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=128",
+    "train.global_batch=8",
+    "supervisor.calibrate_steps=0",
+]
 
 
-MEMORY_LAYOUTS = [Layout(micro_batch=8), Layout(micro_batch=2), Layout(dp_shard=2, micro_batch=4),
-                  Layout(dp_replicate=2, micro_batch=2), Layout(tp=2, sequence_parallel=True, micro_batch=8),
-                  Layout(tp=2, micro_batch=8, recompute="full"), Layout(pp=2, micro_batch=2),
-                  Layout(pp=2, pp_schedule="gpipe", micro_batch=1), Layout(cp=2, micro_batch=8)]
+MEMORY_LAYOUTS = [
+    Layout(micro_batch=8),
+    Layout(micro_batch=2),
+    Layout(dp_shard=2, micro_batch=4),
+    Layout(dp_replicate=2, micro_batch=2),
+    Layout(tp=2, sequence_parallel=True, micro_batch=8),
+    Layout(tp=2, micro_batch=8, recompute="full"),
+    Layout(pp=2, micro_batch=2),
+    Layout(pp=2, pp_schedule="gpipe", micro_batch=1),
+    Layout(cp=2, micro_batch=8),
+]
 
 
 def _measure_rank(rank: int, port: int, cfg, rows, out: str) -> None:
@@ -157,8 +222,9 @@ def _measure_rank(rank: int, port: int, cfg, rows, out: str) -> None:
     from raysc.train.trainer import Trainer
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
     single = [lay for lay in MEMORY_LAYOUTS if lay.dims.world_size == 1]
     peaks = {}
     for lay in [single[rank]] + [lay for lay in MEMORY_LAYOUTS if lay.dims.world_size == 2]:
@@ -213,8 +279,25 @@ def test_cli_plan_ranks_writes_the_fragment_and_profiles(ray_session, make_cfg, 
 
     cfg_path.write_text(dump_config(cfg))
     out = tmp_path / "best.toml"
-    assert main(["plan", str(cfg_path), "--gpus", "2", "--out", str(out), "--profile", "--profile-top", "1",
-                 "--profile-steps", "4", "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                str(cfg_path),
+                "--gpus",
+                "2",
+                "--out",
+                str(out),
+                "--profile",
+                "--profile-top",
+                "1",
+                "--profile-steps",
+                "4",
+                "--json",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     result = json.loads(printed.strip().splitlines()[-1])
     assert result["ranked"] and result["best"]["layout"] == result["ranked"][0]["layout"]
@@ -225,13 +308,17 @@ def test_cli_plan_ranks_writes_the_fragment_and_profiles(ray_session, make_cfg, 
     import tomllib
 
     parsed = tomllib.loads(fragment)
-    overrides = [f"{s}.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}"
-                 for s, table in parsed.items() for k, v in table.items()]
+    overrides = [
+        f"{s}.{k}={json.dumps(v) if isinstance(v, str) else str(v).lower()}"
+        for s, table in parsed.items()
+        for k, v in table.items()
+    ]
     assert load_config(str(cfg_path), overrides).parallel.world_size == 2
 
 
-@pytest.mark.parametrize("recipe,params", [("llama-3.2-1b", 1.236e9), ("qwen2.5-0.5b", 0.494e9),
-                                           ("qwen3-0.6b", 0.596e9)])
+@pytest.mark.parametrize(
+    "recipe,params", [("llama-3.2-1b", 1.236e9), ("qwen2.5-0.5b", 0.494e9), ("qwen3-0.6b", 0.596e9)]
+)
 def test_plan_ranks_the_continued_pretraining_recipes(tmp_path, capsys, recipe, params):
     """The continued pre-training recipes (jobs/configs/: Llama 3.2 1B's shapes with llama3 rope scaling
     and a 128,256-token vocabulary; Qwen2.5 0.5B's with q/k/v biases and 151,936 tokens; Qwen3 0.6B's with q/k norms and 128-wide heads) plan on 8 GPUs,
@@ -239,8 +326,10 @@ def test_plan_ranks_the_continued_pretraining_recipes(tmp_path, capsys, recipe, 
     from raysc.cli import main
     from raysc.model.flops import param_count
 
-    assert main(["plan", f"jobs/configs/{recipe}.toml", "--gpus", "8", "--out", str(tmp_path / "best.toml"),
-                 "--json"]) == 0
+    assert (
+        main(["plan", f"jobs/configs/{recipe}.toml", "--gpus", "8", "--out", str(tmp_path / "best.toml"), "--json"])
+        == 0
+    )
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["ranked"][0]["layout"] == result["best"]["layout"] and result["ranked"][0]["memory_gb"] < 80
     assert param_count(load_config(f"jobs/configs/{recipe}.toml").model)["total"] == pytest.approx(params, rel=2e-3)

@@ -10,8 +10,16 @@ import torch
 from raysc.config import load_config
 from raysc.plan.serve_memory import serve_memory, serve_memory_from_hf
 
-SMALL = ["model.vocab_size=320", "model.dim=64", "model.n_layers=3", "model.n_heads=4", "model.n_kv_heads=2",
-         "train.seq_len=64", "serve.max_num_seqs=3", "serve.max_model_len=40"]
+SMALL = [
+    "model.vocab_size=320",
+    "model.dim=64",
+    "model.n_layers=3",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=64",
+    "serve.max_num_seqs=3",
+    "serve.max_model_len=40",
+]
 
 
 def test_serve_memory_matches_the_export_and_a_filled_kv_cache(tmp_path):

@@ -18,10 +18,24 @@ from raysc.plan.search import check
 from raysc.preflight.checklist import Evidence, check_profile
 
 # sizes divisible by every degree below, so each rank's shard is exactly its stage / (tp × dp_shard × cp)
-MODEL = ["model.vocab_size=512", "model.dim=64", "model.n_layers=8", "model.n_heads=4", "model.n_kv_heads=4",
-         "train.seq_len=32", "train.global_batch=8"]
-LAYOUTS = [Layout(), Layout(dp_shard=4), Layout(tp=2, dp_shard=2), Layout(pp=2, dp_shard=2), Layout(pp=4),
-           Layout(pp=2, pp_virtual_stages=2, pp_schedule="interleaved_1f1b", tp=2), Layout(cp=2, dp_shard=2)]
+MODEL = [
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_layers=8",
+    "model.n_heads=4",
+    "model.n_kv_heads=4",
+    "train.seq_len=32",
+    "train.global_batch=8",
+]
+LAYOUTS = [
+    Layout(),
+    Layout(dp_shard=4),
+    Layout(tp=2, dp_shard=2),
+    Layout(pp=2, dp_shard=2),
+    Layout(pp=4),
+    Layout(pp=2, pp_virtual_stages=2, pp_schedule="interleaved_1f1b", tp=2),
+    Layout(cp=2, dp_shard=2),
+]
 
 
 def test_the_init_block_is_the_one_materialise_draws():
@@ -55,14 +69,25 @@ def test_a_layout_that_fits_its_step_but_not_its_startup_is_rejected():
     between = (est["total"] + est["peak"]) / 2 / 1e9
     cluster = Cluster(gpus=4, gpus_per_node=4, gpu_mem_gb=between, headroom=0.0, overhead_gb=0.0, device="cpu")
     assert check(cfg, lay, cluster, "fp32") == ("does not fit in memory", est)
-    roomy = Cluster(gpus=4, gpus_per_node=4, gpu_mem_gb=est["peak"] * 1.01 / 1e9, headroom=0.0, overhead_gb=0.0,
-                    device="cpu")
+    roomy = Cluster(
+        gpus=4, gpus_per_node=4, gpu_mem_gb=est["peak"] * 1.01 / 1e9, headroom=0.0, overhead_gb=0.0, device="cpu"
+    )
     assert check(cfg, lay, roomy, "fp32") == (None, est)
 
 
 def test_llama3_405b_starts_on_its_planned_layout_with_a_sliver_of_the_model():
-    cfg = load_config(None, ["model.vocab_size=128256", "model.dim=16384", "model.n_layers=126", "model.n_heads=128",
-                             "model.n_kv_heads=8", "model.ffn_dim=53248", "train.seq_len=8192"])
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=128256",
+            "model.dim=16384",
+            "model.n_layers=126",
+            "model.n_heads=128",
+            "model.n_kv_heads=8",
+            "model.ffn_dim=53248",
+            "train.seq_len=8192",
+        ],
+    )
     lay = Layout(dp_shard=64, tp=8, pp=16, pp_virtual_stages=1)
     start = startup_memory(cfg.model, 8192, lay)
     full = 4 * param_count(cfg.model)["total"]  # 1.6 TB in fp32: what every rank built before meta construction
@@ -72,9 +97,17 @@ def test_llama3_405b_starts_on_its_planned_layout_with_a_sliver_of_the_model():
 
 
 def test_preflight_reports_the_startup_estimate():
-    ev = Evidence(summary={"probe": [{"bandwidth": [{"group": "dp_shard", "size": 2, "bytes": 1, "allreduce_gbps": 1.0}]}],
-                           "peak_memory_gb": [0.004]}, events=[], step_s=0.1, store={}, estimate_bytes=4e6,
-                  startup_bytes=17.3e6)
+    ev = Evidence(
+        summary={
+            "probe": [{"bandwidth": [{"group": "dp_shard", "size": 2, "bytes": 1, "allreduce_gbps": 1.0}]}],
+            "peak_memory_gb": [0.004],
+        },
+        events=[],
+        step_s=0.1,
+        store={},
+        estimate_bytes=4e6,
+        startup_bytes=17.3e6,
+    )
     cfg = load_config(None, ["parallel.dp_shard=2"])
     item = check_profile(cfg, ev)
     assert item.evidence["planner_startup_gb"] == 0.0173 and "start-up 17.3 MB/rank estimated" in item.summary

@@ -53,8 +53,7 @@ def test_a_run_takes_the_processes_a_finished_run_gave_back_and_trains_exactly_a
 
     # a run that fails gives its processes back to no one: they are killed
     with pytest.raises(RunFailed):
-        train(make_cfg(*sets, 'supervisor.inject="raise@2"', "supervisor.max_restarts=0", run="failed"),
-              progress=False)
+        train(make_cfg(*sets, 'supervisor.inject="raise@2"', "supervisor.max_restarts=0", run="failed"), progress=False)
     failed = _ready(Path(make_cfg(run="failed").run.dir))
     assert failed["pids"] == a["pids"]
     deadline = time.monotonic() + 30
@@ -68,16 +67,19 @@ def test_a_run_takes_the_processes_a_finished_run_gave_back_and_trains_exactly_a
 def test_idle_processes_and_then_the_pool_go_after_the_idle_time(ray_session, make_cfg):
     from raysc.fleet.driver import train
 
-    run_dir = Path(train(make_cfg("train.steps=3", "supervisor.worker_pool_idle_s=600", run="a"),
-                         progress=False)["run_dir"])
+    run_dir = Path(
+        train(make_cfg("train.steps=3", "supervisor.worker_pool_idle_s=600", run="a"), progress=False)["run_dir"]
+    )
     # a later run's idle time is the pool's from then on
-    run_dir = Path(train(make_cfg("train.steps=3", "supervisor.worker_pool_idle_s=2", run="b"),
-                         progress=False)["run_dir"])
+    run_dir = Path(
+        train(make_cfg("train.steps=3", "supervisor.worker_pool_idle_s=2", run="b"), progress=False)["run_dir"]
+    )
     pids = _ready(run_dir)["pids"]
     assert _ready(run_dir)["reused"] == 1 and _alive(pids) == pids
     deadline = time.monotonic() + 30
-    while (_alive(pids) or pool_name() in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}) \
-            and time.monotonic() < deadline:
+    while (
+        _alive(pids) or pool_name() in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}
+    ) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert not _alive(pids)
     assert pool_name() not in {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)}

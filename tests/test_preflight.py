@@ -10,8 +10,14 @@ import pytest
 
 from raysc.config.load import dump_config
 
-FLEET = ["parallel.dp_replicate=2", "parallel.tp=2", "parallel.cpus_per_worker=0.5", "train.steps=200",
-         "supervisor.sdc_every_steps=10", 'serve.quantization="int8"']
+FLEET = [
+    "parallel.dp_replicate=2",
+    "parallel.tp=2",
+    "parallel.cpus_per_worker=0.5",
+    "train.steps=200",
+    "supervisor.sdc_every_steps=10",
+    'serve.quantization="int8"',
+]
 
 
 def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_session, make_cfg, tmp_path, capsys):
@@ -30,7 +36,9 @@ def test_preflight_fails_without_checkpoints_then_passes_and_gates_training(ray_
     assert "Young's interval" in ckpt_item["summary"] and "store CANNOT hold" in ckpt_item["summary"]
     assert ckpt_item["evidence"]["capacity"]["need_bytes"] > ckpt_item["evidence"]["capacity"]["available_bytes"]
     assert (Path(cfg.run_dir) / "preflight.md").read_text().startswith("# Pre-flight report (FAILED")
-    gated = make_cfg(*FLEET, "checkpoint.every_steps=0", "checkpoint.capacity_gb=0.0001", "train.require_preflight=true")
+    gated = make_cfg(
+        *FLEET, "checkpoint.every_steps=0", "checkpoint.capacity_gb=0.0001", "train.require_preflight=true"
+    )
     with pytest.raises(PreflightRequired, match="failed .*checkpoint"):
         train(gated, progress=False)
 

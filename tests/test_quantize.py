@@ -82,8 +82,10 @@ def test_gptq_and_awq_are_no_worse_than_rtn_on_every_layer(trained, quantized, m
     total = sum(r.error for r in q.reports.values()) / sum(r.rtn_error for r in q.reports.values())
     assert total < 0.97, f"{method} is hardly better than round-to-nearest: {total:.3f}"
     if method == "gptq":
-        assert all(ql.perm is not None and sorted(ql.perm.tolist()) == list(range(ql.codes.shape[1]))
-                   for ql in q.linears.values())
+        assert all(
+            ql.perm is not None and sorted(ql.perm.tolist()) == list(range(ql.codes.shape[1]))
+            for ql in q.linears.values()
+        )
     else:
         assert any(r.extra["alpha"] > 0 for r in q.reports.values())
         clip = {n.rsplit(".", 2)[-2] + "." + n.rsplit(".", 1)[-1]: r.extra["clip"] for n, r in q.reports.items()}
@@ -105,8 +107,10 @@ def test_awq_protects_salient_channels_and_folds_its_scales(trained):
     reference = copy.deepcopy(base)
     with torch.no_grad():
         for block in base.layers.values():
-            for norm, linears in ((block.attn_norm, (block.attn.wq, block.attn.wk, block.attn.wv)),
-                                  (block.mlp_norm, (block.mlp.w_gate, block.mlp.w_up))):
+            for norm, linears in (
+                (block.attn_norm, (block.attn.wq, block.attn.wk, block.attn.wv)),
+                (block.mlp_norm, (block.mlp.w_gate, block.mlp.w_up)),
+            ):
                 norm.weight[::7] *= 8
                 for lin in linears:
                     lin.weight[:, ::7] /= 8
@@ -180,8 +184,9 @@ def test_packing_and_dequantization_equal_the_compressed_tensors_library():
         assert torch.allclose(theirs, q.dequantize(), atol=1e-6), spec
 
 
-@pytest.mark.parametrize("method,spec", [("rtn4", QuantSpec(4, 32)), ("awq", QuantSpec(4, 32, symmetric=False)),
-                                         ("int8", QuantSpec(8, -1))])
+@pytest.mark.parametrize(
+    "method,spec", [("rtn4", QuantSpec(4, 32)), ("awq", QuantSpec(4, 32, symmetric=False)), ("int8", QuantSpec(8, -1))]
+)
 def test_written_checkpoint_dequantizes_to_the_measured_weights(trained, quantized, tmp_path, method, spec):
     cfg, _, _, tok_path = trained
     m, q = quantized(method, spec)
@@ -231,13 +236,35 @@ def test_quantize_command_round_trip(trained, tmp_path, monkeypatch, capsys):
     cfg, model, packed, tok_path = trained
     monkeypatch.setattr(qrun, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", 8))
     out = tmp_path / "gptq"
-    assert cli.main(["quantize", str(tmp_path / "run"), "--method", "gptq", "--group-size", "32",
-                     "--calib-tokens", "512", "--eval-tokens", "1024", "--out", str(out)]) == 0
+    assert (
+        cli.main(
+            [
+                "quantize",
+                str(tmp_path / "run"),
+                "--method",
+                "gptq",
+                "--group-size",
+                "32",
+                "--calib-tokens",
+                "512",
+                "--eval-tokens",
+                "1024",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     man = json.loads((out / "quantize_manifest.json").read_text())
     assert printed["out"] == str(out) and printed["perplexity_after"] == man["quality"]["perplexity_after"]
-    assert (man["method"], man["bits"], man["group_size"], man["symmetric"], man["act_order"]) == \
-        ("gptq", 4, 32, True, True)
+    assert (man["method"], man["bits"], man["group_size"], man["symmetric"], man["act_order"]) == (
+        "gptq",
+        4,
+        32,
+        True,
+        True,
+    )
     assert man["format"]["format"] == "pack-quantized" and man["source"]["step"] == 8
     cal = man["calibration"]
     assert cal["split"] == "train" and cal["tokens"] == 512 and cal["seed"] == cfg.train.seed
@@ -276,12 +303,26 @@ def test_quantize_out_s3_uploads_the_folder(trained, s3_server, tmp_path, monkey
     cfg = dataclasses.replace(cfg, checkpoint=s3)
     monkeypatch.setattr(qrun, "load_run", lambda run_dir, step: RunModel(model, cfg, tok_path, "memory", 8))
     s3_server["client"].create_bucket(Bucket="quantized")
-    argv = ["quantize", str(tmp_path / "run"), "--method", "int8", "--calib-tokens", "64", "--eval-tokens", "512",
-            "--out", "s3://quantized/demo/int8"]
+    argv = [
+        "quantize",
+        str(tmp_path / "run"),
+        "--method",
+        "int8",
+        "--calib-tokens",
+        "64",
+        "--eval-tokens",
+        "512",
+        "--out",
+        "s3://quantized/demo/int8",
+    ]
     assert cli.main(argv) == 0
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["out"] == "s3://quantized/demo/int8"
-    fs = fsspec.filesystem("s3", key="testing", secret="testing-secret",
-                           client_kwargs={"endpoint_url": s3_server["endpoint"], "region_name": "us-east-1"})
+    fs = fsspec.filesystem(
+        "s3",
+        key="testing",
+        secret="testing-secret",
+        client_kwargs={"endpoint_url": s3_server["endpoint"], "region_name": "us-east-1"},
+    )
     fs.get("quantized/demo/int8/", str(tmp_path / "back"), recursive=True)
     man = json.loads((tmp_path / "back" / "quantize_manifest.json").read_text())
     assert {"config.json", "model.safetensors", "tokenizer.json"} <= {p.name for p in (tmp_path / "back").iterdir()}
@@ -289,8 +330,9 @@ def test_quantize_out_s3_uploads_the_folder(trained, s3_server, tmp_path, monkey
     m = plain_model(model)
     m.load_state_dict({n: back[hf_name(n)] for n, _ in m.named_parameters()}, strict=False)
     with int8_activations(m, linear_names(m)):
-        assert perplexity(m, heldout_rows(packed, 512 // cfg.train.seq_len)) == \
-            pytest.approx(man["quality"]["perplexity_after"], rel=1e-6)
+        assert perplexity(m, heldout_rows(packed, 512 // cfg.train.seq_len)) == pytest.approx(
+            man["quality"]["perplexity_after"], rel=1e-6
+        )
     monkeypatch.setattr(qrun, "quantize_model", lambda *a, **k: pytest.fail("quantized before checking --out"))
     assert cli.main(argv) == 2
     assert "already holds a quantized checkpoint" in capsys.readouterr().err

@@ -23,8 +23,13 @@ def reshard_env(ray_session, tmp_path_factory, cache_dir):
     from raysc.fleet.driver import train
 
     work = tmp_path_factory.mktemp("reshard")
-    base = [*PARITY, f'data.cache_dir="{cache_dir}"', f"train.steps={STEPS}", "checkpoint.every_steps=4",
-            "checkpoint.keep_last=5"]
+    base = [
+        *PARITY,
+        f'data.cache_dir="{cache_dir}"',
+        f"train.steps={STEPS}",
+        "checkpoint.every_steps=4",
+        "checkpoint.keep_last=5",
+    ]
     base += _megatron_corpus(load_config(None, base), work / "megatron")
 
     def run(name: str, layout: str, resume: str | bool = False) -> dict[int, dict]:

@@ -18,7 +18,8 @@ def _owners(cfg) -> dict[int, str]:
 
 
 def test_fresh_run_refuses_overwrite_replaces_only_after_commit_and_export_keeps_runs_apart(
-        ray_session, make_cfg, tmp_path, capsys):
+    ray_session, make_cfg, tmp_path, capsys
+):
     from raysc.cli import main
 
     a = make_cfg("train.steps=10", "checkpoint.every_steps=5", run="a")
@@ -36,12 +37,38 @@ def test_fresh_run_refuses_overwrite_replaces_only_after_commit_and_export_keeps
     assert _owners(a) == {5: first, 10: first}
 
     # --overwrite that dies before its first commit: the old checkpoints are all still there
-    assert main(["train", str(path), "--no-progress", "--overwrite", "--inject", "kill@2",
-                 "--set", "supervisor.max_restarts=0"]) == 1
+    assert (
+        main(
+            [
+                "train",
+                str(path),
+                "--no-progress",
+                "--overwrite",
+                "--inject",
+                "kill@2",
+                "--set",
+                "supervisor.max_restarts=0",
+            ]
+        )
+        == 1
+    )
     assert _owners(a) == {5: first, 10: first}
     # ...and one that commits: the other run's checkpoints go only after its own first commit
-    assert main(["train", str(path), "--no-progress", "--overwrite", "--set", "checkpoint.every_steps=3",
-                 "--set", "train.steps=6"]) == 0
+    assert (
+        main(
+            [
+                "train",
+                str(path),
+                "--no-progress",
+                "--overwrite",
+                "--set",
+                "checkpoint.every_steps=3",
+                "--set",
+                "train.steps=6",
+            ]
+        )
+        == 0
+    )
     second = json.loads((Path(a.run_dir) / "run.json").read_text())["run_id"]
     assert second != first and _owners(a) == {3: second, 6: second}
     events = read_jsonl(Path(a.run_dir) / "events.jsonl")

@@ -33,6 +33,7 @@ SMALL = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 
 # ---- Chinchilla ----
 
+
 def test_parse_count_accepts_suffixes_and_names_the_flag_on_errors():
     assert chinchilla.parse_count("7B") == 7e9
     assert chinchilla.parse_count("1.3e9") == 1.3e9
@@ -86,7 +87,7 @@ def test_loss_law_is_finite_and_decreasing_in_n_and_d():
         assert all(a > b for row in grid for a, b in zip(row, row[1:]))  # more data: lower loss
         assert all(a > b for col in zip(*grid) for a, b in zip(col, col[1:]))  # more parameters: lower loss
     hoffmann = chinchilla.FITS[0]
-    assert hoffmann.loss(70e9, 1.4e12) == pytest.approx(1.69 + 406.4 / 70e9 ** 0.34 + 410.7 / 1.4e12 ** 0.28)
+    assert hoffmann.loss(70e9, 1.4e12) == pytest.approx(1.69 + 406.4 / 70e9**0.34 + 410.7 / 1.4e12**0.28)
 
 
 def test_plan_steps_and_scale_cli(capsys):
@@ -99,8 +100,12 @@ def test_plan_steps_and_scale_cli(capsys):
     # a shape just under a unit reads in the next one (`raysc scale --params 1e9` printed "1e+03M")
     assert [chinchilla._si(x) for x in (999.6e6, 999.4e6, 1234, 12)] == ["1B", "999M", "1.23K", "12"]
 
-    assert main(["scale", "--compute", "5.9e23", "--global-batch-tokens", "4M", "--json",
-                 "--set", "model.vocab_size=32000"]) == 0
+    assert (
+        main(
+            ["scale", "--compute", "5.9e23", "--global-batch-tokens", "4M", "--json", "--set", "model.vocab_size=32000"]
+        )
+        == 0
+    )
     out = json.loads(capsys.readouterr().out)
     assert out["params"] == pytest.approx(70e9, rel=0.1) and out["steps"] > 0 and len(out["shapes"]) >= 3
     assert main(["scale", "--params", "7B"]) == 0
@@ -110,6 +115,7 @@ def test_plan_steps_and_scale_cli(capsys):
 
 
 # ---- μP: parametrisation ----
+
 
 def _groups_by_param(opt: torch.optim.Optimizer) -> dict[int, dict]:
     return {id(p): g for g in opt.param_groups for p in g["params"]}
@@ -152,9 +158,10 @@ def test_mup_learning_rates_init_and_weight_decay_by_name():
     params = dict(model.named_parameters())
     assert params["embed.weight"].std().item() == pytest.approx(cfg.init_std, rel=0.05)
     assert params["output.weight"].std().item() == pytest.approx(cfg.init_std, rel=0.05)
-    assert params["layers.0.attn.wq.weight"].std().item() == pytest.approx(cfg.init_std / m ** 0.5, rel=0.05)
+    assert params["layers.0.attn.wq.weight"].std().item() == pytest.approx(cfg.init_std / m**0.5, rel=0.05)
     assert params["layers.1.mlp.w_down.weight"].std().item() == pytest.approx(
-        cfg.init_std / math.sqrt(2 * cfg.n_layers) / m ** 0.5, rel=0.05)
+        cfg.init_std / math.sqrt(2 * cfg.n_layers) / m**0.5, rel=0.05
+    )
     assert model.logit_mult == pytest.approx(1 / m)
     # names decide, wherever they come from: a compiled/wrapped module, a pipeline stage without the ends
     assert mup.param_role("_orig_mod.layers.7.attn.wk.weight") == mup.HIDDEN
@@ -175,7 +182,7 @@ def _manual_attention(attn, x: torch.Tensor, rope: Rope, scale: float) -> torch.
     k = (x @ attn.wk.weight.T).view(b, t, -1, hd).transpose(1, 2)
     v = (x @ attn.wv.weight.T).view(b, t, -1, hd).transpose(1, 2)
     cos, sin = rope.tables(t, q.dtype)
-    rot = lambda z: torch.cat((-z[..., hd // 2:], z[..., :hd // 2]), dim=-1)  # noqa: E731
+    rot = lambda z: torch.cat((-z[..., hd // 2 :], z[..., : hd // 2]), dim=-1)  # noqa: E731
     q, k = q * cos + rot(q) * sin, k * cos + rot(k) * sin
     rep = q.shape[1] // k.shape[1]
     k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
@@ -223,6 +230,7 @@ def test_fold_into_weights_exports_a_standard_model_with_the_same_logits():
 
 # ---- μP: experiments on the bundled corpus ----
 
+
 @pytest.fixture
 def tiny_rows(make_cfg):
     """A tiny config (vocab 512, 2 layers, head_dim 16, seq 32) and its training rows."""
@@ -248,10 +256,12 @@ def test_coord_check_mup_flat_sp_grows(tiny_rows, tmp_path):
 
 def test_mup_coord_check_cli(tmp_path, cache_dir, capsys):
     cfg = tmp_path / "tiny.toml"
-    cfg.write_text(f'[model]\nvocab_size = 512\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n'
-                   f'[train]\nseq_len = 32\nglobal_batch = 8\n'
-                   f'[data]\nmax_corpus_mb = 1.0\ntokenizer_sample_mb = 0.5\ncache_dir = "{cache_dir}"\n'
-                   f'[run]\ndir = "{tmp_path / "run"}"\n')
+    cfg.write_text(
+        f"[model]\nvocab_size = 512\ndim = 64\nn_layers = 2\nn_heads = 4\nn_kv_heads = 2\n"
+        f"[train]\nseq_len = 32\nglobal_batch = 8\n"
+        f'[data]\nmax_corpus_mb = 1.0\ntokenizer_sample_mb = 0.5\ncache_dir = "{cache_dir}"\n'
+        f'[run]\ndir = "{tmp_path / "run"}"\n'
+    )
     rc = main(["mup", "coord-check", str(cfg), "--widths", "32,64,128", "--steps", "3", "--out", str(tmp_path / "o")])
     out = capsys.readouterr().out
     # the science (docs/scaling.md): under μP no layer's activations grow with width; under SP with
@@ -280,8 +290,19 @@ def _sweep(index: int, cfg, rows, out: str) -> None:
     torch.set_num_threads(1)
     lrs = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2, 3.2e-2]  # 2x grid
     seeds = [cfg.train.seed, cfg.train.seed + 1]
-    run = lr_sweep(cfg.model, cfg.optim, cfg.schedule, rows, [32, 128], lrs, steps=50, batch=16, seeds=seeds,
-                   mup=bool(index), tail=10)
+    run = lr_sweep(
+        cfg.model,
+        cfg.optim,
+        cfg.schedule,
+        rows,
+        [32, 128],
+        lrs,
+        steps=50,
+        batch=16,
+        seeds=seeds,
+        mup=bool(index),
+        tail=10,
+    )
     Path(out, f"{index}.json").write_text(json.dumps(run))
 
 
@@ -294,9 +315,14 @@ def test_lr_transfer_mup_keeps_the_best_lr_sp_does_not(tiny_rows, tmp_path):
     cfg, rows = tiny_rows
     run_forked(_sweep, (cfg, rows, str(tmp_path)), nprocs=2)
     # JSON keys are strings: back to widths and learning rates
-    sp, mu = ({**r, "loss": {int(w): {float(lr): v for lr, v in by.items()} for w, by in r["loss"].items()},
-               "best_lr": {int(w): lr for w, lr in r["best_lr"].items()}}
-              for r in (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1)))
+    sp, mu = (
+        {
+            **r,
+            "loss": {int(w): {float(lr): v for lr, v in by.items()} for w, by in r["loss"].items()},
+            "best_lr": {int(w): lr for w, lr in r["best_lr"].items()},
+        }
+        for r in (json.loads((tmp_path / f"{i}.json").read_text()) for i in (0, 1))
+    )
     print("\n" + format_sweep(sp) + "\n" + format_sweep(mu))
     assert abs(mu["shift"]) <= 1
     assert abs(sp["shift"]) > abs(mu["shift"])

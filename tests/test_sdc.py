@@ -56,8 +56,13 @@ def test_bitflip_in_one_of_three_replicas_is_repaired_from_the_majority(ray_sess
     (the two-replica test below is the bit-identity claim)."""
     from raysc.fleet.driver import train
 
-    cfg = make_cfg("parallel.dp_replicate=3", "train.global_batch=12", "train.steps=20",
-                   "supervisor.sdc_every_steps=5", 'supervisor.inject="bitflip@7:1"')
+    cfg = make_cfg(
+        "parallel.dp_replicate=3",
+        "train.global_batch=12",
+        "train.steps=20",
+        "supervisor.sdc_every_steps=5",
+        'supervisor.inject="bitflip@7:1"',
+    )
     summary = train(cfg, progress=False)
     mismatch = _events(cfg, "sdc_mismatch")
     assert len(mismatch) == 1 and mismatch[0]["step"] == 10  # the next check after the flip
@@ -80,8 +85,13 @@ def test_two_replicas_roll_back_and_match_a_clean_run_exactly(ray_session, make_
     which itself reports no mismatch (no false positives at a check every step)."""
     from raysc.fleet.driver import train
 
-    base = ["parallel.dp_replicate=2", "parallel.tp=2", "train.steps=12", "checkpoint.every_steps=4",
-            "checkpoint.async=false"]
+    base = [
+        "parallel.dp_replicate=2",
+        "parallel.tp=2",
+        "train.steps=12",
+        "checkpoint.every_steps=4",
+        "checkpoint.async=false",
+    ]
     clean = train(make_cfg(*base, "supervisor.sdc_every_steps=1", run="clean"), progress=False)
     assert clean["sdc"]["checks"] == 12 and clean["sdc"]["mismatches"] == 0
     assert clean["sdc"]["overhead"] is not None and clean["sdc"]["overhead"] < 0.5

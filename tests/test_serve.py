@@ -36,17 +36,38 @@ KEY = "test-serving-key-0123456789"
 S3_SECRET = "serve-s3-secret-5f0c1d"  # the object store's secret key (moto accepts any)
 PORT = 8471
 # head_dim 32: vLLM's CPU attention has no kernel for the conftest model's head_dim 16
-MODEL = ["model.n_heads=2", "model.n_kv_heads=1", "train.steps=20", "checkpoint.every_steps=10",
-         "checkpoint.keep_last=10"]
-PROMPTS = ["def ", "import ", "class ", "return self.", "for i in range(", "if __name__", "x = [", "print(",
-           "    def __init__(self", "from . import", "try:\n    ", "while True:", "with open(", "raise ",
-           "# ", "lambda x:"]
+MODEL = [
+    "model.n_heads=2",
+    "model.n_kv_heads=1",
+    "train.steps=20",
+    "checkpoint.every_steps=10",
+    "checkpoint.keep_last=10",
+]
+PROMPTS = [
+    "def ",
+    "import ",
+    "class ",
+    "return self.",
+    "for i in range(",
+    "if __name__",
+    "x = [",
+    "print(",
+    "    def __init__(self",
+    "from . import",
+    "try:\n    ",
+    "while True:",
+    "with open(",
+    "raise ",
+    "# ",
+    "lambda x:",
+]
 NEW = 24
 
 
 def _cfg(run_dir: Path, cache_dir: str, *extra: str):
-    return load_config(None, [*TINY, *MODEL, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"',
-                              f"serve.port={PORT}", *extra])
+    return load_config(
+        None, [*TINY, *MODEL, f'data.cache_dir="{cache_dir}"', f'run.dir="{run_dir}"', f"serve.port={PORT}", *extra]
+    )
 
 
 def _greedy(run_dir: Path, step: int, prompts: list[str]) -> list[list[int]]:
@@ -56,8 +77,12 @@ def _greedy(run_dir: Path, step: int, prompts: list[str]) -> list[list[int]]:
 
 
 def _served_ids(client, model_id: str, prompts: list[str]) -> list[list[int]]:
-    out = [client.completions.create(model=model_id, prompt=p, max_tokens=NEW, temperature=0,
-                                     extra_body={"return_token_ids": True}) for p in prompts]
+    out = [
+        client.completions.create(
+            model=model_id, prompt=p, max_tokens=NEW, temperature=0, extra_body={"return_token_ids": True}
+        )
+        for p in prompts
+    ]
     return [r.choices[0].token_ids for r in out]
 
 
@@ -79,15 +104,22 @@ def served(ray_session, s3_server, tmp_path_factory, cache_dir):
     bucket = "raysc-serve"
     s3_server["client"].create_bucket(Bucket=bucket)
     endpoint = s3_server["endpoint"]
-    store = [f'checkpoint.uri="s3://{bucket}/run"',
-             f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "serve", '
-             f'secret = "{S3_SECRET}", region_name = "us-east-1"}}']
+    store = [
+        f'checkpoint.uri="s3://{bucket}/run"',
+        f'checkpoint.storage_options={{endpoint_url = "{endpoint}", key = "serve", '
+        f'secret = "{S3_SECRET}", region_name = "us-east-1"}}',
+    ]
     run_dir = tmp_path_factory.mktemp("serve") / "run"
     cfg = _cfg(run_dir, cache_dir, *store)
     train(cfg, progress=False)
     # the user's shell: the API key and the object store's credentials (config.toml has them redacted)
-    env = {"RAYSC_API_KEY": KEY, "AWS_ACCESS_KEY_ID": "serve", "AWS_SECRET_ACCESS_KEY": S3_SECRET,
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL_S3": endpoint}
+    env = {
+        "RAYSC_API_KEY": KEY,
+        "AWS_ACCESS_KEY_ID": "serve",
+        "AWS_SECRET_ACCESS_KEY": S3_SECRET,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "AWS_ENDPOINT_URL_S3": endpoint,
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     export = export_run(run_dir)  # what `raysc serve RUN_DIR` uploads beside the run's checkpoints
@@ -96,8 +128,14 @@ def served(ray_session, s3_server, tmp_path_factory, cache_dir):
     args, serve_cfg = _cli(export.path, "--port", str(PORT), "--set", 'serve.model_id="tiny"')
     dep = deploy(args.source, serve_cfg, args.step, args.draft)
     print(f"deployed in {time.perf_counter() - t0:.1f} s")
-    state = {"dep": dep, "run_dir": run_dir, "cfg": cfg, "store": store, "export": export,
-             "client": openai.OpenAI(base_url=dep.url, api_key=KEY)}
+    state = {
+        "dep": dep,
+        "run_dir": run_dir,
+        "cfg": cfg,
+        "store": store,
+        "export": export,
+        "client": openai.OpenAI(base_url=dep.url, api_key=KEY),
+    }
     yield state
     undeploy(state["dep"])  # the rolled deployment, if a test rolled it
     from ray import serve
@@ -142,28 +180,44 @@ def test_openai_client_completions_chat_streaming_models_and_usage(served):
         assert r.choices[0].text == tok.decode(i)
         assert r.usage.prompt_tokens == len(tok.encode(p).ids) and r.usage.completion_tokens == len(i)
     # streaming yields the same text, and its usage when asked
-    chunks = list(c.completions.create(model=dep.model_id, prompt=PROMPTS[0], max_tokens=NEW, temperature=0,
-                                       stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        c.completions.create(
+            model=dep.model_id,
+            prompt=PROMPTS[0],
+            max_tokens=NEW,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == got[0].choices[0].text
     assert chunks[-1].usage.completion_tokens == got[0].usage.completion_tokens
     # chat: the exported template renders a transcript ending in "assistant:"
-    chat = c.chat.completions.create(model=dep.model_id, messages=[{"role": "user", "content": "def"}],
-                                     max_tokens=8, temperature=0)
+    chat = c.chat.completions.create(
+        model=dep.model_id, messages=[{"role": "user", "content": "def"}], max_tokens=8, temperature=0
+    )
     assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens >= 1
     assert chat.usage.prompt_tokens == len(tok.encode("user: def\nassistant:").ids)
 
 
-@pytest.mark.parametrize("body,status,says", [
-    ("{not json", 400, "not valid JSON"),
-    (json.dumps({"model": "nope", "prompt": "x"}), 400, "unknown model"),
-    (json.dumps({"model": "MODEL", "prompt": "x", "max_tokens": 0}), 400, "max_tokens must be a positive"),
-    (json.dumps({"model": "MODEL", "prompt": "x", "temperature": -0.5}), 400, "temperature must be"),
-    (json.dumps({"model": "MODEL", "prompt": "x " * 400, "max_tokens": 4}), 400, "maximum context length"),
-])
+@pytest.mark.parametrize(
+    "body,status,says",
+    [
+        ("{not json", 400, "not valid JSON"),
+        (json.dumps({"model": "nope", "prompt": "x"}), 400, "unknown model"),
+        (json.dumps({"model": "MODEL", "prompt": "x", "max_tokens": 0}), 400, "max_tokens must be a positive"),
+        (json.dumps({"model": "MODEL", "prompt": "x", "temperature": -0.5}), 400, "temperature must be"),
+        (json.dumps({"model": "MODEL", "prompt": "x " * 400, "max_tokens": 4}), 400, "maximum context length"),
+    ],
+)
 def test_bad_input_gets_a_4xx_that_says_what_to_change_and_the_server_keeps_serving(served, body, status, says):
     dep = served["dep"]
-    r = requests.post(f"{dep.url}/completions", data=body.replace("MODEL", dep.model_id),
-                      headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"}, timeout=60)
+    r = requests.post(
+        f"{dep.url}/completions",
+        data=body.replace("MODEL", dep.model_id),
+        headers={"Authorization": f"Bearer {KEY}", "Content-Type": "application/json"},
+        timeout=60,
+    )
     assert r.status_code == status and says in r.text, r.text
     ok = served["client"].completions.create(model=dep.model_id, prompt="def ", max_tokens=2)
     assert ok.usage.completion_tokens >= 1
@@ -172,8 +226,9 @@ def test_bad_input_gets_a_4xx_that_says_what_to_change_and_the_server_keeps_serv
 def test_api_key_is_required_and_never_written(served):
     dep = served["dep"]
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
-        r = requests.post(f"{dep.url}/completions", json={"model": dep.model_id, "prompt": "x"}, headers=headers,
-                          timeout=30)
+        r = requests.post(
+            f"{dep.url}/completions", json={"model": dep.model_id, "prompt": "x"}, headers=headers, timeout=30
+        )
         assert r.status_code == 401 and "Authorization: Bearer" in r.text
     r = requests.get(f"{dep.url}/models", timeout=30)
     assert r.status_code == 401
@@ -193,18 +248,22 @@ def test_a_client_that_disconnects_mid_stream_does_not_leak(served):
     completes with every token afterwards."""
     dep = served["dep"]
     for _ in range(4):
-        with requests.post(f"{dep.url}/completions", stream=True, timeout=60,
-                           headers={"Authorization": f"Bearer {KEY}"},
-                           json={"model": dep.model_id, "prompt": "def ", "max_tokens": 40, "stream": True,
-                                 "ignore_eos": True}) as r:
+        with requests.post(
+            f"{dep.url}/completions",
+            stream=True,
+            timeout=60,
+            headers={"Authorization": f"Bearer {KEY}"},
+            json={"model": dep.model_id, "prompt": "def ", "max_tokens": 40, "stream": True, "ignore_eos": True},
+        ) as r:
             lines = r.iter_lines()
             assert next(l for l in lines if l.startswith(b"data:"))  # the first token arrived; hang up
     results = asyncio.run(_streams(dep, n=dep.serve.max_num_seqs, max_tokens=30))
     assert all(n == 30 for n, _ in results)
 
 
-async def _streams(dep, n: int, max_tokens: int, limit: int = 100,
-                   first_token: asyncio.Event | None = None) -> list[tuple[int, str]]:
+async def _streams(
+    dep, n: int, max_tokens: int, limit: int = 100, first_token: asyncio.Event | None = None
+) -> list[tuple[int, str]]:
     """``n`` concurrent streaming completions (at most ``limit`` in flight); (tokens received, error).
     ``first_token`` is set when any stream has received its first token."""
     client = openai.AsyncOpenAI(base_url=dep.url, api_key=KEY, max_retries=0, timeout=300)
@@ -214,8 +273,13 @@ async def _streams(dep, n: int, max_tokens: int, limit: int = 100,
         async with gate:
             try:
                 stream = await client.completions.create(
-                    model=dep.model_id, prompt=PROMPTS[i % len(PROMPTS)], max_tokens=max_tokens, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+                    model=dep.model_id,
+                    prompt=PROMPTS[i % len(PROMPTS)],
+                    max_tokens=max_tokens,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                    extra_body={"ignore_eos": True},
+                )
                 usage, finish = 0, None
                 async for ch in stream:
                     if first_token is not None:
@@ -242,8 +306,11 @@ def test_100_concurrent_streams_complete(served):
 def _llm_replicas() -> list[str]:
     import ray
 
-    return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                  if a["namespace"] == "serve" and "LLMServer" in a["name"] and "REPLICA" in a["name"])
+    return sorted(
+        a["name"]
+        for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == "serve" and "LLMServer" in a["name"] and "REPLICA" in a["name"]
+    )
 
 
 def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run_exactly(served):
@@ -272,8 +339,10 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
     failed = [e for _, e in during if e]
     # no client hangs, and each can tell: all 40 tokens with a finish_reason, an HTTP error, or a stream
     # cut off without a finish_reason (printed for docs/serving.md)
-    print(f"in flight when the replica died: {len(during)}; completed {sum(n == 40 for n, _ in during)}, "
-          f"failed {sorted((e, failed.count(e)) for e in set(failed))}")
+    print(
+        f"in flight when the replica died: {len(during)}; completed {sum(n == 40 for n, _ in during)}, "
+        f"failed {sorted((e, failed.count(e)) for e in set(failed))}"
+    )
     assert all((n == 40) != bool(e) for n, e in during), during
     assert failed, f"no stream was in flight when the replica died, so nothing was tested: {during}"
     deadline = time.monotonic() + 120
@@ -282,14 +351,28 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
         time.sleep(0.5)
 
     draft = str(run_dir / "serve" / "step_00000020")  # the step-20 export: same tokenizer, other weights
-    args, cfg = _cli(str(run_dir), "--follow", "--poll-s", "1", "--port", str(PORT), "--draft", draft,
-                     "--set", 'serve.model_id="tiny"', "--set", "serve.num_speculative_tokens=3")
+    args, cfg = _cli(
+        str(run_dir),
+        "--follow",
+        "--poll-s",
+        "1",
+        "--port",
+        str(PORT),
+        "--draft",
+        draft,
+        "--set",
+        'serve.model_id="tiny"',
+        "--set",
+        "serve.num_speculative_tokens=3",
+    )
     stop, rolled, logged = threading.Event(), {}, []
-    watcher = threading.Thread(target=lambda: rolled.setdefault(
-        "dep", keep_serving(args, cfg, dep, stop, log=lambda line, **_: logged.append(line))))
+    watcher = threading.Thread(
+        target=lambda: rolled.setdefault(
+            "dep", keep_serving(args, cfg, dep, stop, log=lambda line, **_: logged.append(line))
+        )
+    )
     watcher.start()
-    train(_cfg(run_dir, served["cfg"].data.cache_dir, *served["store"], "train.steps=30"), resume=True,
-          progress=False)
+    train(_cfg(run_dir, served["cfg"].data.cache_dir, *served["store"], "train.steps=30"), resume=True, progress=False)
     deadline = time.monotonic() + 400
     while not any(json.loads(line)["serving_step"] == 30 for line in logged):
         assert time.monotonic() < deadline and watcher.is_alive(), logged
@@ -300,7 +383,11 @@ def test_a_killed_replica_is_replaced_and_follow_draft_rolls_onto_a_training_run
     assert [json.loads(line).get("serving_step") for line in logged] == [30], logged
     new = served["dep"] = rolled["dep"]
     assert new.model.step == 30 and new.model.path.startswith("s3://")  # the run's export in its store
-    assert new.speculative == {"method": "draft_model", "model": str(Path(draft).resolve()), "num_speculative_tokens": 3}
+    assert new.speculative == {
+        "method": "draft_model",
+        "model": str(Path(draft).resolve()),
+        "num_speculative_tokens": 3,
+    }
     assert run_status(run_dir)["serving"]["url"] == new.url  # raysc status lists what serves the run
     ids = _served_ids(served["client"], new.model_id, PROMPTS)  # the app answers again
     assert not greedy_mismatches(run_dir, 30, PROMPTS, ids)  # exact at T=0 with speculation

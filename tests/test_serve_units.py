@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # ---- sources ----
 
+
 def test_an_object_store_export_is_uploaded_once_and_ray_serve_llm_mirrors_it(s3_server, tmp_path, monkeypatch):
     """What a replica on another node does with ``model_source = {bucket_uri: ...}``: Ray Serve LLM's own
     downloader (``download_model_files``) fetches the folder ``raysc serve`` uploaded, byte for byte."""
@@ -34,21 +35,32 @@ def test_an_object_store_export_is_uploaded_once_and_ray_serve_llm_mirrors_it(s3
 
     local = tmp_path / "step_00000002"
     local.mkdir()
-    for name, data in [("config.json", b'{"model_type": "llama"}'), ("model.safetensors", os.urandom(4096)),
-                       ("tokenizer.json", b"{}"), (EXPORT_RECORD, b'{"step": 2}')]:
+    for name, data in [
+        ("config.json", b'{"model_type": "llama"}'),
+        ("model.safetensors", os.urandom(4096)),
+        ("tokenizer.json", b"{}"),
+        (EXPORT_RECORD, b'{"step": 2}'),
+    ]:
         (local / name).write_bytes(data)
     s3_server["client"].create_bucket(Bucket="serve")
-    fs = s3fs.S3FileSystem(key="testing", secret="testing-secret",
-                           client_kwargs={"endpoint_url": s3_server["endpoint"], "region_name": "us-east-1"})
+    fs = s3fs.S3FileSystem(
+        key="testing",
+        secret="testing-secret",
+        client_kwargs={"endpoint_url": s3_server["endpoint"], "region_name": "us-east-1"},
+    )
     _upload_once(local, fs, "serve/run/checkpoints/serve/step_00000002")
     puts = []
     monkeypatch.setattr(fs, "put_file", lambda *a, **k: puts.append(a))
     _upload_once(local, fs, "serve/run/checkpoints/serve/step_00000002")
     assert puts == []  # an identical export.json is there: nothing is uploaded again
     uri = "s3://serve/run/checkpoints/serve/step_00000002"
-    for k, v in {"AWS_ENDPOINT_URL_S3": s3_server["endpoint"], "AWS_ACCESS_KEY_ID": "testing",
-                 "AWS_SECRET_ACCESS_KEY": "testing-secret", "AWS_DEFAULT_REGION": "us-east-1",
-                 "HF_HOME": str(tmp_path / "hf")}.items():
+    for k, v in {
+        "AWS_ENDPOINT_URL_S3": s3_server["endpoint"],
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "HF_HOME": str(tmp_path / "hf"),
+    }.items():
         monkeypatch.setenv(k, v)
     mirrored = Path(download_model_files(model_id="raysc-test", mirror_config=CloudMirrorConfig(bucket_uri=uri)))
     for f in local.iterdir():
@@ -63,10 +75,14 @@ def test_replicas_get_the_object_store_settings_the_driver_used():
     run = {"endpoint_url": "http://minio:9000", "key": "***", "secret": "***", "region_name": "eu-1"}
     keys = {"AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t", "AWS_ENDPOINT_URL": "http://other"}
     assert replica_env("s3://b/run/serve/step_1", run, keys) == {
-        "AWS_ENDPOINT_URL_S3": "http://minio:9000", "AWS_DEFAULT_REGION": "eu-1",
-        "AWS_ACCESS_KEY_ID": "id", "AWS_SECRET_ACCESS_KEY": "s3cr3t"}
+        "AWS_ENDPOINT_URL_S3": "http://minio:9000",
+        "AWS_DEFAULT_REGION": "eu-1",
+        "AWS_ACCESS_KEY_ID": "id",
+        "AWS_SECRET_ACCESS_KEY": "s3cr3t",
+    }
     assert replica_env("s3://b/x", {"client_kwargs": {"endpoint_url": "http://m:1"}}, {}) == {
-        "AWS_ENDPOINT_URL_S3": "http://m:1"}
+        "AWS_ENDPOINT_URL_S3": "http://m:1"
+    }
     assert replica_env("s3://b/x", None, keys)["AWS_ENDPOINT_URL_S3"] == "http://other"
     assert replica_env("s3://b/x", None, {"AWS_ACCESS_KEY_ID": "id"}) == {}  # an instance role applies
     assert replica_env("/local/export", run, keys) == {} and replica_env("gs://b/x", run, keys) == {}
@@ -102,17 +118,39 @@ def test_serve_command_line_reaches_the_deployment(tmp_path, monkeypatch):
     monkeypatch.setattr(ray, "init", lambda **_: None)
     monkeypatch.setattr(signal, "signal", lambda *_: None)
     monkeypatch.setattr(command, "newest_verified_step", lambda _: 5)
-    monkeypatch.setattr(command, "deploy", lambda source, cfg, step, draft: calls.append(
-        ("deploy", source, step, draft, cfg.serve.port, cfg.serve.replicas, cfg.serve.max_num_seqs)) or
-        command.Deployment("app", "url", "r", ServedModel("/m"), cfg.serve))
-    monkeypatch.setattr(command, "follow", lambda dep, source, cfg, stop, poll_s, draft, log: calls.append(
-        ("follow", source, poll_s, draft)) or dep)
+    monkeypatch.setattr(
+        command,
+        "deploy",
+        lambda source, cfg, step, draft: (
+            calls.append(("deploy", source, step, draft, cfg.serve.port, cfg.serve.replicas, cfg.serve.max_num_seqs))
+            or command.Deployment("app", "url", "r", ServedModel("/m"), cfg.serve)
+        ),
+    )
+    monkeypatch.setattr(
+        command,
+        "follow",
+        lambda dep, source, cfg, stop, poll_s, draft, log: calls.append(("follow", source, poll_s, draft)) or dep,
+    )
     monkeypatch.setattr(command, "undeploy", lambda dep: calls.append(("undeploy", dep.app_name)))
-    args = build_parser().parse_args(["serve", str(run), "--follow", "--draft", "/d", "--port", "8123", "--replicas",
-                                      "2", "--poll-s", "0.5", "--set", "serve.max_num_seqs=7"])
+    args = build_parser().parse_args(
+        [
+            "serve",
+            str(run),
+            "--follow",
+            "--draft",
+            "/d",
+            "--port",
+            "8123",
+            "--replicas",
+            "2",
+            "--poll-s",
+            "0.5",
+            "--set",
+            "serve.max_num_seqs=7",
+        ]
+    )
     assert args.func(args) == 0
-    assert calls == [("deploy", str(run), None, "/d", 8123, 2, 7), ("follow", str(run), 0.5, "/d"),
-                     ("undeploy", "app")]
+    assert calls == [("deploy", str(run), None, "/d", 8123, 2, 7), ("follow", str(run), 0.5, "/d"), ("undeploy", "app")]
     with pytest.raises(SystemExit, match="--follow watches a run"):
         command.cli_settings(build_parser().parse_args(["serve", "s3://b/x", "--follow"]))
 
@@ -134,9 +172,19 @@ def test_served_sources_resolve(tmp_path):
 
 # ---- engine mapping ----
 
+
 def test_serve_settings_map_onto_vllm_engine_arguments():
-    cfg = load_config(None, ["serve.max_num_seqs=7", "serve.max_model_len=96", "serve.dtype=\"bfloat16\"",
-                             "serve.kv_cache_gb=2.5", "serve.autoscale_min=1", "serve.autoscale_max=3"]).serve
+    cfg = load_config(
+        None,
+        [
+            "serve.max_num_seqs=7",
+            "serve.max_model_len=96",
+            'serve.dtype="bfloat16"',
+            "serve.kv_cache_gb=2.5",
+            "serve.autoscale_min=1",
+            "serve.autoscale_max=3",
+        ],
+    ).serve
     d = llm_config_dict(ServedModel("/m"), cfg, "m")
     kw = d["engine_kwargs"]
     assert kw["max_num_seqs"] == 7 and kw["max_model_len"] == 96 and kw["dtype"] == "bfloat16"
@@ -157,12 +205,15 @@ def test_serve_settings_map_onto_vllm_engine_arguments():
     assert LLMConfig(**d).model_id == "m"  # what Ray Serve LLM validates
 
 
-@pytest.mark.parametrize("settings,says", [
-    ({"block_size": 16}, "multiple of 32"),
-    ({"pipeline_parallel_size": 2}, "needs GPUs"),
-    ({"autoscale_min": 3, "autoscale_max": 2}, "autoscale_min"),
-    ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
-])
+@pytest.mark.parametrize(
+    "settings,says",
+    [
+        ({"block_size": 16}, "multiple of 32"),
+        ({"pipeline_parallel_size": 2}, "needs GPUs"),
+        ({"autoscale_min": 3, "autoscale_max": 2}, "autoscale_min"),
+        ({"max_num_batched_tokens": 4, "max_num_seqs": 8}, "max_num_batched_tokens"),
+    ],
+)
 def test_serve_settings_vllm_cannot_run_are_refused_before_deploying(settings, says):
     with pytest.raises(ServeConfigError, match=says):
         check(ServeConfig(**settings))
@@ -181,6 +232,7 @@ def test_speculative_settings():
 
 # ---- middlewares ----
 
+
 def _call(app, body: bytes, headers: dict[str, str] | None = None, path: str = "/v1/completions"):
     sent, seen = [], {}
 
@@ -195,8 +247,12 @@ def _call(app, body: bytes, headers: dict[str, str] | None = None, path: str = "
     async def send(message):
         sent.append(message)
 
-    scope = {"type": "http", "method": "POST", "path": path,
-             "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()]}
+    scope = {
+        "type": "http",
+        "method": "POST",
+        "path": path,
+        "headers": [(k.lower().encode(), v.encode()) for k, v in (headers or {}).items()],
+    }
     asyncio.run(app(inner)(scope, receive, send))
     status = sent[0]["status"]
     return status, b"".join(m.get("body", b"") for m in sent[1:]), seen.get("body")
@@ -218,15 +274,21 @@ def test_request_checks_reject_with_the_field_to_change_and_replay_good_bodies()
     assert _call(app, good) == (200, b"ok", good)  # the app reads the body unchanged
     assert _call(app, b"{oops")[0] == 400
     assert _call(app, b"{oops", path="/v1/models")[0] == 200  # only completions and chat are checked
-    for body, says in [({"model": "x"}, "unknown model"), ({"max_tokens": -1}, "max_tokens"),
-                       ({"max_tokens": 1000}, "context of 64"), ({"temperature": -1}, "temperature"),
-                       ({"top_p": 0}, "top_p"), ({"n": 0}, "n must be")]:
+    for body, says in [
+        ({"model": "x"}, "unknown model"),
+        ({"max_tokens": -1}, "max_tokens"),
+        ({"max_tokens": 1000}, "context of 64"),
+        ({"temperature": -1}, "temperature"),
+        ({"top_p": 0}, "top_p"),
+        ({"n": 0}, "n must be"),
+    ]:
         status, text, _ = _call(app, json.dumps(body).encode())
         assert status == 400 and says in json.loads(text)["error"]["message"]
     assert check_request([1], ["m"], 0) == "the request body must be a JSON object"
 
 
 # ---- cluster deployment file ----
+
 
 def test_serve_config_yaml_is_a_valid_ray_serve_config_with_a_valid_llm_config():
     from ray.serve.llm import LLMConfig
@@ -258,8 +320,11 @@ def test_serve_fits_a_small_cluster_or_says_what_it_needs():
     assert laptop.shrunk and laptop.share == 0.5 and laptop.cpus == 2.0
     three = fit(cfg("serve.replicas=2"), cluster_cpus=3)  # two engines leave 1 CPU for three relays
     assert three.share == 0.33 and three.cpus <= 3
-    with pytest.raises(ServeDoesNotFit, match=r"needs at least 1 replica\(s\) × \(1 CPU engine \+ 0\.1 CPU replica "
-                                              r"actor\) \+ 0\.1 CPU ingress = 1\.2 CPU; the cluster has 1 CPU"):
+    with pytest.raises(
+        ServeDoesNotFit,
+        match=r"needs at least 1 replica\(s\) × \(1 CPU engine \+ 0\.1 CPU replica "
+        r"actor\) \+ 0\.1 CPU ingress = 1\.2 CPU; the cluster has 1 CPU",
+    ):
         fit(cfg(), cluster_cpus=1)
     with pytest.raises(ServeDoesNotFit, match="serve.cpus_per_replica, serve.replicas"):
         fit(cfg("serve.replicas=2"), cluster_cpus=2)

@@ -11,8 +11,14 @@ import torch
 from raysc.config.schema import ModelConfig
 from raysc.model.generate import generate
 from raysc.model.llama import build_model
-from raysc.serve.speculative import (ModelDrafter, NgramDrafter, ngram_propose, speculative_generate, target_probs,
-                                     verify)
+from raysc.serve.speculative import (
+    ModelDrafter,
+    NgramDrafter,
+    ngram_propose,
+    speculative_generate,
+    target_probs,
+    verify,
+)
 from raysc.serve.spec_tune import best_k, expected_tokens, greedy_passes, speedup
 
 V, K, TRIALS = 8, 3, 12_000
@@ -96,7 +102,7 @@ def test_ngram_rule():
 
 def test_k_from_alpha_and_cost():
     assert expected_tokens(0.0, 5) == pytest.approx(1.0)
-    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8 ** 5) / 0.2)
+    assert expected_tokens(0.8, 4) == pytest.approx((1 - 0.8**5) / 0.2)
     assert expected_tokens(1.0, 4) == pytest.approx(5.0)
     # Leviathan et al. Table/Figure: alpha 0.8, c 0.05 -> optimal k around 8 with ~3.7x; c = 1 never pays
     k, s = best_k(0.8, 0.05, 10)
@@ -125,9 +131,18 @@ def test_temperature_zero_is_one_hot():
 def test_distillation_moves_the_draft_towards_the_target(make_cfg):
     from raysc.serve.spec_distill import distill
 
-    cfg = make_cfg("model.vocab_size=300", "model.dim=32", "model.n_layers=1", "model.n_heads=1",
-                   "model.n_kv_heads=1", "train.steps=30", "train.global_batch=4", "train.seq_len=24",
-                   "schedule.warmup_steps=2", "optim.lr=1e-2")
+    cfg = make_cfg(
+        "model.vocab_size=300",
+        "model.dim=32",
+        "model.n_layers=1",
+        "model.n_heads=1",
+        "model.n_kv_heads=1",
+        "train.steps=30",
+        "train.global_batch=4",
+        "train.seq_len=24",
+        "schedule.warmup_steps=2",
+        "optim.lr=1e-2",
+    )
     target = _tiny(0, 64, 2)
     with torch.no_grad():
         target.output.weight.mul_(30)  # a peaked target, far from the fresh draft's near-uniform q

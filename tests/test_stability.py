@@ -150,8 +150,7 @@ def test_no_flagged_step_on_the_demo_config_at_its_defaults(tmp_path):
     from raysc.train.trainer import Trainer
 
     root = Path(__file__).resolve().parents[1]
-    cfg = load_config(root / "raysc/demo.toml", [f'data.cache_dir="{root / ".cache/raysc"}"',
-                                                 f'run.dir="{tmp_path}"'])
+    cfg = load_config(root / "raysc/demo.toml", [f'data.cache_dir="{root / ".cache/raysc"}"', f'run.dir="{tmp_path}"'])
     assert cfg.supervisor.spike_policy == "skip" and cfg.optim.lr == 3e-3  # the defaults, not tuned ones
     torch.set_num_threads(2)
     packed, _, _ = prepare_data(cfg)

@@ -37,8 +37,16 @@ from forked import run_forked
 
 # 30 blocks of 3.2M parameters (dim 512) and a 4096-token vocabulary: 99.1M parameters, no block or
 # root module big enough that FSDP's gathered copies matter; 16 tokens × 4 sequences keep the step short
-MODEL = ["model.vocab_size=4096", "model.dim=512", "model.n_layers=30", "model.n_heads=8", "model.n_kv_heads=8",
-         "train.seq_len=16", "train.global_batch=4", "train.seed=3"]
+MODEL = [
+    "model.vocab_size=4096",
+    "model.dim=512",
+    "model.n_layers=30",
+    "model.n_heads=8",
+    "model.n_kv_heads=8",
+    "train.seq_len=16",
+    "train.global_batch=4",
+    "train.seed=3",
+]
 LAYOUTS = ["dp_shard=4", "pp=2,dp_shard=2"]
 BUILD_BOUND = 0.40  # of the full model's fp32 bytes
 ROWS = np.random.default_rng(0).integers(0, 4096, size=(8, 17))
@@ -50,8 +58,9 @@ def model_bytes(cfg) -> int:
 
 def _rank(rank: int, port: int, results) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4,
-                            timeout=datetime.timedelta(seconds=120))
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120)
+    )
     for layout in LAYOUTS:
         cfg = load_config(None, [*MODEL, *layout_overrides(layout)])
         mesh = build_mesh(cfg.parallel.dims, "cpu")
@@ -86,12 +95,18 @@ def test_no_rank_holds_the_model_from_start_to_the_end_of_the_first_step():
     results = mp.Manager().dict()
     run_forked(_rank, (free_port(), results), nprocs=4)
     assert len(results) == 8 and all(np.isfinite(v[2]) for v in results.values())
-    print({f"{layout} rank {r}": f"build {b / 1e6:.0f} MB ({b / full:.2f}x), first step {s / 1e6:.0f} MB "
-           f"({s / full:.2f}x)" for (layout, r), (b, s, _) in sorted(results.items())})
+    print(
+        {
+            f"{layout} rank {r}": f"build {b / 1e6:.0f} MB ({b / full:.2f}x), first step {s / 1e6:.0f} MB "
+            f"({s / full:.2f}x)"
+            for (layout, r), (b, s, _) in sorted(results.items())
+        }
+    )
     for layout in LAYOUTS:
         cfg = load_config(None, [*MODEL, *layout_overrides(layout)])
-        est = estimate_memory(cfg.model, cfg.train.seq_len, cfg.train.global_batch_sequences,
-                              Layout.from_config(cfg), "fp32", "cpu")
+        est = estimate_memory(
+            cfg.model, cfg.train.seq_len, cfg.train.global_batch_sequences, Layout.from_config(cfg), "fp32", "cpu"
+        )
         for rank in range(4):
             built, step, _ = results[(layout, rank)]
             assert built < BUILD_BOUND * full, f"{layout} rank {rank} built its shard at {built / 1e6:.0f} MB"

@@ -24,8 +24,14 @@ ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")
 STEPS = 240
 # two ranks, so that the stop is agreed by a vote over a process group
-SETS = [*TINY, f"train.steps={STEPS}", "checkpoint.every_steps=200", "parallel.dp_replicate=2",
-        "parallel.cpus_per_worker=0.5", "train.log_every=100"]
+SETS = [
+    *TINY,
+    f"train.steps={STEPS}",
+    "checkpoint.every_steps=200",
+    "parallel.dp_replicate=2",
+    "parallel.cpus_per_worker=0.5",
+    "train.log_every=100",
+]
 
 
 def _start(ray_head: dict, cache_dir: str, run_dir: Path, *args: str) -> subprocess.Popen:
@@ -53,8 +59,9 @@ def _no_run_left_behind():
 
 def _popen(ray_head: dict, cmd: list[str]) -> subprocess.Popen:
     env = {**ray_head["env"], "RAY_ADDRESS": ray_head["gcs"]}
-    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
     _STARTED.append(proc)
     return proc
 
@@ -89,8 +96,9 @@ def _stop(proc: subprocess.Popen, sig: int, run_dir: Path, timeout: float = 60) 
     return proc.returncode, out, seen
 
 
-def _assert_stopped(ray_head: dict, run_dir: Path, rc: int, out: str, seen: int, reason: str,
-                    code: int) -> tuple[int, list]:
+def _assert_stopped(
+    ray_head: dict, run_dir: Path, rc: int, out: str, seen: int, reason: str, code: int
+) -> tuple[int, list]:
     """Exit code, the run_stopped event, the committed checkpoint of the stop step, the metrics ending
     at that step, no live actor; returns (stop step, resume command)."""
     assert rc == code, out
@@ -102,16 +110,20 @@ def _assert_stopped(ray_head: dict, run_dir: Path, rc: int, out: str, seen: int,
     # at the end of the chunk (the next multiple of checkpoint.every_steps)
     assert seen <= step < seen + 50, (seen, step)
     assert _step(run_dir) == step  # every rank stopped after the same, finished step
-    listed = subprocess.run([RAYSC, "ckpt", "list", "--json", str(run_dir / "checkpoints")], capture_output=True,
-                            text=True, check=True).stdout
+    listed = subprocess.run(
+        [RAYSC, "ckpt", "list", "--json", str(run_dir / "checkpoints")], capture_output=True, text=True, check=True
+    ).stdout
     assert {"step": step, "verified": "yes"}.items() <= {r["step"]: r for r in json.loads(listed)}[step].items()
     last = out.strip().splitlines()[-1]
     assert last.startswith("resume with: raysc train jobs/configs/tiny.toml --set ") and last.endswith(" --resume")
     assert "Traceback" not in out and "SIGTERM received" not in out, out
     # the pool's idle processes stay for the next run (raysc.fleet.pool); nothing else of the run does
     idle = pool_actor_ids(ray_head)
-    _wait(lambda: not live_actors(ray_head["address"], idle), "every actor but the pool's idle ones to be dead",
-          timeout=30)
+    _wait(
+        lambda: not live_actors(ray_head["address"], idle),
+        "every actor but the pool's idle ones to be dead",
+        timeout=30,
+    )
     cmd = shlex.split(last.removeprefix("resume with: "))
     return step, [RAYSC, *cmd[1:]]
 
@@ -122,8 +134,9 @@ def test_sigint_and_sigterm_stop_save_and_resume_bit_exact(ray_head, cache_dir, 
     proc = _start(ray_head, cache_dir, run_dir)
     _wait(lambda: _step(run_dir) >= 10, "10 steps", proc)
     subprocess.run([RAYSC, "ckpt", "now", str(run_dir)], check=True, capture_output=True)
-    asked = _wait(lambda: [e["step"] for e in _events(run_dir, "checkpoint_saved") if e["step"] % 200], "ckpt now",
-                  proc)
+    asked = _wait(
+        lambda: [e["step"] for e in _events(run_dir, "checkpoint_saved") if e["step"] % 200], "ckpt now", proc
+    )
     _wait(lambda: _step(run_dir) >= asked[0] + 5, "training to go on after the requested checkpoint", proc)
     assert CheckpointStore(str(run_dir / "checkpoints")).verify(asked[0]) is None
     # 2. Ctrl-C
@@ -156,8 +169,9 @@ def test_second_ctrl_c_aborts_at_once_and_commits_nothing_partial(ray_head, cach
     run_dir = tmp_path / "aborted"
     # from step 26 every step waits 3 s on rank 0 (a straggler): the graceful stop takes that long
     slow = ",".join(f"slow@{s}" for s in range(26, 60))
-    proc = _start(ray_head, cache_dir, run_dir, "--set", "checkpoint.every_steps=10",
-                  "--set", f'supervisor.inject="{slow}"')
+    proc = _start(
+        ray_head, cache_dir, run_dir, "--set", "checkpoint.every_steps=10", "--set", f'supervisor.inject="{slow}"'
+    )
     _wait(lambda: _step(run_dir) >= 25, "25 steps", proc)
     os.killpg(proc.pid, signal.SIGINT)
     _wait(lambda: _events(run_dir, "stop_requested"), "the stop request", proc)
@@ -171,8 +185,11 @@ def test_second_ctrl_c_aborts_at_once_and_commits_nothing_partial(ray_head, cach
     assert out.strip().splitlines()[-1].endswith(" --resume")
     # an aborted run gives nothing back: the pool kills what it lent once the supervisor is gone
     idle = pool_actor_ids(ray_head)
-    _wait(lambda: not live_actors(ray_head["address"], idle), "every actor but the pool's idle ones to be dead",
-          timeout=30)
+    _wait(
+        lambda: not live_actors(ray_head["address"], idle),
+        "every actor but the pool's idle ones to be dead",
+        timeout=30,
+    )
 
 
 def _vote_rank(rank: int, port: int, out: dict) -> None:

@@ -41,8 +41,9 @@ def test_classify_table(failure, action):
 
 
 def test_events_reference_is_current():
-    assert (ROOT / "docs" / "events.md").read_text() == events_reference(), \
+    assert (ROOT / "docs" / "events.md").read_text() == events_reference(), (
         "regenerate: python -m raysc.fleet.events > docs/events.md"
+    )
 
 
 def test_every_recorded_kind_is_in_the_vocabulary(tmp_path):
@@ -54,8 +55,12 @@ def test_every_recorded_kind_is_in_the_vocabulary(tmp_path):
         records.event("run_finished_ok")
     records.close()
     literal = re.compile(r"""(?:_event|\.event)\(\s*["']""")
-    offenders = [f"{p.relative_to(ROOT)}:{n}" for p in (ROOT / "raysc").rglob("*.py")
-                 for n, line in enumerate(p.read_text().splitlines(), 1) if literal.search(line)]
+    offenders = [
+        f"{p.relative_to(ROOT)}:{n}"
+        for p in (ROOT / "raysc").rglob("*.py")
+        for n, line in enumerate(p.read_text().splitlines(), 1)
+        if literal.search(line)
+    ]
     assert not offenders, offenders
 
 
@@ -101,8 +106,10 @@ def test_a_ranks_torch_exception_crosses_as_a_rank_error_that_still_names_a_peer
     assert not is_peer_failure(RankError(("torch.OutOfMemoryError",), "CUDA out of memory"))
     for own in (SilentCorruption(4, {}), SpikeRollback(12, 10, {}), ValueError("bad")):
         assert portable(own) is own
-    assert classify(Failure(FailureKind.RAISED, 0, pickle.loads(pickle.dumps(portable(SilentCorruption(4, {})))))) \
+    assert (
+        classify(Failure(FailureKind.RAISED, 0, pickle.loads(pickle.dumps(portable(SilentCorruption(4, {}))))))
         is Action.REPAIR
+    )
 
 
 def test_status_goodput_leaves_out_the_time_between_a_stop_and_its_resume(tmp_path):
@@ -112,8 +119,12 @@ def test_status_goodput_leaves_out_the_time_between_a_stop_and_its_resume(tmp_pa
 
     from raysc.fleet.status import run_status
 
-    ev = [{"kind": "run_start", "time": 1000.0}, {"kind": "run_end", "time": 1010.0},
-          {"kind": "run_start", "time": 4600.0}, {"kind": "run_end", "time": 4610.0}]
+    ev = [
+        {"kind": "run_start", "time": 1000.0},
+        {"kind": "run_end", "time": 1010.0},
+        {"kind": "run_start", "time": 4600.0},
+        {"kind": "run_end", "time": 4610.0},
+    ]
     mt = [{"step": s, "time": 1000.0 + s, "step_time": 0.9} for s in range(1, 11)]
     mt += [{"step": s, "time": 4590.0 + s, "step_time": 0.9} for s in range(11, 21)]
     (tmp_path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ev))

@@ -14,10 +14,19 @@ from raysc.fleet.records import read_jsonl
 def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cfg):
     from raysc.fleet.driver import train
 
-    cfg = make_cfg("parallel.dp_replicate=2", "train.steps=14", "checkpoint.every_steps=5",
-                   "checkpoint.async=false", "supervisor.calibrate_steps=3", "supervisor.timeout_floor_s=1",
-                   "supervisor.stress_s=2", "supervisor.hang_timeout_s=600", "supervisor.restart_backoff_s=0.1",
-                   "supervisor.timeout_factor=5", 'supervisor.inject="hang@9:1,hang@12:1"')
+    cfg = make_cfg(
+        "parallel.dp_replicate=2",
+        "train.steps=14",
+        "checkpoint.every_steps=5",
+        "checkpoint.async=false",
+        "supervisor.calibrate_steps=3",
+        "supervisor.timeout_floor_s=1",
+        "supervisor.stress_s=2",
+        "supervisor.hang_timeout_s=600",
+        "supervisor.restart_backoff_s=0.1",
+        "supervisor.timeout_factor=5",
+        'supervisor.inject="hang@9:1,hang@12:1"',
+    )
     summary = train(cfg, progress=False)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     cal = [e for e in events if e["kind"] == "timeouts_calibrated"][0]
@@ -56,8 +65,9 @@ def test_calibrated_timeouts_stress_and_fast_hang_detection(ray_session, make_cf
 def test_straggler_is_reported_not_restarted(ray_session, make_cfg):
     from raysc.fleet.driver import train
 
-    cfg = make_cfg("parallel.dp_replicate=2", "train.steps=12", "supervisor.calibrate_steps=3",
-                   'supervisor.inject="slow@8:1"')  # (no warm spares: their start-up slows steps too)
+    cfg = make_cfg(
+        "parallel.dp_replicate=2", "train.steps=12", "supervisor.calibrate_steps=3", 'supervisor.inject="slow@8:1"'
+    )  # (no warm spares: their start-up slows steps too)
     summary = train(cfg, progress=False)
     slow = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "slow_step"]
     assert [e["step"] for e in slow] == [8] and slow[0]["step_time_s"] >= 3.0
@@ -108,11 +118,18 @@ def test_a_wait_counts_silence_from_its_own_start(monkeypatch):
         ticks["n"] += 1
         return (list(pending), []) if ticks["n"] >= 3 else ([], list(pending))
 
-    monkeypatch.setattr(watch_mod, "ray", SimpleNamespace(wait=fake_wait, get=lambda r, timeout=None: r,
-                                                          exceptions=watch_mod.ray.exceptions))
+    monkeypatch.setattr(
+        watch_mod,
+        "ray",
+        SimpleNamespace(wait=fake_wait, get=lambda r, timeout=None: r, exceptions=watch_mod.ray.exceptions),
+    )
     events = []
-    w = watch_mod.Watch(lambda kind, **kw: events.append((kind, kw)), silent_s=lambda: 1000.0,
-                        node=lambda r: f"node-{r}", default_hang_s=5.0)
+    w = watch_mod.Watch(
+        lambda kind, **kw: events.append((kind, kw)),
+        silent_s=lambda: 1000.0,
+        node=lambda r: f"node-{r}",
+        default_hang_s=5.0,
+    )
     assert w.wait(["address"], "start of rank 3", timeout=60, hang_s=61, ranks=[3]) == ["address"]
     # a wait that is silent past its hang bound still fails, naming the rank (not its position in the call)
     t0 = watch_mod.time.monotonic()

@@ -23,8 +23,12 @@ from llama_vocab import BYTE_LEVEL, FOLDERS, expected_ids, gguf_file, metadata
 from raysc.data.special_tokens import SpecialTokenError, read_special_tokens
 
 # (BOS id or None, EOS id, adds BOS, PAD id or None) as the GGUF files' metadata and the repositories say
-EXPECTED = {"llama-bpe": (128000, 128001, True, None), "llama-spm": (1, 2, True, None),
-            "qwen2": (None, 151643, False, 151643), "gpt-2": (50256, 50256, False, None)}
+EXPECTED = {
+    "llama-bpe": (128000, 128001, True, None),
+    "llama-spm": (1, 2, True, None),
+    "qwen2": (None, 151643, False, 151643),
+    "gpt-2": (50256, 50256, False, None),
+}
 PRE = {"llama-bpe": "llama-bpe", "qwen2": "qwen2", "gpt-2": "gpt-2", "llama-spm": "default"}
 DOCS = ["Hello world", "def f():\n    return 1", "Äpfel und Birnen 3333", " leading space"]
 
@@ -37,8 +41,11 @@ def test_the_folders_hold_the_real_vocabularies(hf_folders, name):
     tok = Tokenizer.from_file(str(hf_folders[name] / "tokenizer.json"))
     cases = [(t, want) for t, want in expected_ids(name) if t]
     assert len(cases) >= 40
-    wrong = [(t, want, tok.encode(t, add_special_tokens=False).ids) for t, want in cases
-             if tok.encode(t, add_special_tokens=False).ids != want]
+    wrong = [
+        (t, want, tok.encode(t, add_special_tokens=False).ids)
+        for t, want in cases
+        if tok.encode(t, add_special_tokens=False).ids != want
+    ]
     assert not wrong, wrong[:3]
 
 
@@ -108,7 +115,9 @@ def test_a_tokenizer_larger_than_the_embedding_stops_before_ray(hf_folders, make
     from raysc.fleet.driver import check_inputs
 
     cfg = make_cfg(f'data.tokenizer="{hf_folders["qwen2"] / "tokenizer.json"}"', "model.vocab_size=65536")
-    with pytest.raises(ValueError, match=r"has 151936 tokens but model.vocab_size is 65536.*model.vocab_size >= 151936"):
+    with pytest.raises(
+        ValueError, match=r"has 151936 tokens but model.vocab_size is 65536.*model.vocab_size >= 151936"
+    ):
         check_inputs(cfg)
 
 
@@ -137,8 +146,7 @@ def test_hugging_face_export_carries_the_source_ids_and_files(hf_folders, tmp_pa
 
 
 @pytest.mark.parametrize("name", [*BYTE_LEVEL, "llama-spm"])
-def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cpp_expects(hf_folders, tmp_path,
-                                                                                          name):
+def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cpp_expects(hf_folders, tmp_path, name):
     """The GGUF export's vocabulary, read by llama.cpp, tokenizes every text of llama.cpp's own test file
     for that vocabulary into the ids llama.cpp expects; Llama 2's (SentencePiece) with scores raysc
     derives from tokenizer.json's merge ranks."""
@@ -157,8 +165,11 @@ def test_gguf_export_names_the_pre_tokenizer_and_llama_cpp_tokenizes_as_llama_cp
     assert meta["tokenizer.ggml.eos_token_id"] == str(special.eos_id)
     assert meta["tokenizer.ggml.add_bos_token"] == str(special.add_bos).lower()
     assert llm.token_eos() == special.eos_id
-    wrong = [(t, want) for t, want in expected_ids(name)
-             if t and llm.tokenize(t.encode(), add_bos=False, special=False) != want]
+    wrong = [
+        (t, want)
+        for t, want in expected_ids(name)
+        if t and llm.tokenize(t.encode(), add_bos=False, special=False) != want
+    ]
     assert not wrong, wrong[:3]
 
 
@@ -169,8 +180,12 @@ def test_gguf_export_refuses_a_tokenizer_it_cannot_write_with_the_way_out(hf_fol
     spec["model"]["type"] = "WordPiece"
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     with pytest.raises(ValueError, match="not 'WordPiece'.*convert_hf_to_gguf.py"):
-        export_gguf(_tiny_model(50257), tmp_path / "tokenizer.json", tmp_path / "wp.gguf",
-                    special=read_special_tokens(hf_folders["gpt-2"] / "tokenizer.json"))
+        export_gguf(
+            _tiny_model(50257),
+            tmp_path / "tokenizer.json",
+            tmp_path / "wp.gguf",
+            special=read_special_tokens(hf_folders["gpt-2"] / "tokenizer.json"),
+        )
     assert not (tmp_path / "wp.gguf").exists()
 
 
@@ -185,8 +200,12 @@ def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_ses
     from raysc.export.restore import sample_text
 
     src = hf_folders["llama-bpe"]
-    cfg = make_cfg(f'data.tokenizer="{src / "tokenizer.json"}"', "model.vocab_size=128256", "train.steps=2",
-                   "model.tie_embeddings=true")
+    cfg = make_cfg(
+        f'data.tokenizer="{src / "tokenizer.json"}"',
+        "model.vocab_size=128256",
+        "train.steps=2",
+        "model.tie_embeddings=true",
+    )
     packed = prepare_data(cfg)[0]
     rows = np.concatenate([packed.train, packed.val]).astype(np.int64)
     assert rows[0, 0] == 128000  # the corpus's first document begins with BOS
@@ -208,14 +227,21 @@ def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_ses
     assert sample_text(run_dir, "Hello", 4, 0.0, 0, 0).startswith("Hello")
 
 
-def test_raysc_pack_with_llama_3s_tokenizer_begins_and_ends_every_document(ray_session, packed_corpus, hf_folders,
-                                                                           tmp_path):
+def test_raysc_pack_with_llama_3s_tokenizer_begins_and_ends_every_document(
+    ray_session, packed_corpus, hf_folders, tmp_path
+):
     """`raysc pack` with a public tokenizer: its index records the special tokens, and in every shard each
     document starts with <|begin_of_text|> right after the previous one's <|end_of_text|>."""
     from raysc.curate.pack import pack_curated
 
-    index = pack_curated(str(packed_corpus["root"] / "cur"), str(hf_folders["llama-bpe"] / "tokenizer.json"), 128256,
-                         64, str(tmp_path / "packed"), log=lambda *_: None)
+    index = pack_curated(
+        str(packed_corpus["root"] / "cur"),
+        str(hf_folders["llama-bpe"] / "tokenizer.json"),
+        128256,
+        64,
+        str(tmp_path / "packed"),
+        log=lambda *_: None,
+    )
     assert index["eos"] == "<|end_of_text|>" and index["special_tokens"]["bos_id"] == 128000
     checked = 0
     for domain, meta in index["domains"].items():

@@ -40,9 +40,25 @@ class MlflowServer:
         # no job runner (MLflow's GenAI evaluation jobs, a pool of huey consumers): a tracking server only
         env = {**os.environ, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
         self.proc = subprocess.Popen(
-            [mlflow, "server", "--backend-store-uri", f"sqlite:///{self.root / 'mlflow.db'}", "--host", "127.0.0.1",
-             "--port", str(self.port), "--workers", "1", "--default-artifact-root", str(self.root / "artifacts")],
-            stdout=open(self.root / "server.log", "ab"), stderr=subprocess.STDOUT, start_new_session=True, env=env)
+            [
+                mlflow,
+                "server",
+                "--backend-store-uri",
+                f"sqlite:///{self.root / 'mlflow.db'}",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--workers",
+                "1",
+                "--default-artifact-root",
+                str(self.root / "artifacts"),
+            ],
+            stdout=open(self.root / "server.log", "ab"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env=env,
+        )
 
     def wait_up(self, timeout: float = 120) -> None:
         deadline = time.monotonic() + timeout
@@ -52,8 +68,9 @@ class MlflowServer:
                     return
             except requests.RequestException:
                 pass
-            assert time.monotonic() < deadline and self.proc.poll() is None, \
-                (self.root / "server.log").read_text()[-3000:]
+            assert time.monotonic() < deadline and self.proc.poll() is None, (self.root / "server.log").read_text()[
+                -3000:
+            ]
             time.sleep(0.3)
 
     def stop(self) -> None:
@@ -87,11 +104,11 @@ def _wandb_rows(run_dir: Path, run_id: str) -> list[dict]:
         pos, frag, chunks = 7, b"", []
         while pos + 7 <= len(data):
             left = 32768 - pos % 32768
-            crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+            crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
             if left < 7 or (length == 0 and kind == 0):
                 pos += left
                 continue
-            chunk, pos = data[pos + 7:pos + 7 + length], pos + 7 + length
+            chunk, pos = data[pos + 7 : pos + 7 + length], pos + 7 + length
             frag = chunk if kind in (1, 2) else frag + chunk
             if kind in (1, 4):
                 chunks.append(frag)
@@ -108,7 +125,8 @@ def _last_per_step(run_dir: Path, key: str) -> dict[int, float]:
 
 
 def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resume(
-        ray_session, make_cfg, mlflow_server, s3_server, monkeypatch):
+    ray_session, make_cfg, mlflow_server, s3_server, monkeypatch
+):
     from mlflow.tracking import MlflowClient
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -116,15 +134,27 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     from raysc.track.mlflow_sink import history
 
     s3_server["client"].create_bucket(Bucket="raysc-tb")
-    track = ["track.tensorboard=true", f'track.mlflow_uri="{mlflow_server.uri}"', 'track.wandb_project="raysc-test"',
-             'track.wandb_mode="offline"', "track.retry_max_s=1", 'track.tensorboard_uri="s3://raysc-tb/runs/tiny"',
-             f'track.storage_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
-             f'secret = "testing-secret", region_name = "us-east-1"}}',
-             # the server takes ~20 s to answer on this machine: a run's end waits for it
-             "track.close_timeout_s=180"]
+    track = [
+        "track.tensorboard=true",
+        f'track.mlflow_uri="{mlflow_server.uri}"',
+        'track.wandb_project="raysc-test"',
+        'track.wandb_mode="offline"',
+        "track.retry_max_s=1",
+        'track.tensorboard_uri="s3://raysc-tb/runs/tiny"',
+        f'track.storage_options={{endpoint_url = "{s3_server["endpoint"]}", key = "testing", '
+        f'secret = "testing-secret", region_name = "us-east-1"}}',
+        # the server takes ~20 s to answer on this machine: a run's end waits for it
+        "track.close_timeout_s=180",
+    ]
     spikes = ['supervisor.spike_policy="rollback"', "supervisor.spike_patience=3", "supervisor.spike_min_history=4"]
-    cfg = make_cfg("train.steps=20", "checkpoint.every_steps=4", *spikes, "supervisor.restart_backoff_s=0.1",
-                   'supervisor.inject="kill@7:0,spike@14,spike@15,spike@16"', *track)
+    cfg = make_cfg(
+        "train.steps=20",
+        "checkpoint.every_steps=4",
+        *spikes,
+        "supervisor.restart_backoff_s=0.1",
+        'supervisor.inject="kill@7:0,spike@14,spike@15,spike@16"',
+        *track,
+    )
     run_dir = Path(cfg.run_dir)
     # the run starts while the server is still starting (~20 s here): its first calls wait in the relay
     summary = train(cfg, progress=False)
@@ -144,8 +174,9 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     assert history(client, ids["mlflow"], "train/loss") == pytest.approx(losses, rel=1e-6)
     assert {4, 8, 12, 16, 20} <= history(client, ids["mlflow"], "checkpoint/bytes").keys()
     assert run.data.params["model.dim"] == "64" and run.data.params["train.steps"] == "20"
-    assert run.data.params["track.storage_options"] == json.dumps({"endpoint_url": s3_server["endpoint"], "key": "***",
-                                                                   "secret": "***", "region_name": "us-east-1"})
+    assert run.data.params["track.storage_options"] == json.dumps(
+        {"endpoint_url": s3_server["endpoint"], "key": "***", "secret": "***", "region_name": "us-east-1"}
+    )
     assert run.data.tags["raysc.run_id"] == json.loads((run_dir / "run.json").read_text())["run_id"]
     assert run.data.tags["raysc.corpus_sha256"]
     assert len([k for k in run.data.tags if k.startswith("rollback.")]) == 2  # the restart and the spike rollback
@@ -161,8 +192,11 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     # endpoint from S3_ENDPOINT when tensorboard is first imported: set on the reader itself here)
     from tensorboard.compat.tensorflow_stub.io import gfile
 
-    for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing-secret",
-                 "AWS_REGION": "us-east-1"}.items():
+    for k, v in {
+        "AWS_ACCESS_KEY_ID": "testing",
+        "AWS_SECRET_ACCESS_KEY": "testing-secret",
+        "AWS_REGION": "us-east-1",
+    }.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(gfile.get_filesystem("s3://raysc-tb"), "_s3_endpoint", s3_server["endpoint"])
     remote = EventAccumulator("s3://raysc-tb/runs/tiny")
@@ -180,8 +214,16 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
 
     def outage():
         deadline = time.monotonic() + 240
-        while len([e for e in read_jsonl(run_dir / "events.jsonl")
-                   if e["kind"] == "tracking" and e["tracker"] == "mlflow"]) < 2:
+        while (
+            len(
+                [
+                    e
+                    for e in read_jsonl(run_dir / "events.jsonl")
+                    if e["kind"] == "tracking" and e["tracker"] == "mlflow"
+                ]
+            )
+            < 2
+        ):
             if time.monotonic() > deadline:
                 return
             time.sleep(0.05)
@@ -192,7 +234,7 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     chaos.start()
     train(more, resume=True, progress=False)
     chaos.join(timeout=60)
-    resumed = read_jsonl(run_dir / "events.jsonl")[len(events):]
+    resumed = read_jsonl(run_dir / "events.jsonl")[len(events) :]
     kinds = [(e["kind"], e.get("tracker")) for e in resumed if e["kind"].startswith("track")]
     assert ("tracker_degraded", "mlflow") in kinds and ("tracker_recovered", "mlflow") in kinds, kinds
     assert not [k for k in kinds if k[0] == "tracker_undelivered"], kinds
@@ -200,8 +242,9 @@ def test_three_trackers_survive_a_restart_a_rollback_a_tracker_outage_and_a_resu
     from raysc.fleet.status import run_status
 
     # raysc status: each tracker, its run id, and that it caught up after the outage
-    assert {k: (t["state"], t["run_id"]) for k, t in run_status(run_dir)["trackers"].items()} == \
-        {k: ("ok", v) for k, v in ids.items()}
+    assert {k: (t["state"], t["run_id"]) for k, t in run_status(run_dir)["trackers"].items()} == {
+        k: ("ok", v) for k, v in ids.items()
+    }
     from raysc.checkpoint.store import CheckpointStore
 
     assert CheckpointStore.for_config(more).read_manifest(24)["trackers"] == ids

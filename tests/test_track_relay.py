@@ -68,8 +68,13 @@ def test_a_down_tracker_never_blocks_and_gets_everything_in_order_when_back():
     assert relay.state.pending == 7 and not relay.state.healthy
     sink.down.clear()
     assert relay.close("FINISHED", timeout_s=10)
-    assert sink.calls == [("open", None), ("metrics", [1, 2, 3, 4]), ("rewind", 2), ("metrics", [3, 4, 5]),
-                          ("close", "FINISHED")]
+    assert sink.calls == [
+        ("open", None),
+        ("metrics", [1, 2, 3, 4]),
+        ("rewind", 2),
+        ("metrics", [3, 4, 5]),
+        ("close", "FINISHED"),
+    ]
     assert [k for k, _ in events] == ["tracker_degraded", "tracker_recovered"]
     assert relay.state.sent == 7 and relay.state.dropped == 0 and relay.state.run_id == "new-id"
 
@@ -128,8 +133,11 @@ def test_a_tracker_that_is_not_installed_stops_training_before_ray_but_not_readi
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "mlflow" else real(name, *a))
     cfg = load_config(None, ['track.mlflow_uri="sqlite:///x.db"'])  # a run's config still loads (status, export)
-    with pytest.raises(ConfigError, match=r"track.mlflow_uri is set but the 'mlflow' package is not installed; "
-                                          r"`pip install 'raysc\[track\]'`"):
+    with pytest.raises(
+        ConfigError,
+        match=r"track.mlflow_uri is set but the 'mlflow' package is not installed; "
+        r"`pip install 'raysc\[track\]'`",
+    ):
         check_inputs(cfg)  # what `raysc train` runs before it starts Ray
     (tmp_path / "config.toml").write_text(dump_config(cfg))
     load_config(tmp_path / "config.toml")

@@ -23,8 +23,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_tiny_model_overfits_one_batch(make_cfg):
-    cfg = make_cfg("train.steps=150", "optim.lr=1e-2", "schedule.warmup_steps=10", 'schedule.decay="constant"',
-                   "optim.weight_decay=0.0")
+    cfg = make_cfg(
+        "train.steps=150",
+        "optim.lr=1e-2",
+        "schedule.warmup_steps=10",
+        'schedule.decay="constant"',
+        "optim.weight_decay=0.0",
+    )
     packed, _, _ = prepare_data(cfg)
     trainer = Trainer(cfg, packed.train[:8], measure_peak=False)  # the same 8 sequences every step
     losses = [trainer.train_step()["loss"] for _ in range(150)]
@@ -84,8 +89,9 @@ def test_resume_falls_back_from_a_corrupted_checkpoint(ray_session, make_cfg):
     shard.write_bytes(bytes(data))
     assert "sha256 mismatch" in ckpt.verify(10, checksums=True)
     shutil.rmtree(Path(cfg.data.cache_dir) / "checkpoints")  # a fresh node: no verified local copy
-    summary = train(make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3"),
-                    resume=True, progress=False)
+    summary = train(
+        make_cfg("train.steps=10", "checkpoint.every_steps=5", "checkpoint.keep_last=3"), resume=True, progress=False
+    )
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     corrupt = [e for e in events if e["kind"] == "checkpoint_corrupt"]
     assert corrupt and corrupt[0]["step"] == 10 and "sha256 mismatch" in corrupt[0]["error"]
@@ -104,10 +110,21 @@ def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
 
     cfg = make_cfg()
     args = ["train", str(ROOT / "jobs/configs/tiny.toml"), "--no-progress"]
-    for key in ("model.vocab_size=512", "model.dim=64", "model.n_layers=2", "train.seq_len=64",
-                "train.global_batch=8", "train.steps=6", "schedule.warmup_steps=2", "data.max_corpus_mb=1.0",
-                "data.tokenizer_sample_mb=0.5", "parallel.cpus_per_worker=1", "checkpoint.every_steps=0",
-                f'data.cache_dir="{cfg.data.cache_dir}"', f'run.dir="{cfg.run_dir}"'):
+    for key in (
+        "model.vocab_size=512",
+        "model.dim=64",
+        "model.n_layers=2",
+        "train.seq_len=64",
+        "train.global_batch=8",
+        "train.steps=6",
+        "schedule.warmup_steps=2",
+        "data.max_corpus_mb=1.0",
+        "data.tokenizer_sample_mb=0.5",
+        "parallel.cpus_per_worker=1",
+        "checkpoint.every_steps=0",
+        f'data.cache_dir="{cfg.data.cache_dir}"',
+        f'run.dir="{cfg.run_dir}"',
+    ):
         args += ["--set", key]
     assert main([*args, "--inject", "raise@3"]) == 0  # a drill: the run heals itself
     last = capsys.readouterr().out.strip().splitlines()[-1]
@@ -125,16 +142,32 @@ def test_cli_train_prints_json_summary_last(ray_session, make_cfg, capsys):
     assert main(["export", cfg.run_dir, "--out", str(out)]) == 0
     assert (out / "model.safetensors").is_file() and (out / "config.json").is_file()
     capsys.readouterr()
-    assert main(["generate", cfg.run_dir, "--prompt", "def ", "--max-new-tokens", "5", "--top-k", "5",
-                 "--temperature", "0.8"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                cfg.run_dir,
+                "--prompt",
+                "def ",
+                "--max-new-tokens",
+                "5",
+                "--top-k",
+                "5",
+                "--temperature",
+                "0.8",
+            ]
+        )
+        == 0
+    )
     assert capsys.readouterr().out.startswith("def ")
 
 
 def test_cli_config_error_exits_before_starting_anything(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("[train]\nsteps = -3\n")
-    proc = subprocess.run([sys.executable, "-m", "raysc.cli", "train", str(bad)], capture_output=True, text=True,
-                          timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "raysc.cli", "train", str(bad)], capture_output=True, text=True, timeout=60
+    )
     assert proc.returncode == 2
     assert "error:" in proc.stderr and "train.steps" in proc.stderr and "bad.toml" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -174,8 +207,7 @@ def test_killed_worker_and_hung_worker_are_detected(ray_session, make_cfg):
 
     with pytest.raises(RunFailed, match=r"worker rank 0 died during steps 1\.\.\d+"):
         train(make_cfg('supervisor.inject="kill@3"', "supervisor.max_restarts=0", run="kill"), progress=False)
-    cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", "supervisor.max_restarts=0",
-                   run="hang")
+    cfg = make_cfg('supervisor.inject="hang@3"', "supervisor.hang_timeout_s=3", "supervisor.max_restarts=0", run="hang")
     with pytest.raises(RunFailed, match=r"no progress for \d+s during steps 1\.\.\d+"):
         train(cfg, progress=False)
     hang = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "worker_hang"]
@@ -256,21 +288,33 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     # a 12 s timeout floor (the hang is found within it): on 2 cores the steps while a healed fleet's
     # new spares start up take ~3 s against a 0.2 s median (a 2 s floor tripped on them in CI), and
     # twice that on a machine twice as slow (issue 62)
-    base = ["train.steps=20", "checkpoint.every_steps=3", "parallel.pp=2",
-            "parallel.dp_replicate=2", "supervisor.restart_backoff_s=0.1", "supervisor.warm_spares=true",
-            "supervisor.timeout_floor_s=12"]
+    base = [
+        "train.steps=20",
+        "checkpoint.every_steps=3",
+        "parallel.pp=2",
+        "parallel.dp_replicate=2",
+        "supervisor.restart_backoff_s=0.1",
+        "supervisor.warm_spares=true",
+        "supervisor.timeout_floor_s=12",
+    ]
     ref = make_cfg(*base, "supervisor.warm_spares=false", run="ref")  # (spares change no number)
     train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="slow_upload@6:0,disk_loss@7:0,kill@7:1,'
-                          'slow_upload@12:2,disk_loss@13:0,raise@13:3,slow_upload@18:1,disk_loss@19:0,hang@19:2"',
-                   run="faulty")
+    cfg = make_cfg(
+        *base,
+        'supervisor.inject="slow_upload@6:0,disk_loss@7:0,kill@7:1,'
+        'slow_upload@12:2,disk_loss@13:0,raise@13:3,slow_upload@18:1,disk_loss@19:0,hang@19:2"',
+        run="faulty",
+    )
     summary = train(cfg, progress=False)
     assert summary["restarts"] == 3 and summary["steps"] == 20
     a, b = _final_params(ref.run_dir), _final_params(cfg.run_dir)
     assert all(torch.equal(a[k], b[k]) for k in a)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
-    detected = [(e["kind"], e.get("rank", e.get("ranks"))) for e in events
-                if e["kind"] in ("worker_died", "worker_error", "worker_hang")]
+    detected = [
+        (e["kind"], e.get("rank", e.get("ranks")))
+        for e in events
+        if e["kind"] in ("worker_died", "worker_error", "worker_hang")
+    ]
     assert detected[0] == ("worker_died", 1) and detected[1] == ("worker_error", 3)
     assert detected[2][0] in ("worker_hang", "worker_error")  # the calibrated timeout fires either way
     # each fault met the previous save in flight: abandoned, never committed, saved again after the restore
@@ -300,6 +344,7 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     copies = [sorted(p.name for p in d.iterdir()) for d in node_copies_root(cfg.data.cache_dir).glob(f"node-*/{key}")]
     assert copies == [["step_00000018", "step_00000020"]]
     from raysc.fleet.status import run_status
+
     st = run_status(cfg.run_dir)
     assert st["state"] == "finished" and st["restarts"] == 3 and st["step"] == 20
     assert 0 < st["goodput"] < 1 and 0 < summary["goodput"] < 1  # restarts cost time
@@ -321,8 +366,12 @@ def test_node_local_copies_are_pruned_to_keep_last(tmp_path):
     here = make(20)
     (here.parent / "unrelated").mkdir()
     assert prune_local_copies(here, keep_last=2) == [5, 10]
-    assert sorted(p.name for p in here.parent.iterdir()) == ["step_00000015", "step_00000020", "step_00000030",
-                                                             "unrelated"]
+    assert sorted(p.name for p in here.parent.iterdir()) == [
+        "step_00000015",
+        "step_00000020",
+        "step_00000030",
+        "unrelated",
+    ]
     assert prune_local_copies(here, keep_last=2) == []
     assert prune_local_copies(here, keep_last=3) == []
     assert prune_local_copies(local_copy_dir(tmp_path, "s3://b/run", 40, node="abc"), keep_last=2) == [15, 20]
@@ -331,8 +380,12 @@ def test_node_local_copies_are_pruned_to_keep_last(tmp_path):
 def test_restarts_are_bounded(ray_session, make_cfg):
     from raysc.fleet.driver import train
 
-    cfg = make_cfg("train.steps=10", 'supervisor.inject="raise@3,raise@4"', "supervisor.max_restarts=1",
-                   "supervisor.restart_backoff_s=0.1")
+    cfg = make_cfg(
+        "train.steps=10",
+        'supervisor.inject="raise@3,raise@4"',
+        "supervisor.max_restarts=1",
+        "supervisor.restart_backoff_s=0.1",
+    )
     with pytest.raises(RunFailed, match="raise@4"):
         train(cfg, progress=False)
     kinds = [e["kind"] for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl")]
@@ -371,9 +424,16 @@ def test_nan_and_spike_are_skipped_on_every_rank(ray_session, make_cfg):
 def test_rollback_after_consecutive_spikes_restores_and_skips_data(ray_session, make_cfg):
     from raysc.fleet.driver import train
 
-    cfg = make_cfg("train.steps=40", "checkpoint.every_steps=5", "checkpoint.async=false", "optim.lr=1e-3",
-                   'supervisor.spike_policy="rollback"', "supervisor.spike_patience=3", "supervisor.skip_batches=10",
-                   'supervisor.inject="spike@30,spike@31,spike@32"')
+    cfg = make_cfg(
+        "train.steps=40",
+        "checkpoint.every_steps=5",
+        "checkpoint.async=false",
+        "optim.lr=1e-3",
+        'supervisor.spike_policy="rollback"',
+        "supervisor.spike_patience=3",
+        "supervisor.skip_batches=10",
+        'supervisor.inject="spike@30,spike@31,spike@32"',
+    )
     summary = train(cfg, progress=False)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     rb = [e for e in events if e["kind"] == "spike_rollback"]

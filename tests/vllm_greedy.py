@@ -22,7 +22,16 @@ if __name__ == "__main__":
     for folder in sys.argv[3:]:
         llm = LLM(model=folder, enforce_eager=True, dtype="float32", max_model_len=128, seed=0)
         outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-        print("RESULT " + json.dumps({"path": folder, "prompt_ids": [list(o.prompt_token_ids) for o in outs],
-                                      "ids": [list(o.outputs[0].token_ids) for o in outs]}), flush=True)
+        print(
+            "RESULT "
+            + json.dumps(
+                {
+                    "path": folder,
+                    "prompt_ids": [list(o.prompt_token_ids) for o in outs],
+                    "ids": [list(o.outputs[0].token_ids) for o in outs],
+                }
+            ),
+            flush=True,
+        )
         del llm
         gc.collect()

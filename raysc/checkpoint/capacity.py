@@ -33,14 +33,22 @@ def check_capacity(cfg: Config, checkpoint_bytes: int) -> dict:
     storage = CheckpointStore.for_config(cfg).storage
     if ck.capacity_gb:
         used = storage.usage("")
-        out.update(available_bytes=int(ck.capacity_gb * 1e9) - used, used_bytes=used,
-                   source=f"checkpoint.capacity_gb = {ck.capacity_gb}")
+        out.update(
+            available_bytes=int(ck.capacity_gb * 1e9) - used,
+            used_bytes=used,
+            source=f"checkpoint.capacity_gb = {ck.capacity_gb}",
+        )
     elif storage.is_local:
-        out.update(available_bytes=shutil.disk_usage(_existing_parent(storage.root)).free,
-                   source=f"free space of the file system holding {storage.root}")
+        out.update(
+            available_bytes=shutil.disk_usage(_existing_parent(storage.root)).free,
+            source=f"free space of the file system holding {storage.root}",
+        )
     else:
-        out.update(available_bytes=None, ok=None,
-                   source="not reported by an object store: set checkpoint.capacity_gb to the bucket's quota")
+        out.update(
+            available_bytes=None,
+            ok=None,
+            source="not reported by an object store: set checkpoint.capacity_gb to the bucket's quota",
+        )
         return out
     out["ok"] = out["available_bytes"] >= need
     return out
@@ -51,8 +59,10 @@ def describe(cap: dict) -> str:
         return f"store capacity {cap['source']}"
     gb = lambda b: f"{b / 1e9:.3g} GB"  # noqa: E731
     verdict = "holds" if cap["ok"] else "CANNOT hold"
-    text = (f"store {verdict} keep_last + 1 = {cap['keep_last'] + 1} checkpoints of {gb(cap['checkpoint_bytes'])} "
-            f"({gb(cap['need_bytes'])} needed, {gb(cap['available_bytes'])} available: {cap['source']})")
+    text = (
+        f"store {verdict} keep_last + 1 = {cap['keep_last'] + 1} checkpoints of {gb(cap['checkpoint_bytes'])} "
+        f"({gb(cap['need_bytes'])} needed, {gb(cap['available_bytes'])} available: {cap['source']})"
+    )
     if not cap["ok"]:
         text += "; free space, raise the quota, lower checkpoint.keep_last or move checkpoint.uri"
     return text

@@ -39,17 +39,20 @@ def convert_step(store: CheckpointStore, step: int) -> list[str]:
     with tempfile.TemporaryDirectory(prefix="raysc-convert-") as tmp:
         local = Path(tmp)
         for entry in old:
-            rank = int(entry["path"][len("extra_rank"):-len(".pt")])
+            rank = int(entry["path"][len("extra_rank") : -len(".pt")])
             path = local / entry["path"]
-            size, sha = store.storage.download_file(f"{store.prefix(step)}/{entry['path']}", str(path),
-                                                    size_hint=entry["size"])
+            size, sha = store.storage.download_file(
+                f"{store.prefix(step)}/{entry['path']}", str(path), size_hint=entry["size"]
+            )
             if (size, sha) != (entry["size"], entry["sha256"]):
                 raise CorruptCheckpoint(step, entry["path"], "size or sha256 differs from the manifest: not converted")
             try:
                 state = torch.load(path, weights_only=True)
             except pickle.UnpicklingError as e:
-                raise ValueError(f"step {step}: {entry['path']} holds more than tensors and primitive containers "
-                                 f"({str(e).splitlines()[0]}); refusing to convert it") from None
+                raise ValueError(
+                    f"step {step}: {entry['path']} holds more than tensors and primitive containers "
+                    f"({str(e).splitlines()[0]}); refusing to convert it"
+                ) from None
             out = local / extra_name(rank)
             save_rank_state(out, state)
             new_entries += store.upload(step, local, [out.name])
@@ -59,4 +62,3 @@ def convert_step(store: CheckpointStore, step: int) -> list[str]:
     for entry in old:
         store.storage.delete(f"{store.prefix(step)}/{entry['path']}")
     return [e["path"] for e in new_entries]
-

@@ -28,12 +28,18 @@ PERMANENT_ERRNOS = {
 }
 # S3 (and S3-compatible: MinIO, Ceph RGW) error codes no retry can fix
 PERMANENT_CODES = {
-    "AccessDenied": "permission denied", "AllAccessDisabled": "permission denied",
-    "AccountProblem": "permission denied", "InvalidAccessKeyId": "bad credentials",
-    "SignatureDoesNotMatch": "bad credentials", "ExpiredToken": "expired credentials",
-    "NoSuchBucket": "the bucket does not exist", "InvalidBucketName": "invalid bucket name",
-    "QuotaExceeded": "quota exceeded", "XMinioAdminBucketQuotaExceeded": "quota exceeded",
-    "XMinioStorageFull": "no space left on the server", "EntityTooLarge": "object too large for the store",
+    "AccessDenied": "permission denied",
+    "AllAccessDisabled": "permission denied",
+    "AccountProblem": "permission denied",
+    "InvalidAccessKeyId": "bad credentials",
+    "SignatureDoesNotMatch": "bad credentials",
+    "ExpiredToken": "expired credentials",
+    "NoSuchBucket": "the bucket does not exist",
+    "InvalidBucketName": "invalid bucket name",
+    "QuotaExceeded": "quota exceeded",
+    "XMinioAdminBucketQuotaExceeded": "quota exceeded",
+    "XMinioStorageFull": "no space left on the server",
+    "EntityTooLarge": "object too large for the store",
 }
 
 
@@ -55,7 +61,8 @@ def permanent_reason(exc: BaseException) -> str | None:
             return PERMANENT_ERRNOS[e.errno]
         if isinstance(e, (PermissionError, FileNotFoundError, NotADirectoryError, IsADirectoryError)):
             return {PermissionError: "permission denied", FileNotFoundError: "the bucket or directory is missing"}.get(
-                type(e), type(e).__name__)
+                type(e), type(e).__name__
+            )
     return None
 
 

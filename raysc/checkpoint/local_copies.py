@@ -46,9 +46,15 @@ def prune_local_copies(step_dir: Path, keep_last: int) -> list[int]:
     own = int(STEP_DIR.match(step_dir.name)[1])
     if not step_dir.parent.is_dir():
         return []
-    older = sorted((int(m[1]) for p in step_dir.parent.iterdir() if p.is_dir() and (m := STEP_DIR.match(p.name))
-                    and int(m[1]) < own), reverse=True)
-    doomed = older[max(keep_last - 1, 0):]
+    older = sorted(
+        (
+            int(m[1])
+            for p in step_dir.parent.iterdir()
+            if p.is_dir() and (m := STEP_DIR.match(p.name)) and int(m[1]) < own
+        ),
+        reverse=True,
+    )
+    doomed = older[max(keep_last - 1, 0) :]
     for step in doomed:
         shutil.rmtree(step_dir.parent / step_name(step), ignore_errors=True)
     return sorted(doomed)

@@ -24,8 +24,13 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 FORMAT = "raysc-rank-state-v1"
-_TENSOR, _TUPLE, _DICT, _ARRAY, _FLOAT = "__raysc_tensor__", "__raysc_tuple__", "__raysc_dict__", \
-    "__raysc_ndarray__", "__raysc_float__"
+_TENSOR, _TUPLE, _DICT, _ARRAY, _FLOAT = (
+    "__raysc_tensor__",
+    "__raysc_tuple__",
+    "__raysc_dict__",
+    "__raysc_ndarray__",
+    "__raysc_float__",
+)
 _MARKERS = (_TENSOR, _TUPLE, _DICT, _ARRAY, _FLOAT)
 
 
@@ -60,10 +65,15 @@ def _encode(value: Any, tensors: dict[str, torch.Tensor], where: str) -> Any:
     if isinstance(value, dict):
         if all(isinstance(k, str) and k not in _MARKERS for k in value):
             return {k: _encode(v, tensors, f"{where}.{k}") for k, v in value.items()}
-        return {_DICT: [[_encode(k, tensors, f"{where} key"), _encode(v, tensors, f"{where}[{k!r}]")]
-                        for k, v in value.items()]}
-    raise StateNotData(f"rank state {where}: a {type(value).__name__} is not data (tensors, numbers, strings, "
-                       f"lists, tuples and dicts only); convert it before it goes into a checkpoint")
+        return {
+            _DICT: [
+                [_encode(k, tensors, f"{where} key"), _encode(v, tensors, f"{where}[{k!r}]")] for k, v in value.items()
+            ]
+        }
+    raise StateNotData(
+        f"rank state {where}: a {type(value).__name__} is not data (tensors, numbers, strings, "
+        f"lists, tuples and dicts only); convert it before it goes into a checkpoint"
+    )
 
 
 def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -72,7 +82,7 @@ def _decode(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
     if not isinstance(value, dict):
         return value
     if len(value) == 1:
-        (key, inner), = value.items()
+        ((key, inner),) = value.items()
         if key == _TENSOR:
             return tensors[inner]
         if key == _ARRAY:

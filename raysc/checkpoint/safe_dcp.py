@@ -64,8 +64,7 @@ def _allowed(module: str, name: str) -> Any | None:
         return dcp_fs._StorageInfo
     if module == "torch":
         obj = getattr(torch, name, None)
-        return obj if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) \
-            else None
+        return obj if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)) else None
     if module == "torch.serialization" and name == "_get_layout":  # looks a layout up by its name
         return torch.serialization._get_layout
     if module == "pathlib" and name in ("Path", "PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath"):
@@ -81,8 +80,9 @@ class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str) -> Any:
         obj = _allowed(module, name)
         if obj is None:
-            raise CheckpointRejected(".metadata", f"references {module}.{name}, which is not DCP metadata "
-                                                  f"(refused: it could run code)")
+            raise CheckpointRejected(
+                ".metadata", f"references {module}.{name}, which is not DCP metadata (refused: it could run code)"
+            )
         return obj
 
 
@@ -119,8 +119,10 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         try:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as e:
-            raise CheckpointRejected(f"value {read_item.dest_index.fqn!r} of a .distcp shard",
-                                     f"not plain data (refused: {str(e).splitlines()[0]})") from None
+            raise CheckpointRejected(
+                f"value {read_item.dest_index.fqn!r} of a .distcp shard",
+                f"not plain data (refused: {str(e).splitlines()[0]})",
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
         else:

@@ -58,12 +58,16 @@ class Signer:
         redacted one, as a run's saved config.toml does); previous keys from the environment."""
         key = configured if configured and configured != REDACTED else os.environ.get(KEY_ENV, "")
         if configured == REDACTED and not key:
-            raise ValueError(f"this config comes from a run that signs its checkpoints (checkpoint.signing_key "
-                             f"is redacted on disk): set {KEY_ENV} to that key so they can be verified")
+            raise ValueError(
+                f"this config comes from a run that signs its checkpoints (checkpoint.signing_key "
+                f"is redacted on disk): set {KEY_ENV} to that key so they can be verified"
+            )
         previous = tuple(k.strip() for k in os.environ.get(PREVIOUS_KEYS_ENV, "").split(",") if k.strip())
         if key and len(key) < MIN_KEY_CHARS:
-            raise ValueError(f"checkpoint.signing_key is {len(key)} characters: use at least {MIN_KEY_CHARS} "
-                             f"random ones, e.g. `openssl rand -hex 32`")
+            raise ValueError(
+                f"checkpoint.signing_key is {len(key)} characters: use at least {MIN_KEY_CHARS} "
+                f"random ones, e.g. `openssl rand -hex 32`"
+            )
         return cls(key, previous)
 
     @property
@@ -85,8 +89,10 @@ class Signer:
         if not self.key:
             return None
         if not isinstance(manifest.get("signature"), dict):
-            return (f"unsigned, and this run requires signed checkpoints ({KEY_ENV} / checkpoint.signing_key "
-                    f"is set): refused before parsing any file")
+            return (
+                f"unsigned, and this run requires signed checkpoints ({KEY_ENV} / checkpoint.signing_key "
+                f"is set): refused before parsing any file"
+            )
         return self._verify(manifest)
 
     def _verify(self, manifest: dict) -> str | None:
@@ -96,8 +102,10 @@ class Signer:
         keys = {key_id(k): k for k in (*self.previous, self.key) if k}
         key = keys.get(sig.get("key_id", ""))
         if key is None:
-            return (f"signed with another key (key id {sig.get('key_id')!r}, this run has "
-                    f"{sorted(keys)}): after a rotation put the old key in {PREVIOUS_KEYS_ENV}")
+            return (
+                f"signed with another key (key id {sig.get('key_id')!r}, this run has "
+                f"{sorted(keys)}): after a rotation put the old key in {PREVIOUS_KEYS_ENV}"
+            )
         if not hmac.compare_digest(str(sig.get("value", "")), _mac(key, manifest)):
             return "bad signature: the manifest was altered after it was signed (or forged): refused"
         return None

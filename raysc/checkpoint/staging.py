@@ -36,8 +36,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from raysc.checkpoint.rank_state import BadRankState, load_rank_state, save_rank_state
-from raysc.checkpoint.safe_dcp import (LOAD_ERRORS, CheckpointRejected, SafeFileSystemReader, SafeLoadPlanner,
-                                       load_metadata, rejection_in)
+from raysc.checkpoint.safe_dcp import (
+    LOAD_ERRORS,
+    CheckpointRejected,
+    SafeFileSystemReader,
+    SafeLoadPlanner,
+    load_metadata,
+    rejection_in,
+)
 from raysc.checkpoint.store import CorruptCheckpoint
 from raysc.hashing import file_sha256
 
@@ -111,8 +117,9 @@ class Staged:
         return {name: d for name, d in {**self.fs.digests, **self.extra}.items() if d is not None}
 
 
-def write_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group=None,
-                 asynchronous: bool = False) -> Staged:
+def write_shards(
+    local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, group=None, asynchronous: bool = False
+) -> Staged:
     """Write this rank's DCP shards (collective over ``group``) into ``local_dir``. Asynchronously,
     the state is copied to CPU memory now and written by a background thread; ``Staged.wait()``
     returns when the files are on disk."""
@@ -136,8 +143,9 @@ def save_extra(staged: Staged, local_dir: Path, extra: dict, rank: int) -> None:
     staged.extra[path.name] = (path.stat().st_size, file_sha256(path))
 
 
-def stage_shards(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, rank: int,
-                 group=None) -> tuple[list[str], dict[str, Digest]]:
+def stage_shards(
+    local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, extra: dict, rank: int, group=None
+) -> tuple[list[str], dict[str, Digest]]:
     """Write this rank's DCP shards and extra state into ``local_dir``; return the files it wrote
     and their digests."""
     staged = write_shards(local_dir, model, optimizer, group)
@@ -156,8 +164,9 @@ def rank_files(local_dir: Path, rank: int) -> list[str]:
     return sorted(names)
 
 
-def load_local(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int,
-               step: int = -1) -> dict:
+def load_local(
+    local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None, rank: int, step: int = -1
+) -> dict:
     """Load tensors in place from a local copy of checkpoint ``step`` (DCP reshards as needed) and
     return this rank's training state. Raises ``CorruptCheckpoint`` when a file is not data.
 
@@ -182,8 +191,9 @@ def load_local(local_dir: Path, model: nn.Module, optimizer: torch.optim.Optimiz
             msd, osd = get_state_dict(model, optimizer, options=OPTIONS)
             sd = {"model": msd, "optim": osd}
             dcp.load(sd, storage_reader=reader, planner=planner, no_dist=True)
-            set_state_dict(model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"],
-                           options=OPTIONS)
+            set_state_dict(
+                model, optimizer, model_state_dict=sd["model"], optim_state_dict=sd["optim"], options=OPTIONS
+            )
         else:
             msd = model.state_dict()
             dcp.load({"model": msd}, storage_reader=reader, planner=planner, no_dist=True)

@@ -59,7 +59,7 @@ def parse_storage_options(text: str) -> dict[str, Any]:
         return {}
     value = json.loads(text)
     if not isinstance(value, dict):
-        raise ValueError("must be a JSON object, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'")
+        raise ValueError('must be a JSON object, e.g. \'{"endpoint_url": "http://127.0.0.1:9000"}\'')
     return value
 
 
@@ -133,16 +133,18 @@ class Storage:
     def usage(self, rel: str) -> int:
         """Bytes stored under ``rel`` (0 if nothing is there)."""
         try:
-            return int(sum(info.get("size", 0) for info in
-                           self.fs.find(self._fresh(self.path(rel)), detail=True).values()))
+            return int(
+                sum(info.get("size", 0) for info in self.fs.find(self._fresh(self.path(rel)), detail=True).values())
+            )
         except FileNotFoundError:
             return 0
 
     def delete(self, rel: str) -> None:
         self.fs.rm_file(self.path(rel))
 
-    def upload_file(self, local_path: str, rel: str, known: tuple[int, str] | None = None,
-                    chunk: int = 8 << 20) -> tuple[int, str]:
+    def upload_file(
+        self, local_path: str, rel: str, known: tuple[int, str] | None = None, chunk: int = 8 << 20
+    ) -> tuple[int, str]:
         """Send a local file to ``rel``; return (size, sha256).
 
         ``known`` is the digest taken when the file was written (``staging.HashingFileSystem``):
@@ -172,12 +174,12 @@ class Storage:
             if actual == size:  # a truncated object is read whole, so the caller sees its real size
                 part = max(MIN_PART, -(-size // self.concurrency))
                 starts = list(range(0, size, part))
-                return self.fs.cat_ranges([full] * len(starts), starts, [min(size, a + part) for a in starts],
-                                          on_error="raise")
+                return self.fs.cat_ranges(
+                    [full] * len(starts), starts, [min(size, a + part) for a in starts], on_error="raise"
+                )
         return [self.fs.cat_file(full)]
 
-    def download_file(self, rel: str, local_path: str, size_hint: int = 0, chunk: int = 8 << 20
-                      ) -> tuple[int, str]:
+    def download_file(self, rel: str, local_path: str, size_hint: int = 0, chunk: int = 8 << 20) -> tuple[int, str]:
         """Bring ``rel`` to a local file; return (size, sha256) of the bytes received."""
         os.makedirs(os.path.dirname(local_path), exist_ok=True)
         if size_hint and size_hint <= WHOLE_OBJECT_MAX:
@@ -221,22 +223,29 @@ class Storage:
         except FileNotFoundError as e:
             raise StorageError(
                 f"checkpoint.uri {self.uri!r}: the bucket or directory does not exist ({e}). "
-                f"Create it first (e.g. `aws s3 mb s3://BUCKET`) or fix the URI.") from None
+                f"Create it first (e.g. `aws s3 mb s3://BUCKET`) or fix the URI."
+            ) from None
         except PermissionError as e:
             raise StorageError(
                 f"checkpoint.uri {self.uri!r}: access denied ({e}). Check the credentials "
                 f"(AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY or checkpoint.storage_options) and that "
-                f"they may write, read and delete under this prefix.") from None
+                f"they may write, read and delete under this prefix."
+            ) from None
         except Exception as e:
             if not isinstance(e, OSError) and not _unreachable(e):
-                raise StorageError(f"checkpoint.uri {self.uri!r}: write probe failed: {type(e).__name__}: {e}") from None
+                raise StorageError(
+                    f"checkpoint.uri {self.uri!r}: write probe failed: {type(e).__name__}: {e}"
+                ) from None
             raise StorageError(
                 f"checkpoint.uri {self.uri!r}: the store is unreachable or refused the probe ({e}). "
-                f"Check the endpoint (AWS_ENDPOINT_URL or storage_options.endpoint_url) and network.") from None
+                f"Check the endpoint (AWS_ENDPOINT_URL or storage_options.endpoint_url) and network."
+            ) from None
 
 
 def _unreachable(e: Exception) -> bool:
     """Whether a client error says the endpoint could not be reached (botocore's connection errors
     are not OSErrors, and botocore and other clients have no common base class: by class name)."""
-    return any(c.__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError")
-               for c in type(e).__mro__)
+    return any(
+        c.__name__ in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError")
+        for c in type(e).__mro__
+    )

@@ -75,8 +75,12 @@ class CheckpointStore:
     @classmethod
     def for_config(cls, cfg, uri: str | None = None) -> "CheckpointStore":
         """The store of ``cfg``'s checkpoint settings at ``uri`` (default: ``cfg.checkpoint_uri``)."""
-        return cls(uri or cfg.checkpoint_uri, cfg.checkpoint.storage_options, cfg.checkpoint.transfer_concurrency,
-                   Signer.resolve(cfg.checkpoint.signing_key))
+        return cls(
+            uri or cfg.checkpoint_uri,
+            cfg.checkpoint.storage_options,
+            cfg.checkpoint.transfer_concurrency,
+            Signer.resolve(cfg.checkpoint.signing_key),
+        )
 
     # ---- listing and verification ----
     def prefix(self, step: int) -> str:
@@ -124,18 +128,22 @@ class CheckpointStore:
         """None when ``manifest`` is one this raysc reads and its signature satisfies the signer; else why not."""
         fmt = manifest.get("format")
         if fmt == CONVERTIBLE:
-            return (f"format {fmt!r} keeps per-rank state as pickle (extra_rank*.pt), which raysc no longer "
-                    f"unpickles: if you trust whoever could write this store, convert it once with "
-                    f"`raysc ckpt convert {self.uri} --step {step}`")
+            return (
+                f"format {fmt!r} keeps per-rank state as pickle (extra_rank*.pt), which raysc no longer "
+                f"unpickles: if you trust whoever could write this store, convert it once with "
+                f"`raysc ckpt convert {self.uri} --step {step}`"
+            )
         if fmt != FORMAT:
-            return (f"format {fmt!r}, this raysc reads {FORMAT!r}: load it with the raysc version that "
-                    f"wrote it")
+            return f"format {fmt!r}, this raysc reads {FORMAT!r}: load it with the raysc version that wrote it"
         reason = self.signer.check(manifest)
         if reason:
             return reason
         for entry in manifest.get("files", []):  # names are written under a local directory: no paths
-            if not isinstance(entry.get("path"), str) or not FILE_NAME.fullmatch(entry["path"]) \
-                    or entry["path"] in (".", ".."):
+            if (
+                not isinstance(entry.get("path"), str)
+                or not FILE_NAME.fullmatch(entry["path"])
+                or entry["path"] in (".", "..")
+            ):
                 return f"file name {entry.get('path')!r} is not a plain checkpoint file name: refused"
         return None
 
@@ -160,9 +168,17 @@ class CheckpointStore:
         self.storage.delete_prefix(self.prefix(step))
         return True
 
-    def upload(self, step: int, local_dir: Path, names: list[str], digests: dict | None = None, retries: int = 3,
-               backoff_s: float = 1.0, on_retry: Callable[[str, int, Exception], None] | None = None,
-               after_file: Callable[[str], None] | None = None) -> list[dict]:
+    def upload(
+        self,
+        step: int,
+        local_dir: Path,
+        names: list[str],
+        digests: dict | None = None,
+        retries: int = 3,
+        backoff_s: float = 1.0,
+        on_retry: Callable[[str, int, Exception], None] | None = None,
+        after_file: Callable[[str], None] | None = None,
+    ) -> list[dict]:
         """Upload ``names`` from ``local_dir``, up to ``concurrency`` files at once; return their
         manifest entries. ``digests`` holds (size, sha256) taken when the files were written;
         others are hashed on the way. A transient failure (throttling, 5xx, a dropped connection)
@@ -177,8 +193,9 @@ class CheckpointStore:
                 if doomed.is_set():
                     raise PermanentStorageError("not attempted", "an earlier file hit a permanent error")
                 try:
-                    size, sha = self.storage.upload_file(str(local_dir / name), f"{self.prefix(step)}/{name}",
-                                                         known=digests.get(name))
+                    size, sha = self.storage.upload_file(
+                        str(local_dir / name), f"{self.prefix(step)}/{name}", known=digests.get(name)
+                    )
                     if after_file:
                         after_file(name)
                     return {"path": name, "size": size, "sha256": sha}
@@ -191,14 +208,16 @@ class CheckpointStore:
                         raise
                     if on_retry:
                         on_retry(name, attempt + 1, e)
-                    time.sleep(backoff_s * 2 ** attempt)
+                    time.sleep(backoff_s * 2**attempt)
             raise AssertionError("unreachable")
 
         with ThreadPoolExecutor(max_workers=max(1, min(len(names), self.storage.concurrency))) as pool:
             futures = [pool.submit(one, name) for name in names]
             errors = [f.exception() for f in futures]
-            first = next((e for e in errors if isinstance(e, PermanentStorageError) and e.reason != "not attempted"),
-                         next((e for e in errors if e is not None), None))
+            first = next(
+                (e for e in errors if isinstance(e, PermanentStorageError) and e.reason != "not attempted"),
+                next((e for e in errors if e is not None), None),
+            )
             if first is not None:
                 raise first
             return [f.result() for f in futures]
@@ -215,8 +234,12 @@ class CheckpointStore:
         except Exception:  # missing, unreadable or not JSON: that rank's upload is not known to be whole
             return None
         ok = isinstance(entries, list) and all(
-            isinstance(e, dict) and isinstance(e.get("path"), str) and isinstance(e.get("size"), int)
-            and isinstance(e.get("sha256"), str) for e in entries)
+            isinstance(e, dict)
+            and isinstance(e.get("path"), str)
+            and isinstance(e.get("size"), int)
+            and isinstance(e.get("sha256"), str)
+            for e in entries
+        )
         return [{k: e[k] for k in ("path", "size", "sha256")} for e in entries] if ok else None
 
     def discard_failed(self, step: int) -> int:
@@ -230,8 +253,15 @@ class CheckpointStore:
 
     def commit(self, step: int, files: list[dict], meta: dict) -> dict:
         """Write the manifest (the commit point) after every file is durable."""
-        manifest = self.signer.sign({"format": FORMAT, "step": step, "time": time.time(),
-                                     "files": sorted(files, key=lambda f: f["path"]), **meta})
+        manifest = self.signer.sign(
+            {
+                "format": FORMAT,
+                "step": step,
+                "time": time.time(),
+                "files": sorted(files, key=lambda f: f["path"]),
+                **meta,
+            }
+        )
         self.storage.write_bytes(f"{self.prefix(step)}/{MANIFEST}", json.dumps(manifest, indent=1).encode())
         return manifest
 
@@ -240,8 +270,9 @@ class CheckpointStore:
         self.storage.delete(f"{self.prefix(step)}/{MANIFEST}")
         self.storage.delete_prefix(self.prefix(step))
 
-    def retention(self, keep_last: int, keep_every: int = 0, protect: int | None = None,
-                  steps: list[int] | None = None) -> list[int]:
+    def retention(
+        self, keep_last: int, keep_every: int = 0, protect: int | None = None, steps: list[int] | None = None
+    ) -> list[int]:
         """Delete committed checkpoints beyond the newest ``keep_last`` of ``steps`` (default: all;
         a run passes its own), sparing multiples of ``keep_every`` and ``protect``; return the
         deleted steps."""
@@ -252,8 +283,7 @@ class CheckpointStore:
         return doomed
 
     # ---- reading ----
-    def fetch(self, step: int, local_dir: Path, hot: dict | None = None, reuse_local: bool = True
-              ) -> tuple[dict, str]:
+    def fetch(self, step: int, local_dir: Path, hot: dict | None = None, reuse_local: bool = True) -> tuple[dict, str]:
         """Make ``local_dir`` hold every file of ``step`` with its recorded SHA-256.
 
         Files already there and intact are kept (unless ``reuse_local`` is False); the rest come
@@ -278,8 +308,12 @@ class CheckpointStore:
     def _fetch_file(self, step: int, entry: dict, local_dir: Path, hot: dict | None, reuse_local: bool) -> str:
         """One file of ``fetch``; returns where its bytes came from."""
         target = local_dir / entry["path"]
-        if reuse_local and target.is_file() and target.stat().st_size == entry["size"] \
-                and file_sha256(target) == entry["sha256"]:
+        if (
+            reuse_local
+            and target.is_file()
+            and target.stat().st_size == entry["size"]
+            and file_sha256(target) == entry["sha256"]
+        ):
             return "local"
         tmp = target.with_name(target.name + f".part{os.getpid()}")
         got, source = None, "hot"
@@ -292,8 +326,9 @@ class CheckpointStore:
                 got = None
         if got is None or got != (entry["size"], entry["sha256"]):
             try:
-                got = self.storage.download_file(f"{self.prefix(step)}/{entry['path']}", str(tmp),
-                                                 size_hint=entry["size"])
+                got = self.storage.download_file(
+                    f"{self.prefix(step)}/{entry['path']}", str(tmp), size_hint=entry["size"]
+                )
             except FileNotFoundError:
                 raise CorruptCheckpoint(step, entry["path"], "missing from the store") from None
             source = "store"

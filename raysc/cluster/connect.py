@@ -14,9 +14,11 @@ import os
 import socket
 
 PROBE_S = 5.0  # per step (connect, first bytes): the whole check stays well under 15 s
-HOW_TO_FIND = ("The GCS address (default port 6379) is the one `ray start --head` prints after "
-               "'ray.init(address=...)', `ray status` shows on the head, and `raysc cluster local up` prints as "
-               "RAY_ADDRESS=...; unset RAY_ADDRESS to start a local Ray instead.")
+HOW_TO_FIND = (
+    "The GCS address (default port 6379) is the one `ray start --head` prints after "
+    "'ray.init(address=...)', `ray status` shows on the head, and `raysc cluster local up` prints as "
+    "RAY_ADDRESS=...; unset RAY_ADDRESS to start a local Ray instead."
+)
 
 
 class ClusterAddressError(ConnectionError):
@@ -40,8 +42,9 @@ def check_address(address: str, source: str = "RAY_ADDRESS") -> None:
     try:
         conn = socket.create_connection(target, timeout=PROBE_S)
     except OSError as e:
-        raise ClusterAddressError(f"{source}={address}: nothing answers there ({e.strerror or e}). "
-                                  f"{HOW_TO_FIND}") from None
+        raise ClusterAddressError(
+            f"{source}={address}: nothing answers there ({e.strerror or e}). {HOW_TO_FIND}"
+        ) from None
     try:
         conn.settimeout(PROBE_S)
         conn.sendall(b"GET / HTTP/1.0\r\nHost: raysc\r\n\r\n")
@@ -51,8 +54,10 @@ def check_address(address: str, source: str = "RAY_ADDRESS") -> None:
     finally:
         conn.close()
     if first.startswith(b"HTTP/"):
-        raise ClusterAddressError(f"{source}={address}: an HTTP server answers there (the Ray dashboard's "
-                                  f"address?), not the cluster's GCS. {HOW_TO_FIND}")
+        raise ClusterAddressError(
+            f"{source}={address}: an HTTP server answers there (the Ray dashboard's "
+            f"address?), not the cluster's GCS. {HOW_TO_FIND}"
+        )
 
 
 def init_ray(address: str | None = None, **kwargs) -> None:

@@ -68,8 +68,10 @@ def shortfall(bundle: dict[str, float], count: int, nodes: list[dict[str, float]
     total = {r: sum(n.get(r, 0) for n in nodes) for r in bundle}
     need = ", ".join(f"{count * v:g} {r}" for r, v in bundle.items())
     have = ", ".join(f"{total[r]:g} {r}" for r in bundle)
-    return (f"{count} actor(s) of {_bundle_text(bundle)} ({need} in all), but the cluster's "
-            f"{describe_nodes(nodes)} hold {held} (in all {have})")
+    return (
+        f"{count} actor(s) of {_bundle_text(bundle)} ({need} in all), but the cluster's "
+        f"{describe_nodes(nodes)} hold {held} (in all {have})"
+    )
 
 
 def _bundle_text(bundle: dict[str, float]) -> str:
@@ -86,16 +88,21 @@ def require_fleet_fit(what: str, par: ParallelConfig, count: int, log: Callable[
     require_fit(what, worker_bundle(par), count, fixes, log)
 
 
-def require_fit(what: str, bundle: dict[str, float], count: int, fixes: list[str],
-                log: Callable[[str], None] = print) -> None:
+def require_fit(
+    what: str, bundle: dict[str, float], count: int, fixes: list[str], log: Callable[[str], None] = print
+) -> None:
     """Stop (``ClusterTooSmall``) when the connected cluster can never hold ``count`` actors of
     ``bundle`` and nothing can add nodes, naming ``fixes``; say what it waits for when something may."""
     missing = shortfall(bundle, count, alive_nodes())
     if not missing:
         return
     if started_here():
-        raise ClusterTooSmall(f"{what} needs {missing}. This command started its own local Ray, which no "
-                              f"autoscaler grows: {'; or '.join(fixes)}; or start a cluster with room and set "
-                              f"RAY_ADDRESS to it (`raysc cluster local up`, `ray up cluster.yaml`).")
-    log(f"[raysc] {what} needs {missing}: waiting for the cluster to add nodes (up to "
-        f"supervisor.start_timeout_s for a training fleet); otherwise {'; or '.join(fixes) or 'add nodes'}")
+        raise ClusterTooSmall(
+            f"{what} needs {missing}. This command started its own local Ray, which no "
+            f"autoscaler grows: {'; or '.join(fixes)}; or start a cluster with room and set "
+            f"RAY_ADDRESS to it (`raysc cluster local up`, `ray up cluster.yaml`)."
+        )
+    log(
+        f"[raysc] {what} needs {missing}: waiting for the cluster to add nodes (up to "
+        f"supervisor.start_timeout_s for a training fleet); otherwise {'; or '.join(fixes) or 'add nodes'}"
+    )

@@ -37,8 +37,11 @@ from typing import Callable
 from raysc.cluster.ports import free_port
 
 DEFAULT_STATE = Path(tempfile.gettempdir()) / "raysc-local-cluster.json"
-HEALTH_CHECKS = {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                 "health_check_initial_delay_ms": 1000}
+HEALTH_CHECKS = {
+    "health_check_period_ms": 500,
+    "health_check_failure_threshold": 4,
+    "health_check_initial_delay_ms": 1000,
+}
 
 
 @dataclass
@@ -56,8 +59,10 @@ class ClusterState:
     @classmethod
     def read(cls, path: Path) -> "ClusterState":
         if not path.is_file():
-            raise FileNotFoundError(f"no local cluster recorded at {path}; start one with "
-                                    f"`raysc cluster local up --nodes N --cpus-per-node C`")
+            raise FileNotFoundError(
+                f"no local cluster recorded at {path}; start one with "
+                f"`raysc cluster local up --nodes N --cpus-per-node C`"
+            )
         return cls(**json.loads(path.read_text()))
 
     def write(self, path: Path) -> None:
@@ -93,25 +98,50 @@ def once_more_if_overloaded(start: Callable[[], ClusterState], what: str) -> Clu
     except RuntimeError as e:
         if OVERLOADED_START not in str(e):
             raise
-        print(f"[raysc] {what}: a Ray node did not register with its GCS within Ray's 30 s (this machine is "
-              f"busy); starting it once more", file=sys.stderr, flush=True)
+        print(
+            f"[raysc] {what}: a Ray node did not register with its GCS within Ray's 30 s (this machine is "
+            f"busy); starting it once more",
+            file=sys.stderr,
+            flush=True,
+        )
     return start()
 
 
-def up(nodes: int, cpus_per_node: float, gpus_per_node: int = 0, state: Path = DEFAULT_STATE,
-       dashboard: bool = True, timeout_s: float = 180.0) -> ClusterState:
+def up(
+    nodes: int,
+    cpus_per_node: float,
+    gpus_per_node: int = 0,
+    state: Path = DEFAULT_STATE,
+    dashboard: bool = True,
+    timeout_s: float = 180.0,
+) -> ClusterState:
     """Start the holder process and wait until every node is up; the cluster's state (started once more
     when Ray's node start timed out on a busy machine: ``once_more_if_overloaded``)."""
-    return once_more_if_overloaded(lambda: _up(nodes, cpus_per_node, gpus_per_node, state, dashboard, timeout_s),
-                                   "the local cluster")
+    return once_more_if_overloaded(
+        lambda: _up(nodes, cpus_per_node, gpus_per_node, state, dashboard, timeout_s), "the local cluster"
+    )
 
 
-def _up(nodes: int, cpus_per_node: float, gpus_per_node: int, state: Path, dashboard: bool,
-        timeout_s: float) -> ClusterState:
+def _up(
+    nodes: int, cpus_per_node: float, gpus_per_node: int, state: Path, dashboard: bool, timeout_s: float
+) -> ClusterState:
     refuse_if_up(state)
     temp = tempfile.mkdtemp(prefix="rl-", dir="/tmp")  # Ray's socket paths must stay short
-    cmd = [sys.executable, "-m", "raysc.cluster.local", "--nodes", str(nodes), "--cpus", str(cpus_per_node),
-           "--gpus", str(gpus_per_node), "--state", str(state), "--temp-dir", temp]
+    cmd = [
+        sys.executable,
+        "-m",
+        "raysc.cluster.local",
+        "--nodes",
+        str(nodes),
+        "--cpus",
+        str(cpus_per_node),
+        "--gpus",
+        str(gpus_per_node),
+        "--state",
+        str(state),
+        "--temp-dir",
+        temp,
+    ]
     if not dashboard:
         cmd.append("--no-dashboard")
     env = _ray_env()
@@ -122,8 +152,10 @@ def _up(nodes: int, cpus_per_node: float, gpus_per_node: int, state: Path, dashb
         if holder.poll() is not None or time.monotonic() > deadline:
             holder.kill()
             _kill_leftovers(temp)
-            raise RuntimeError(f"the local cluster did not come up within {timeout_s:.0f}s; its log: "
-                               f"{Path(temp) / 'holder.log'}\n" + (Path(temp) / "holder.log").read_text()[-2000:])
+            raise RuntimeError(
+                f"the local cluster did not come up within {timeout_s:.0f}s; its log: "
+                f"{Path(temp) / 'holder.log'}\n" + (Path(temp) / "holder.log").read_text()[-2000:]
+            )
         time.sleep(0.2)
     return ClusterState.read(state)
 
@@ -136,8 +168,10 @@ def refuse_if_up(state: Path) -> None:
         except (TypeError, json.JSONDecodeError):
             old = None
         if old is not None and _alive(old.pid):
-            raise RuntimeError(f"a local cluster is already up (holder pid {old.pid}, {old.address}); "
-                               f"`raysc cluster local down` first, or pass another --state")
+            raise RuntimeError(
+                f"a local cluster is already up (holder pid {old.pid}, {old.address}); "
+                f"`raysc cluster local down` first, or pass another --state"
+            )
         state.unlink()  # a stale record of a cluster that is gone
 
 
@@ -145,8 +179,10 @@ def add_node(state: Path = DEFAULT_STATE, timeout_s: float = 120.0) -> ClusterSt
     """One more worker node (as the others); waits until it has joined."""
     current = ClusterState.read(state)
     if current.autoscale is not None:
-        raise RuntimeError(f"the cluster at {current.address} autoscales: its autoscaler adds nodes when work "
-                           f"asks for them (up to {current.autoscale['max_nodes']}); there is no node to add by hand")
+        raise RuntimeError(
+            f"the cluster at {current.address} autoscales: its autoscaler adds nodes when work "
+            f"asks for them (up to {current.autoscale['max_nodes']}); there is no node to add by hand"
+        )
     os.kill(current.pid, signal.SIGUSR1)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -225,9 +261,12 @@ def _serve(args: argparse.Namespace) -> None:
     """The holder: run the cluster until SIGTERM; SIGUSR1 adds a node."""
     from ray.cluster_utils import Cluster
 
-
-    head = {"num_cpus": 0, "temp_dir": args.temp_dir, "_system_config": HEALTH_CHECKS,
-            "include_dashboard": args.dashboard}
+    head = {
+        "num_cpus": 0,
+        "temp_dir": args.temp_dir,
+        "_system_config": HEALTH_CHECKS,
+        "include_dashboard": args.dashboard,
+    }
     dashboard = None
     if args.dashboard:
         port = free_port()

@@ -18,7 +18,21 @@ from raysc.config.schema import (
 )
 
 __all__ = [
-    "CheckpointConfig", "Config", "ConfigError", "DataConfig", "ModelConfig", "OptimConfig",
-    "ParallelConfig", "RunConfig", "ScheduleConfig", "SupervisorConfig", "TrainConfig",
-    "config_from_dict", "config_hash", "config_to_dict", "dump_config", "load_config", "validate",
+    "CheckpointConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "ModelConfig",
+    "OptimConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "ScheduleConfig",
+    "SupervisorConfig",
+    "TrainConfig",
+    "config_from_dict",
+    "config_hash",
+    "config_to_dict",
+    "dump_config",
+    "load_config",
+    "validate",
 ]

@@ -35,8 +35,10 @@ def check_dedup(cfg: Config, origin: str) -> None:
     """[dedup]: the LSH bands × rows use every MinHash function."""
     d = cfg.dedup
     if d.bands * d.rows != d.num_perm:
-        raise ConfigError(f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "
-                          f"equal dedup.num_perm = {d.num_perm}; e.g. 14 × 8 = 112.")
+        raise ConfigError(
+            f"{origin}: dedup.bands × dedup.rows = {d.bands} × {d.rows} = {d.bands * d.rows} must "
+            f"equal dedup.num_perm = {d.num_perm}; e.g. 14 × 8 = 112."
+        )
 
 
 def check_quality(cfg: Config, origin: str) -> None:
@@ -48,18 +50,22 @@ def check_quality(cfg: Config, origin: str) -> None:
         except ValueError as e:
             raise ConfigError(f"{origin}: quality.{key}: {e}") from None
     if not q.reference_run and (q.keep_top_percent < 100 or q.max_perplexity):
-        raise ConfigError(f"{origin}: quality.keep_top_percent = {q.keep_top_percent} / quality.max_perplexity = "
-                          f"{q.max_perplexity} filter by a reference model's perplexity, but quality.reference_run "
-                          f"is empty; set it to the run directory of a model trained on text you trust, or leave "
-                          f"keep_top_percent = 100 and max_perplexity = 0")
+        raise ConfigError(
+            f"{origin}: quality.keep_top_percent = {q.keep_top_percent} / quality.max_perplexity = "
+            f"{q.max_perplexity} filter by a reference model's perplexity, but quality.reference_run "
+            f"is empty; set it to the run directory of a model trained on text you trust, or leave "
+            f"keep_top_percent = 100 and max_perplexity = 0"
+        )
 
 
 def check_model(cfg: Config, origin: str) -> None:
     """[model]: head shapes, a rotary table that covers train.seq_len, μP only for raysc's own Llama."""
     m, t = cfg.model, cfg.train
     if m.dim % m.n_heads and not m.attn_head_dim:
-        raise ConfigError(f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; change one, "
-                          f"or set model.head_dim (heads need not be dim / n_heads wide).")
+        raise ConfigError(
+            f"{origin}: model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}; change one, "
+            f"or set model.head_dim (heads need not be dim / n_heads wide)."
+        )
     if m.head_dim % 2:
         raise ConfigError(
             f"{origin}: the head dim (model.head_dim, or model.dim/model.n_heads) = {m.head_dim} must be even for "
@@ -81,16 +87,21 @@ def check_model(cfg: Config, origin: str) -> None:
             f"{str(m.attention_bias).lower()}, model.qk_norm = {str(m.qk_norm).lower()}, model.rope_scaling = "
             f"{m.rope_scaling!r}) is not supported: μP's "
             f"rules cover raysc's own Llama (docs/scaling.md); set model.mup = false to continue a public "
-            f"checkpoint in its standard parametrisation.")
+            f"checkpoint in its standard parametrisation."
+        )
 
 
 def check_checkpoint(cfg: Config, origin: str) -> None:
     """[checkpoint]: kept steps fall on saved steps."""
-    if cfg.checkpoint.keep_every_steps and cfg.checkpoint.every_steps and \
-            cfg.checkpoint.keep_every_steps % cfg.checkpoint.every_steps:
+    if (
+        cfg.checkpoint.keep_every_steps
+        and cfg.checkpoint.every_steps
+        and cfg.checkpoint.keep_every_steps % cfg.checkpoint.every_steps
+    ):
         raise ConfigError(
             f"{origin}: checkpoint.keep_every_steps={cfg.checkpoint.keep_every_steps} is not a multiple of "
-            f"checkpoint.every_steps={cfg.checkpoint.every_steps}, so no checkpoint would match it.")
+            f"checkpoint.every_steps={cfg.checkpoint.every_steps}, so no checkpoint would match it."
+        )
 
 
 def check_batch(cfg: Config, origin: str) -> None:
@@ -124,57 +135,76 @@ def check_layout(cfg: Config, origin: str) -> None:
     """[parallel]: the layout against the model and batch, each check naming the numbers and a fix."""
     m, t, par = cfg.model, cfg.train, cfg.parallel
     if par.tp > 1:
-        for what, n in (("model.n_heads", m.n_heads), ("model.n_kv_heads", m.n_kv_heads),
-                        ("model.vocab_size", m.vocab_size), ("the SwiGLU hidden size", m.hidden_ffn_dim)):
+        for what, n in (
+            ("model.n_heads", m.n_heads),
+            ("model.n_kv_heads", m.n_kv_heads),
+            ("model.vocab_size", m.vocab_size),
+            ("the SwiGLU hidden size", m.hidden_ffn_dim),
+        ):
             if n % par.tp:
-                raise ConfigError(f"{origin}: {what}={n} is not divisible by parallel.tp={par.tp}; "
-                                  f"pick a tp that divides it.")
+                raise ConfigError(
+                    f"{origin}: {what}={n} is not divisible by parallel.tp={par.tp}; pick a tp that divides it."
+                )
     if par.sequence_parallel and par.tp == 1:
         raise ConfigError(f"{origin}: parallel.sequence_parallel needs parallel.tp > 1.")
     if par.cp > 1 and t.seq_len % (2 * par.cp):
-        raise ConfigError(f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
-                          f"(context parallelism gives each rank an early and a late chunk).")
+        raise ConfigError(
+            f"{origin}: train.seq_len={t.seq_len} is not divisible by 2×parallel.cp={2 * par.cp} "
+            f"(context parallelism gives each rank an early and a late chunk)."
+        )
     v = par.pp_virtual_stages
     if v > 1 and par.pp_schedule not in MULTI_STAGE:
-        raise ConfigError(f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
-                          f"(parallel.pp_schedule = {' or '.join(map(repr, MULTI_STAGE))}).")
+        raise ConfigError(
+            f"{origin}: parallel.pp_virtual_stages={v} needs an interleaved schedule "
+            f"(parallel.pp_schedule = {' or '.join(map(repr, MULTI_STAGE))})."
+        )
     if par.pp == 1:
         return
     if m.n_layers % (par.pp * v):
-        raise ConfigError(f"{origin}: model.n_layers={m.n_layers} is not divisible by parallel.pp×"
-                          f"pp_virtual_stages={par.pp}×{v}={par.pp * v}; change either so each stage gets "
-                          f"the same number of layers.")
+        raise ConfigError(
+            f"{origin}: model.n_layers={m.n_layers} is not divisible by parallel.pp×"
+            f"pp_virtual_stages={par.pp}×{v}={par.pp * v}; change either so each stage gets "
+            f"the same number of layers."
+        )
     if m.tie_embeddings:
-        raise ConfigError(f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
-                          f"(the embedding and output live on different stages); set it to false.")
+        raise ConfigError(
+            f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
+            f"(the embedding and output live on different stages); set it to false."
+        )
     if t.micro_batch:
-        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not "
-                          f"train.micro_batch.")
+        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not train.micro_batch.")
     if par.pp_schedule in MULTI_STAGE and v < 2:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs "
-                          f"parallel.pp_virtual_stages >= 2.")
+        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs parallel.pp_virtual_stages >= 2.")
     micro = par.pp_microbatches or par.pp
     local = t.global_batch_sequences // par.dp
     if local % micro:
-        raise ConfigError(f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
-                          f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
-                          f"split into parallel.pp_microbatches={micro} equal microbatches.")
+        raise ConfigError(
+            f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
+            f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
+            f"split into parallel.pp_microbatches={micro} equal microbatches."
+        )
     if par.pp_schedule != "gpipe" and micro < par.pp:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
-                          f"microbatches, got parallel.pp_microbatches={micro}.")
+        raise ConfigError(
+            f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs at least pp={par.pp} "
+            f"microbatches, got parallel.pp_microbatches={micro}."
+        )
     rounds = max(1, micro // par.pp)
     if par.pp_schedule in MULTI_STAGE and micro % rounds:
-        raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
-                          f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}.")
+        raise ConfigError(
+            f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs pp_microbatches to be a "
+            f"multiple of {rounds} (pp_microbatches // pp); use {rounds * par.pp}."
+        )
 
 
 def check_elastic(cfg: Config, origin: str) -> None:
     """parallel.elastic: min_dp within the configured size of the dimension that may change."""
     par = cfg.parallel
     if par.elastic and par.min_dp > getattr(par, par.elastic_dim):
-        raise ConfigError(f"{origin}: parallel.min_dp={par.min_dp} is larger than parallel.{par.elastic_dim}="
-                          f"{getattr(par, par.elastic_dim)}, the size an elastic run starts from and grows back "
-                          f"to; set min_dp <= {getattr(par, par.elastic_dim)}.")
+        raise ConfigError(
+            f"{origin}: parallel.min_dp={par.min_dp} is larger than parallel.{par.elastic_dim}="
+            f"{getattr(par, par.elastic_dim)}, the size an elastic run starts from and grows back "
+            f"to; set min_dp <= {getattr(par, par.elastic_dim)}."
+        )
 
 
 def check_supervisor(cfg: Config, origin: str) -> None:
@@ -188,8 +218,10 @@ def check_supervisor(cfg: Config, origin: str) -> None:
         # an elastic run's world changes: a fault for a rank it lacks now fires once it has that rank again
         # (``raysc.fleet.elastic`` checks the ranks against the configured size)
         if f.rank >= par.world_size and not par.elastic:
-            raise ConfigError(f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
-                              f"(world size {par.world_size}).")
+            raise ConfigError(
+                f"{origin}: supervisor.inject: rank {f.rank} in {f.spec!r} does not exist "
+                f"(world size {par.world_size})."
+            )
 
 
 def check_precision(cfg: Config, origin: str) -> None:
@@ -197,15 +229,19 @@ def check_precision(cfg: Config, origin: str) -> None:
     are not tensor-parallel."""
     t, par = cfg.train, cfg.parallel
     if t.compile and par.tp > 1:  # torch 2.13: a compiled TP block fails on DTensor ('_local_tensor'), seen here
-        raise ConfigError(f"{origin}: train.compile is not supported with parallel.tp={par.tp} yet (the compiled "
-                          f"tensor-parallel block fails in torch {_torch_version()}); set train.compile=false, or "
-                          f"use dp_shard / pp / cp for the model's parallelism.")
+        raise ConfigError(
+            f"{origin}: train.compile is not supported with parallel.tp={par.tp} yet (the compiled "
+            f"tensor-parallel block fails in torch {_torch_version()}); set train.compile=false, or "
+            f"use dp_shard / pp / cp for the model's parallelism."
+        )
     if t.dtype == "bf16" and par.device == "cpu":
         raise ConfigError(f"{origin}: train.dtype='bf16' needs parallel.device='cuda'; use 'auto' or 'fp32'.")
     if t.document_positions and not t.document_mask:
-        raise ConfigError(f"{origin}: train.document_positions restarts rotary positions per document, but "
-                          f"train.document_mask is off (documents would still see each other); set "
-                          f"train.document_mask=true too, or unset train.document_positions.")
+        raise ConfigError(
+            f"{origin}: train.document_positions restarts rotary positions per document, but "
+            f"train.document_mask is off (documents would still see each other); set "
+            f"train.document_mask=true too, or unset train.document_positions."
+        )
 
 
 def _torch_version() -> str:
@@ -217,8 +253,11 @@ def _torch_version() -> str:
         return "(not installed)"
 
 
-TRACKER_PACKAGES = {"tensorboard": ("track.tensorboard", "tensorboard"),
-                    "mlflow": ("track.mlflow_uri", "mlflow"), "wandb": ("track.wandb_project", "wandb")}
+TRACKER_PACKAGES = {
+    "tensorboard": ("track.tensorboard", "tensorboard"),
+    "mlflow": ("track.mlflow_uri", "mlflow"),
+    "wandb": ("track.wandb_project", "wandb"),
+}
 
 
 def check_track(cfg: Config, origin: str) -> None:
@@ -232,13 +271,24 @@ def check_track(cfg: Config, origin: str) -> None:
     for module, on in asked.items():
         if on and importlib.util.find_spec(module) is None:
             key, package = TRACKER_PACKAGES[module]
-            raise ConfigError(f"{origin}: {key} is set but the {package!r} package is not installed; "
-                              f"`pip install 'raysc[track]'` (or `pip install {package}`), or unset {key}.")
+            raise ConfigError(
+                f"{origin}: {key} is set but the {package!r} package is not installed; "
+                f"`pip install 'raysc[track]'` (or `pip install {package}`), or unset {key}."
+            )
 
 
 SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
-    check_data, check_dedup, check_quality, check_model, check_checkpoint, check_batch, check_layout,
-    check_elastic, check_supervisor, check_precision)
+    check_data,
+    check_dedup,
+    check_quality,
+    check_model,
+    check_checkpoint,
+    check_batch,
+    check_layout,
+    check_elastic,
+    check_supervisor,
+    check_precision,
+)
 
 
 def validate(cfg: Config, origin: str = "config") -> None:

@@ -9,8 +9,19 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-KINDS = ("raise", "kill", "hang", "kill_save", "slow_upload", "nan", "spike", "bitflip", "slow", "node_loss",
-         "disk_loss")
+KINDS = (
+    "raise",
+    "kill",
+    "hang",
+    "kill_save",
+    "slow_upload",
+    "nan",
+    "spike",
+    "bitflip",
+    "slow",
+    "node_loss",
+    "disk_loss",
+)
 _SPEC = re.compile(r"^(?P<kind>[a-z_]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
 
 

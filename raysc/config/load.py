@@ -53,8 +53,7 @@ def _check_value(section: str, key: str, value: Any, spec: dataclasses.Field, or
         value = float(value)
     if want is not bool and isinstance(value, bool) or not isinstance(value, want):
         raise ConfigError(
-            f"{where} = {value!r} has type {type(value).__name__}; expected {want.__name__} "
-            f"({spec.metadata['help']})."
+            f"{where} = {value!r} has type {type(value).__name__}; expected {want.__name__} ({spec.metadata['help']})."
         )
     if want is float and not math.isfinite(value):
         raise ConfigError(f"{where} = {value!r} must be a finite number.")
@@ -120,8 +119,7 @@ def load_config(path: str | Path | None = None, overrides: Iterable[str] = ()) -
         for section, table in data.items():
             if not isinstance(table, dict):
                 raise ConfigError(
-                    f"{p}: top-level key '{section}' must be a [section] table; "
-                    f"sections are: {', '.join(SECTIONS)}."
+                    f"{p}: top-level key '{section}' must be a [section] table; sections are: {', '.join(SECTIONS)}."
                 )
             for key, value in table.items():
                 _apply(cfg, section, key, value, str(p))

@@ -21,25 +21,41 @@ class ParallelConfig:
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree", min=1)
     sequence_parallel: bool = opt(False, "shard norms and activations along the sequence inside TP groups")
-    recompute: str = opt("none", "activation recomputation: none, or full (each block keeps only its input and "
-                                 "recomputes its forward in backward: ~+33% FLOPs, far less activation memory)",
-                         choices=["none", "full"])
+    recompute: str = opt(
+        "none",
+        "activation recomputation: none, or full (each block keeps only its input and "
+        "recomputes its forward in backward: ~+33% FLOPs, far less activation memory)",
+        choices=["none", "full"],
+    )
     pp_schedule: str = opt("1f1b", "pipeline schedule", choices=list(PP_SCHEDULES))
     pp_microbatches: int = opt(0, "microbatches per pipeline step; 0 = pp", min=0)
     pp_virtual_stages: int = opt(1, "model chunks per pipeline rank (interleaved schedules)", min=1)
     cpus_per_worker: float = opt(1.0, "CPU cores reserved for each worker actor (its torch thread count)", gt=0.0)
-    tp_within_node: bool = opt(False, "require every tensor/context-parallel group (tp×cp consecutive ranks) to fit "
-                                      "on one node: a layout that cannot fails before step 1, naming the node "
-                                      "sizes (false: it runs, with a layout_warning)")
-    elastic: bool = opt(False, "let the data-parallel size follow the cluster: start with the largest size in "
-                               "[min_dp, the configured one] that the cluster can place, shrink when a lost node "
-                               "is not replaced within supervisor.node_wait_s, grow back at the next checkpoint "
-                               "once there is room; the global batch, learning-rate schedule and data order stay "
-                               "the run's own (gradient accumulation makes up the difference)")
-    elastic_dim: str = opt("dp_replicate", "the data-parallel degree an elastic run may change (TP, PP and CP never "
-                                           "do)", choices=list(ELASTIC_DIMS))
-    min_dp: int = opt(1, "the smallest size of parallel.elastic_dim an elastic run continues at (below it, it "
-                         "waits for nodes as a fixed run does)", min=1)
+    tp_within_node: bool = opt(
+        False,
+        "require every tensor/context-parallel group (tp×cp consecutive ranks) to fit "
+        "on one node: a layout that cannot fails before step 1, naming the node "
+        "sizes (false: it runs, with a layout_warning)",
+    )
+    elastic: bool = opt(
+        False,
+        "let the data-parallel size follow the cluster: start with the largest size in "
+        "[min_dp, the configured one] that the cluster can place, shrink when a lost node "
+        "is not replaced within supervisor.node_wait_s, grow back at the next checkpoint "
+        "once there is room; the global batch, learning-rate schedule and data order stay "
+        "the run's own (gradient accumulation makes up the difference)",
+    )
+    elastic_dim: str = opt(
+        "dp_replicate",
+        "the data-parallel degree an elastic run may change (TP, PP and CP never do)",
+        choices=list(ELASTIC_DIMS),
+    )
+    min_dp: int = opt(
+        1,
+        "the smallest size of parallel.elastic_dim an elastic run continues at (below it, it "
+        "waits for nodes as a fixed run does)",
+        min=1,
+    )
 
     @property
     def dims(self) -> ParallelDims:

@@ -39,7 +39,7 @@ def render() -> str:
         "divides `model.n_heads`; exactly one of `train.global_batch` / `train.global_batch_tokens` (setting",
         "the token count clears the default sequence count); `train.global_batch_tokens` a multiple of",
         "`train.seq_len`; the global batch divisible by the data-parallel size and the local batch by",
-        "`train.micro_batch`; `train.dtype = \"bf16\"` only on `cuda`. Parallel layout rules (tp divides heads,",
+        '`train.micro_batch`; `train.dtype = "bf16"` only on `cuda`. Parallel layout rules (tp divides heads,',
         "KV heads, vocabulary and SwiGLU width; pp × virtual stages divides layers; 2·cp divides seq_len; the",
         "local batch splits into `pp_microbatches`; schedule needs) are listed in docs/parallelism.md.",
         "",
@@ -48,10 +48,19 @@ def render() -> str:
         lines += [f"## [{section.name}]", "", "| key | default | allowed | meaning |", "|---|---|---|---|"]
         for f in dataclasses.fields(section.default_factory()):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            shown = f'"{default}"' if isinstance(default, str) else str(default).lower() if isinstance(
-                default, bool) else "{}" if isinstance(default, dict) else repr(default)
-            lines.append(f"| `{section.name}.{f.metadata.get('key', f.name)}` | `{shown}` | {f.type} {_rules(f.metadata)} "
-                         f"| {f.metadata['help']} |")
+            shown = (
+                f'"{default}"'
+                if isinstance(default, str)
+                else str(default).lower()
+                if isinstance(default, bool)
+                else "{}"
+                if isinstance(default, dict)
+                else repr(default)
+            )
+            lines.append(
+                f"| `{section.name}.{f.metadata.get('key', f.name)}` | `{shown}` | {f.type} {_rules(f.metadata)} "
+                f"| {f.metadata['help']} |"
+            )
         lines.append("")
     return "\n".join(lines)
 

@@ -45,15 +45,17 @@ def inject_pairs(docs: list[dict], shingle: int, seed: int, per_target: int = 8)
     candidates = [r for r in docs if len(words(r["text"])) >= MIN_WORDS]
     need = per_target * len(TARGETS)
     if len(candidates) < need:
-        raise ValueError(f"the audit needs {need} documents of at least {MIN_WORDS} words; the input has "
-                         f"{len(candidates)}")
+        raise ValueError(
+            f"the audit needs {need} documents of at least {MIN_WORDS} words; the input has {len(candidates)}"
+        )
     pairs, copies = [], []
     for i, base in enumerate(rng.sample(candidates, need)):
         target = TARGETS[i % len(TARGETS)]
         text = rewrite(base["text"], target, shingle, rng)
         copy_id = f"{base['id']}~audit{i:04d}"
-        pairs.append({"original": base["id"], "copy": copy_id, "target": target,
-                      "jaccard": jaccard(base["text"], text, shingle)})
+        pairs.append(
+            {"original": base["id"], "copy": copy_id, "target": target, "jaccard": jaccard(base["text"], text, shingle)}
+        )
         copies.append({"id": copy_id, "text": text, "domain": base["domain"]})
     return pairs, copies
 
@@ -65,8 +67,7 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
     c = cfg.curate
     out = cfg.curated_uri + "/audit"
     prefix, options, files = list_inputs(cfg)
-    docs = [r for f in files for r in parse_file(f, options, c.text_field, c.id_field, c.domain_field)
-            if not r["bad"]]
+    docs = [r for f in files for r in parse_file(f, options, c.text_field, c.id_field, c.domain_field) if not r["bad"]]
     for i, r in enumerate(docs):  # inputs without ids get stable ones, so copies sort after them
         r["id"] = r["id"] or f"doc{i:07d}"
     pairs, copies = inject_pairs(docs, cfg.dedup.shingle, cfg.train.seed, pairs_per_target)
@@ -94,21 +95,38 @@ def run_audit(cfg: Config, log=print, pairs_per_target: int = 8) -> dict:
         inside = [p for p in pairs if lo <= p["jaccard"] < hi]
         removed = [p for p in inside if pair_detected(p, survivors)]
         s = np.array([p["jaccard"] for p in inside]) if inside else np.zeros(0)
-        rows.append({"similarity": f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}", "pairs": len(inside),
-                     "removed": len(removed), "recall": round(len(removed) / len(inside), 3) if inside else None,
-                     "lsh_theory": round(float(candidate_probability(s, d.bands, d.rows).mean()), 3)
-                     if inside else None})
+        rows.append(
+            {
+                "similarity": f"[{lo:.2f}, {min(hi, 1.0):.2f}{']' if hi > 1 else ')'}",
+                "pairs": len(inside),
+                "removed": len(removed),
+                "recall": round(len(removed) / len(inside), 3) if inside else None,
+                "lsh_theory": round(float(candidate_probability(s, d.bands, d.rows).mean()), 3) if inside else None,
+            }
+        )
     removed_copies = [p for p in pairs if pair_detected(p, survivors)]
     false = [p for p in removed_copies if p["jaccard"] <= 0.5]
-    audit = {"pairs": len(pairs), "bands": rows, "removed_at_or_below_0.5": len(false),
-             "precision": round(1 - len(false) / len(removed_copies), 3) if removed_copies else None,
-             "recall_at_or_above_0.85": _recall([p for p in pairs if p["jaccard"] >= 0.85], survivors),
-             "dedup": {"minhash": d.minhash, "num_perm": d.num_perm, "bands": d.bands, "rows": d.rows,
-                       "shingle": d.shingle, "threshold": d.threshold},
-             "pipeline": {k: report[k] for k in ("documents", "removed")}}
+    audit = {
+        "pairs": len(pairs),
+        "bands": rows,
+        "removed_at_or_below_0.5": len(false),
+        "precision": round(1 - len(false) / len(removed_copies), 3) if removed_copies else None,
+        "recall_at_or_above_0.85": _recall([p for p in pairs if p["jaccard"] >= 0.85], survivors),
+        "dedup": {
+            "minhash": d.minhash,
+            "num_perm": d.num_perm,
+            "bands": d.bands,
+            "rows": d.rows,
+            "shingle": d.shingle,
+            "threshold": d.threshold,
+        },
+        "pipeline": {k: report[k] for k in ("documents", "removed")},
+    }
     fs.pipe_file(f"{root}/audit.json", json.dumps({**audit, "pair_list": pairs}, indent=1).encode())
-    log(f"curate --audit: recall at similarity >= 0.85: {audit['recall_at_or_above_0.85']}, "
-        f"removed at <= 0.5: {len(false)} -> {out}/audit.json")
+    log(
+        f"curate --audit: recall at similarity >= 0.85: {audit['recall_at_or_above_0.85']}, "
+        f"removed at <= 0.5: {len(false)} -> {out}/audit.json"
+    )
     return audit
 
 

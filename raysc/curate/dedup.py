@@ -83,14 +83,17 @@ def doc_keys(batch: pa.Table, hasher: MinHasher, exact: bool, near: bool) -> pa.
     out = {"node": batch["node"].combine_chunks()}
     if near:
         sig = hasher.signatures(batch["text"].combine_chunks())
-        out["sig"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(sig.shape[1] * 4), len(sig),
-                                                          [None, pa.py_buffer(sig.tobytes())])
+        out["sig"] = pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(sig.shape[1] * 4), len(sig), [None, pa.py_buffer(sig.tobytes())]
+        )
         keys = hasher.band_keys(sig)
-        out["keys"] = pa.FixedSizeBinaryArray.from_buffers(pa.binary(keys.shape[1] * 8), len(keys),
-                                                           [None, pa.py_buffer(keys.tobytes())])
+        out["keys"] = pa.FixedSizeBinaryArray.from_buffers(
+            pa.binary(keys.shape[1] * 8), len(keys), [None, pa.py_buffer(keys.tobytes())]
+        )
     if exact:
-        out["hash_key"] = (np.array([int(h[:16], 16) for h in batch["hash"].to_pylist()], dtype=np.uint64)
-                           ^ _EXACT_KEY).view(np.int64)
+        out["hash_key"] = (
+            np.array([int(h[:16], 16) for h in batch["hash"].to_pylist()], dtype=np.uint64) ^ _EXACT_KEY
+        ).view(np.int64)
     return pa.table(out)
 
 
@@ -123,7 +126,7 @@ def _fixed_rows(col: pa.Array | pa.ChunkedArray, dtype: type) -> np.ndarray:
     arr = col.combine_chunks() if isinstance(col, pa.ChunkedArray) else col
     width = arr.type.byte_width // np.dtype(dtype).itemsize
     flat = np.frombuffer(arr.buffers()[1], dtype=dtype)
-    return flat[arr.offset * width:(arr.offset + len(arr)) * width].reshape(len(arr), width)
+    return flat[arr.offset * width : (arr.offset + len(arr)) * width].reshape(len(arr), width)
 
 
 def key_rows(keys: pa.Table) -> pa.Table:
@@ -137,12 +140,27 @@ def key_rows(keys: pa.Table) -> pa.Table:
     if "keys" in keys.column_names:
         band = _fixed_rows(keys["keys"], np.int64)
         take = pa.array(np.repeat(np.arange(n), band.shape[1]))
-        parts.append(pa.table({"bucket": band.ravel(), "node": node.take(take),
-                               "sig": keys["sig"].combine_chunks().take(take).cast(pa.binary()),
-                               "exact": np.zeros(band.size, dtype=bool)}))
+        parts.append(
+            pa.table(
+                {
+                    "bucket": band.ravel(),
+                    "node": node.take(take),
+                    "sig": keys["sig"].combine_chunks().take(take).cast(pa.binary()),
+                    "exact": np.zeros(band.size, dtype=bool),
+                }
+            )
+        )
     if "hash_key" in keys.column_names:
-        parts.append(pa.table({"bucket": keys["hash_key"].combine_chunks(), "node": node,
-                               "sig": pa.array([b""] * n, pa.binary()), "exact": np.ones(n, dtype=bool)}))
+        parts.append(
+            pa.table(
+                {
+                    "bucket": keys["hash_key"].combine_chunks(),
+                    "node": node,
+                    "sig": pa.array([b""] * n, pa.binary()),
+                    "exact": np.ones(n, dtype=bool),
+                }
+            )
+        )
     return pa.concat_tables(parts)
 
 
@@ -175,8 +193,15 @@ def gathered_forest(t: pa.Table, threshold: float) -> pa.Table:
     bucket, doc = np.concatenate(buckets or [np.zeros(0, np.int64)]), np.concatenate(docs or [np.zeros(0, np.int64)])
     nodes = t["node"].combine_chunks()
     sigs = _fixed_rows(t["sig"], np.uint32) if "sig" in t.column_names else np.zeros((n, 0), dtype=np.uint32)
-    return _forest(bucket, _rank(nodes)[doc], np.concatenate(exact or [np.zeros(0, bool)]), sigs, doc,
-                   lambda i: nodes.take(pa.array(doc[i])), threshold)
+    return _forest(
+        bucket,
+        _rank(nodes)[doc],
+        np.concatenate(exact or [np.zeros(0, bool)]),
+        sigs,
+        doc,
+        lambda i: nodes.take(pa.array(doc[i])),
+        threshold,
+    )
 
 
 def _rank(nodes: pa.Array) -> np.ndarray:
@@ -200,8 +225,8 @@ def _signature_rows(sig: pa.Array, width: int) -> tuple[np.ndarray, np.ndarray]:
         raise ValueError(f"signatures of {sorted(set(lengths.tolist()) - {0, width})} bytes, expected {width}")
     if not full.any():
         return np.zeros((0, width // 4), dtype=np.uint32), np.full(len(sig), -1)
-    offsets = np.frombuffer(sig.buffers()[1], dtype=np.int32)[sig.offset:sig.offset + len(sig) + 1]
-    data = np.frombuffer(sig.buffers()[2], dtype=np.uint8)[offsets[0]:offsets[-1]]  # the empty rows add nothing
+    offsets = np.frombuffer(sig.buffers()[1], dtype=np.int32)[sig.offset : sig.offset + len(sig) + 1]
+    data = np.frombuffer(sig.buffers()[2], dtype=np.uint8)[offsets[0] : offsets[-1]]  # the empty rows add nothing
     return data.view(np.uint32).reshape(-1, width // 4), np.where(full, np.cumsum(full) - 1, -1)
 
 
@@ -216,12 +241,18 @@ def bucket_forest(t: pa.Table, threshold: float) -> pa.Table:
     if (~exact).any():
         sig = t["sig"].combine_chunks()
         sigs, row = _signature_rows(sig, pa.compute.max(pa.compute.binary_length(sig)).as_py())
-    return _forest(t["bucket"].to_numpy(), _rank(nodes), exact, sigs, row, lambda i: nodes.take(pa.array(i)),
-                   threshold)
+    return _forest(t["bucket"].to_numpy(), _rank(nodes), exact, sigs, row, lambda i: nodes.take(pa.array(i)), threshold)
 
 
-def _forest(buckets: np.ndarray, rank: np.ndarray, exact: np.ndarray, sigs: np.ndarray, sig_row: np.ndarray,
-            node_of: Callable[[np.ndarray], pa.Array], threshold: float) -> pa.Table:
+def _forest(
+    buckets: np.ndarray,
+    rank: np.ndarray,
+    exact: np.ndarray,
+    sigs: np.ndarray,
+    sig_row: np.ndarray,
+    node_of: Callable[[np.ndarray], pa.Array],
+    threshold: float,
+) -> pa.Table:
     """Key rows (each row's key, its node's rank, whether the key is a content hash, its signature as
     ``sigs[sig_row]``; ``node_of(rows)`` gives rows' node keys): the forest edges (a, b) of the duplicate
     pairs and ``exact`` rows (smallest node, copy) for every exact copy.
@@ -249,12 +280,12 @@ def _forest(buckets: np.ndarray, rank: np.ndarray, exact: np.ndarray, sigs: np.n
         two = starts[(sizes == 2) & near[starts]]  # keys of two documents: one comparison each
         agree = np.zeros(len(two), dtype=bool)
         for lo in range(0, len(two), 4096):  # 4k pairs at a time: ~4 MiB, not 100 MB of gathered signatures
-            i = two[lo:lo + 4096]
+            i = two[lo : lo + 4096]
             same = np.count_nonzero(sigs[row[i]] == sigs[row[i + 1]], axis=1)
-            agree[lo:lo + 4096] = same / sigs.shape[1] >= threshold  # as similar_pairs' mean
+            agree[lo : lo + 4096] = same / sigs.shape[1] >= threshold  # as similar_pairs' mean
         near_a, near_b = [two[agree]], [two[agree] + 1]
         for s, k in zip(starts[(sizes > 2) & near[starts]], sizes[(sizes > 2) & near[starts]]):
-            i, j = similar_pairs(sigs[row[s:s + k]], threshold)
+            i, j = similar_pairs(sigs[row[s : s + k]], threshold)
             near_a.append(s + i)
             near_b.append(s + j)
         pairs_a, pairs_b = np.concatenate(near_a), np.concatenate(near_b)
@@ -262,12 +293,15 @@ def _forest(buckets: np.ndarray, rank: np.ndarray, exact: np.ndarray, sigs: np.n
         pairs_a = pairs_b = np.zeros(0, dtype=np.int64)
     forest = forest_edges(node_of(order[pairs_a]).to_pylist(), node_of(order[pairs_b]).to_pylist())
     exact_edges = pa.table({"a": node_of(order[group_start[copies]]), "b": node_of(order[copies])})
-    return pa.concat_tables([forest.append_column("exact", pa.array([False] * len(forest), pa.bool_())),
-                             exact_edges.append_column("exact", pa.array([True] * len(exact_edges), pa.bool_()))])
+    return pa.concat_tables(
+        [
+            forest.append_column("exact", pa.array([False] * len(forest), pa.bool_())),
+            exact_edges.append_column("exact", pa.array([True] * len(exact_edges), pa.bool_())),
+        ]
+    )
 
 
-def dedup(docs: Dataset, count: int, d: DedupConfig,
-          log: Callable[[str], None] = print) -> tuple[Dataset, DedupStats]:
+def dedup(docs: Dataset, count: int, d: DedupConfig, log: Callable[[str], None] = print) -> tuple[Dataset, DedupStats]:
     """``docs`` (``count`` rows) with one survivor per exact-copy group and near-duplicate
     cluster (the smallest node key), and the stats."""
     from ray.data.expressions import col
@@ -278,16 +312,23 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     if present:
         keys = docs.select_columns(["node", *present])
     else:
-        keys = docs.map_batches(doc_keys, batch_format="pyarrow",
-                                fn_kwargs={"hasher": hasher_of(d), "exact": d.exact, "near": d.near})
+        keys = docs.map_batches(
+            doc_keys, batch_format="pyarrow", fn_kwargs={"hasher": hasher_of(d), "exact": d.exact, "near": d.near}
+        )
     docs = docs.drop_columns(present) if present else docs
     if count <= GATHER_MAX_DOCS:  # one task: no shuffle
-        edges = keys.repartition(1).map_batches(gathered_forest, batch_size=None, batch_format="pyarrow",
-                                                fn_kwargs={"threshold": d.threshold}).materialize()
+        edges = (
+            keys.repartition(1)
+            .map_batches(gathered_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold})
+            .materialize()
+        )
     else:
-        edges = keys.map_batches(key_rows, batch_format="pyarrow").repartition(
-            partitions(count * (d.bands * d.near + d.exact)), keys=["bucket"]).map_batches(
-            bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold}).materialize()
+        edges = (
+            keys.map_batches(key_rows, batch_format="pyarrow")
+            .repartition(partitions(count * (d.bands * d.near + d.exact)), keys=["bucket"])
+            .map_batches(bucket_forest, batch_size=None, batch_format="pyarrow", fn_kwargs={"threshold": d.threshold})
+            .materialize()
+        )
     n_edges = edges.count()
     log(f"curate: dedup: {n_edges} forest edge(s) of exact copies and pairs above dedup.threshold={d.threshold}")
     key_shuffles = int(count > GATHER_MAX_DOCS)
@@ -300,8 +341,16 @@ def dedup(docs: Dataset, count: int, d: DedupConfig,
     removed = losers.count()
     clusters = roots.count() - removed
     docs = drop_nodes(docs, losers, removed)
-    stats = DedupStats(count - removed, n_exact, removed - n_exact, clusters, rounds,
-                       key_shuffles + shuffles + int(removed > BROADCAST_MAX_IDS))
-    log(f"curate: dedup removed {stats.exact_removed} exact and {stats.near_removed} near copies in {clusters} "
-        f"cluster(s) ({rounds} hash-to-min rounds)")
+    stats = DedupStats(
+        count - removed,
+        n_exact,
+        removed - n_exact,
+        clusters,
+        rounds,
+        key_shuffles + shuffles + int(removed > BROADCAST_MAX_IDS),
+    )
+    log(
+        f"curate: dedup removed {stats.exact_removed} exact and {stats.near_removed} near copies in {clusters} "
+        f"cluster(s) ({rounds} hash-to-min rounds)"
+    )
     return docs, stats

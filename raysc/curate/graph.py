@@ -62,8 +62,9 @@ def forest_edges(a: list, b: list) -> pa.Table:
 
     roots = union_find(a, b)
     pairs = [(r, x) for x, r in roots.items() if x != r]
-    return pa.table({"a": pa.array([r for r, _ in pairs], pa.string()),
-                     "b": pa.array([x for _, x in pairs], pa.string())})
+    return pa.table(
+        {"a": pa.array([r for r, _ in pairs], pa.string()), "b": pa.array([x for _, x in pairs], pa.string())}
+    )
 
 
 def _roots_of_block(t: pa.Table) -> pa.Table:
@@ -74,8 +75,9 @@ def _roots_of_block(t: pa.Table) -> pa.Table:
     return pa.table({"node": pa.array(list(roots), pa.string()), "root": pa.array(list(roots.values()), pa.string())})
 
 
-def components(edges: Dataset, count: int, max_rounds: int,
-               log: Callable[[str], None] = print) -> tuple[Dataset, int, int]:
+def components(
+    edges: Dataset, count: int, max_rounds: int, log: Callable[[str], None] = print
+) -> tuple[Dataset, int, int]:
     """(node, root) of every node of the graph ``edges`` (``count`` (a, b) rows), the hash-to-min
     rounds and shuffles used: zero of each when the edges fit ``GATHER_MAX_EDGES``."""
     if count <= GATHER_MAX_EDGES:
@@ -84,8 +86,7 @@ def components(edges: Dataset, count: int, max_rounds: int,
     return roots, rounds, rounds + 1
 
 
-def connected_components(edges: Dataset, max_rounds: int,
-                         log: Callable[[str], None] = print) -> tuple[Dataset, int]:
+def connected_components(edges: Dataset, max_rounds: int, log: Callable[[str], None] = print) -> tuple[Dataset, int]:
     """Clusters of an undirected graph given as a Ray Dataset of (a, b) rows.
 
     Hash-to-min (Rastogi et al., "Finding connected components in map-reduce in logarithmic
@@ -94,12 +95,20 @@ def connected_components(edges: Dataset, max_rounds: int,
     group-by. At the fixed point, min(C) of every node is the smallest node of its component.
     Returns a Dataset of (node, root) and the rounds used."""
     parts = shuffle_partitions(4 * edges.count())
-    state = edges.map_batches(_init, batch_format="numpy").groupby("node", num_partitions=parts).map_groups(
-        _merge, batch_format="pyarrow").materialize()
+    state = (
+        edges.map_batches(_init, batch_format="numpy")
+        .groupby("node", num_partitions=parts)
+        .map_groups(_merge, batch_format="pyarrow")
+        .materialize()
+    )
     previous = None
     for rounds in range(1, max_rounds + 1):
-        state = state.map_batches(_send, batch_format="numpy").groupby("node", num_partitions=parts).map_groups(
-            _merge, batch_format="pyarrow").materialize()
+        state = (
+            state.map_batches(_send, batch_format="numpy")
+            .groupby("node", num_partitions=parts)
+            .map_groups(_merge, batch_format="pyarrow")
+            .materialize()
+        )
         fp = state.map_batches(_fingerprint, batch_format="numpy").sum("fp")
         log(f"  connected components: round {rounds}, {state.count()} nodes")
         if fp == previous:
@@ -107,9 +116,10 @@ def connected_components(edges: Dataset, max_rounds: int,
         previous = fp
     else:
         raise CurateError(f"connected components did not converge in dedup.max_rounds={max_rounds} rounds")
-    roots = state.map_batches(lambda b: {"node": b["node"], "root": np.array([c[0] for c in b["members"]],
-                                                                               dtype=object)},
-                              batch_format="numpy")
+    roots = state.map_batches(
+        lambda b: {"node": b["node"], "root": np.array([c[0] for c in b["members"]], dtype=object)},
+        batch_format="numpy",
+    )
     return roots, rounds
 
 
@@ -146,8 +156,15 @@ def _send(batch: dict) -> dict:
 
 def _fingerprint(batch: dict) -> dict:
     """A hash of each node's set, summed to tell when a round changed nothing."""
-    return {"fp": np.array([int(hashlib.blake2b(f"{n}\x00{'|'.join(c)}".encode(), digest_size=6).hexdigest(), 16)
-                            for n, c in zip(batch["node"], batch["members"])], dtype=np.int64)}
+    return {
+        "fp": np.array(
+            [
+                int(hashlib.blake2b(f"{n}\x00{'|'.join(c)}".encode(), digest_size=6).hexdigest(), 16)
+                for n, c in zip(batch["node"], batch["members"])
+            ],
+            dtype=np.int64,
+        )
+    }
 
 
 BROADCAST_MAX_IDS = 1_000_000  # up to this many removed ids are broadcast as a set, not shuffled
@@ -195,5 +212,4 @@ def anti_join(left: Dataset, right: Dataset, key: str) -> Dataset:
         return group.drop_columns(["_drop"])
 
     parts = shuffle_partitions(left.count())
-    return marked_left.union(marked_right).groupby(key, num_partitions=parts).map_groups(
-        keep, batch_format="pyarrow")
+    return marked_left.union(marked_right).groupby(key, num_partitions=parts).map_groups(keep, batch_format="pyarrow")

@@ -32,8 +32,10 @@ TEXT_SUFFIXES = (".txt", ".md", ".text")
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet", *TEXT_SUFFIXES)  # each also as .gz or .zst
 _SPACES = re.compile(r"[ \t\f\v\u00a0\u2000-\u200b\u3000]+")
 _BLANKS = re.compile(r"\n{3,}")
-_CODE_LINE = re.compile(r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|#include|"
-                        r"[{}]$|.*;$|@\w+)")
+_CODE_LINE = re.compile(
+    r"^\s*(def |class |import |from \S+ import |return\b|if .*:$|for .*:$|#include|"
+    r"[{}]$|.*;$|@\w+)"
+)
 
 
 def list_inputs(cfg: Config) -> tuple[str, dict, list[str]]:
@@ -55,11 +57,14 @@ def list_inputs(cfg: Config) -> tuple[str, dict, list[str]]:
     elif fs.exists(path):
         files = [path]
     else:
-        raise CurateError(f"curate.input {c.input!r} does not exist; give a file, a directory or a glob "
-                          f"of .jsonl / .parquet / .txt files, plain or {' / '.join(CODECS)} (or 'bundled').")
+        raise CurateError(
+            f"curate.input {c.input!r} does not exist; give a file, a directory or a glob "
+            f"of .jsonl / .parquet / .txt files, plain or {' / '.join(CODECS)} (or 'bundled')."
+        )
     if not files:
-        raise CurateError(f"curate.input {c.input!r} holds no .jsonl, .json, .parquet or text files (plain or "
-                          f"{' / '.join(CODECS)}).")
+        raise CurateError(
+            f"curate.input {c.input!r} holds no .jsonl, .json, .parquet or text files (plain or {' / '.join(CODECS)})."
+        )
     return prefix, dict(c.storage_options), [f"{prefix}{f}" for f in files]
 
 
@@ -73,20 +78,29 @@ def _bad(where: str, reason: str, sample: str) -> dict:
 
 def _row(doc_id, text: str, domain, url, where: str) -> dict:
     """A parsed document; the input's id and URL kept as strings ('' when the input has none)."""
-    return {"id": "" if doc_id is None else str(doc_id), "text": text, "domain": str(domain or ""),
-            "url": "" if url is None else str(url), "source": where, "bad": "", "sample": ""}
+    return {
+        "id": "" if doc_id is None else str(doc_id),
+        "text": text,
+        "domain": str(domain or ""),
+        "url": "" if url is None else str(url),
+        "source": where,
+        "bad": "",
+        "sample": "",
+    }
 
 
-def parse_file(uri: str, options: dict, text_field: str, id_field: str, domain_field: str,
-               url_field: str = "url") -> list[dict]:
+def parse_file(
+    uri: str, options: dict, text_field: str, id_field: str, domain_field: str, url_field: str = "url"
+) -> list[dict]:
     """Every record of one input file (``.gz`` / ``.zst`` decompressed by suffix); bad ones as rows with
     ``bad`` set to the reason, a damaged compressed file as the records before the damage and one such row."""
     data, damaged = read_bytes(uri, options)
     return _parse_records(data, damaged, uri, text_field, id_field, domain_field, url_field)
 
 
-def parse_file_table(uri: str, options: dict, text_field: str, id_field: str, domain_field: str,
-                     url_field: str = "url") -> pa.Table:
+def parse_file_table(
+    uri: str, options: dict, text_field: str, id_field: str, domain_field: str, url_field: str = "url"
+) -> pa.Table:
     """``parse_file`` as an Arrow table of ``ROW_FIELDS`` (strings), by Arrow when the file allows."""
     import pyarrow as pa
 
@@ -102,8 +116,9 @@ def parse_file_table(uri: str, options: dict, text_field: str, id_field: str, do
     return pa.Table.from_pylist(rows, schema=pa.schema([(f, pa.string()) for f in ROW_FIELDS]))
 
 
-def _parse_records(data: bytes, damaged: str, uri: str, text_field: str, id_field: str, domain_field: str,
-                   url_field: str) -> list[dict]:
+def _parse_records(
+    data: bytes, damaged: str, uri: str, text_field: str, id_field: str, domain_field: str, url_field: str
+) -> list[dict]:
     name = uri.rsplit("/", 1)[-1]
     kind = split_codec(uri)[0]
     if damaged:  # the last, partial line is part of the damage
@@ -115,8 +130,9 @@ def _parse_records(data: bytes, damaged: str, uri: str, text_field: str, id_fiel
     return rows
 
 
-def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_field: str, domain_field: str,
-           url_field: str) -> list[dict]:
+def _parse(
+    data: bytes, uri: str, name: str, kind: str, text_field: str, id_field: str, domain_field: str, url_field: str
+) -> list[dict]:
     """The records of one file's (decompressed) bytes; ``kind`` is its name without a compression suffix."""
     rows: list[dict] = []
     if kind.endswith(".parquet"):
@@ -135,9 +151,15 @@ def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_fiel
             if not isinstance(text, str):
                 rows.append(_bad(where, f"field '{text_field}' is not a string", repr(text)))
                 continue
-            rows.append(_row(cols[id_field][i] if id_field in cols else None, text,
-                             cols[domain_field][i] if domain_field in cols else "",
-                             cols[url_field][i] if url_field in cols else None, where))
+            rows.append(
+                _row(
+                    cols[id_field][i] if id_field in cols else None,
+                    text,
+                    cols[domain_field][i] if domain_field in cols else "",
+                    cols[url_field][i] if url_field in cols else None,
+                    where,
+                )
+            )
         return rows
     if kind.endswith(TEXT_SUFFIXES):
         try:
@@ -168,19 +190,21 @@ def _parse(data: bytes, uri: str, name: str, kind: str, text_field: str, id_fiel
 def _first_byte(data: bytes) -> bytes:
     """The first byte that is not JSON whitespace ('' for none), without copying the file."""
     start = _JSON_SPACE.match(data).end()
-    return data[start:start + 1]
+    return data[start : start + 1]
 
 
-def _record(rec, where: str, raw: Callable[[], str], text_field: str, id_field: str, domain_field: str,
-            url_field: str) -> dict:
+def _record(
+    rec, where: str, raw: Callable[[], str], text_field: str, id_field: str, domain_field: str, url_field: str
+) -> dict:
     """One parsed JSON value as a row: a document, or a bad row when it is no object with a string text."""
     if not isinstance(rec, dict) or not isinstance(rec.get(text_field), str):
         return _bad(where, f"missing or non-string field '{text_field}'", raw())
     return _row(rec.get(id_field) or None, rec[text_field], rec.get(domain_field), rec.get(url_field), where)
 
 
-def _json_document(data: bytes, name: str, text_field: str, id_field: str, domain_field: str,
-                   url_field: str) -> list[dict] | None:
+def _json_document(
+    data: bytes, name: str, text_field: str, id_field: str, domain_field: str, url_field: str
+) -> list[dict] | None:
     """A ``.json`` file that is one JSON document: an array of records (each ``name[i]``) or one record
     (``name``); a malformed array is one bad row for the file. None for JSON lines (more than one value:
     the caller reads them line by line, as it does a file that is not UTF-8)."""
@@ -191,12 +215,18 @@ def _json_document(data: bytes, name: str, text_field: str, id_field: str, domai
         return None
     except json.JSONDecodeError as e:
         if _first_byte(data) == b"[":
-            return [_bad(name, f"malformed JSON array ({e.msg} at line {e.lineno}, column {e.colno})",
-                         data[max(0, e.pos - 100):e.pos + 100].decode("utf-8", "replace"))]
+            return [
+                _bad(
+                    name,
+                    f"malformed JSON array ({e.msg} at line {e.lineno}, column {e.colno})",
+                    data[max(0, e.pos - 100) : e.pos + 100].decode("utf-8", "replace"),
+                )
+            ]
         return None
     if isinstance(doc, list):
-        return [_record(rec, f"{name}[{i}]", lambda rec=rec: json.dumps(rec)[:200], *fields)
-                for i, rec in enumerate(doc)]
+        return [
+            _record(rec, f"{name}[{i}]", lambda rec=rec: json.dumps(rec)[:200], *fields) for i, rec in enumerate(doc)
+        ]
     return [_record(doc, name, lambda: data[:200].decode("utf-8", "replace"), *fields)]
 
 
@@ -249,8 +279,9 @@ def _arrow_rows(table: pa.Table, name: str, first: int, text_field: str, fields:
     return rows
 
 
-def _jsonl_table(data: bytes, name: str, text_field: str, id_field: str, domain_field: str,
-                 url_field: str) -> pa.Table | None:
+def _jsonl_table(
+    data: bytes, name: str, text_field: str, id_field: str, domain_field: str, url_field: str
+) -> pa.Table | None:
     """A JSONL file by pyarrow's JSON reader, or None unless every line is one JSON object with a
     string text (no blank lines: each row's line number is its place in the file)."""
     import pyarrow as pa
@@ -267,12 +298,14 @@ def _jsonl_table(data: bytes, name: str, text_field: str, id_field: str, domain_
     if table.num_rows != lines:
         return None
     # the per-record parser's rules: ``rec.get(id) or None`` (so 0 and '' are no id), ``domain or ''``
-    return _arrow_rows(table, name, 1, text_field,
-                       {"id": (id_field, True), "domain": (domain_field, True), "url": (url_field, False)})
+    return _arrow_rows(
+        table, name, 1, text_field, {"id": (id_field, True), "domain": (domain_field, True), "url": (url_field, False)}
+    )
 
 
-def _parquet_table(data: bytes, name: str, text_field: str, id_field: str, domain_field: str,
-                   url_field: str) -> pa.Table | None:
+def _parquet_table(
+    data: bytes, name: str, text_field: str, id_field: str, domain_field: str, url_field: str
+) -> pa.Table | None:
     """A Parquet file column by column, or None (the per-record parser reports what is wrong)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -281,8 +314,9 @@ def _parquet_table(data: bytes, name: str, text_field: str, id_field: str, domai
         table = pq.read_table(io.BytesIO(data))
     except (pa.ArrowInvalid, OSError):
         return None
-    return _arrow_rows(table, name, 0, text_field,
-                       {"id": (id_field, False), "domain": (domain_field, True), "url": (url_field, False)})
+    return _arrow_rows(
+        table, name, 0, text_field, {"id": (id_field, False), "domain": (domain_field, True), "url": (url_field, False)}
+    )
 
 
 def normalise(text: str) -> str:
@@ -306,10 +340,13 @@ def _re2_class(chars: str) -> str:
 
 
 # ``str.isspace()`` characters (what ``str.strip`` removes), listed: tests/test_curate_dedup.py checks the list
-ISSPACE = ("\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680" + "".join(map(chr, range(0x2000, 0x200b)))
-           + "\u2028\u2029\u202f\u205f\u3000")
+ISSPACE = (
+    "\t\n\x0b\x0c\r\x1c\x1d\x1e\x1f \x85\xa0\u1680"
+    + "".join(map(chr, range(0x2000, 0x200B)))
+    + "\u2028\u2029\u202f\u205f\u3000"
+)
 # _SPACES as RE2, matching only the runs that change (a lone " " is left: replacing every one took 5x longer)
-_SPACE_CLASS = f"{_re2_class(chr(9) + chr(12) + chr(11) + chr(0xa0))}\\x{{2000}}-\\x{{200b}}\\x{{3000}}"
+_SPACE_CLASS = f"{_re2_class(chr(9) + chr(12) + chr(11) + chr(0xA0))}\\x{{2000}}-\\x{{200b}}\\x{{3000}}"
 _SPACES_RE2 = f"[{_SPACE_CLASS}][ {_SPACE_CLASS}]*| [ {_SPACE_CLASS}]+"
 _LINE_END_RE2 = f"[{_re2_class(ISSPACE.replace(chr(10), ''))}]+\n"
 
@@ -346,7 +383,7 @@ def _sha1_hex(texts: pa.Array) -> list[str]:
 
     offset_type = np.int64 if pa.types.is_large_string(texts.type) else np.int32
     _, offsets, data = texts.buffers()
-    bounds = np.frombuffer(offsets, dtype=offset_type)[texts.offset:texts.offset + len(texts) + 1]
+    bounds = np.frombuffer(offsets, dtype=offset_type)[texts.offset : texts.offset + len(texts) + 1]
     view = memoryview(data) if data is not None else memoryview(b"")
     return [hashlib.sha1(view[a:b]).hexdigest() for a, b in zip(bounds[:-1].tolist(), bounds[1:].tolist())]
 
@@ -369,7 +406,13 @@ def normalise_batch(batch: pa.Table) -> pa.Table:
     for i in np.flatnonzero(pc.and_(pc.equal(col["domain"], ""), pc.not_equal(text, "")).to_numpy(False)):
         domains[i] = tag_domain(text[int(i)].as_py())
     out = {name: batch[name] for name in batch.column_names}
-    out.update(text=text, id=ids, domain=pa.array(domains, pa.string()), bad=bad, hash=hashes,
-               node=pc.binary_join_element_wise(ids, short, "\x00"),
-               bytes=pc.binary_length(text).cast(pa.int64()))
+    out.update(
+        text=text,
+        id=ids,
+        domain=pa.array(domains, pa.string()),
+        bad=bad,
+        hash=hashes,
+        node=pc.binary_join_element_wise(ids, short, "\x00"),
+        bytes=pc.binary_length(text).cast(pa.int64()),
+    )
     return pa.table(out)

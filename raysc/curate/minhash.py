@@ -68,8 +68,9 @@ class MinHasher:
 
     def __post_init__(self) -> None:
         if self.bands * self.rows != self.num_perm:
-            raise ValueError(f"dedup.bands × dedup.rows must equal dedup.num_perm "
-                             f"({self.bands} × {self.rows} != {self.num_perm})")
+            raise ValueError(
+                f"dedup.bands × dedup.rows must equal dedup.num_perm ({self.bands} × {self.rows} != {self.num_perm})"
+            )
         if self.scheme not in SCHEMES:
             raise ValueError(f"dedup.minhash = {self.scheme!r}: use one of {', '.join(SCHEMES)}")
         rng = np.random.default_rng(self.seed)
@@ -105,7 +106,7 @@ class MinHasher:
             # every full window of the concatenated words, by n shifted slices (contiguous, no gathers)
             full = np.zeros(max(0, len(wh) - n + 1), dtype=np.uint64)
             for k in range(n):
-                full += wh[k:k + len(full)] * self._mix[k]
+                full += wh[k : k + len(full)] * self._mix[k]
             short = np.flatnonzero(lengths < n)  # one window of all their words (none: the hash of nothing)
             short_acc = np.zeros(len(short), dtype=np.uint64)
             for k in range(n):
@@ -126,9 +127,9 @@ class MinHasher:
         sig = np.empty((len(texts), self.num_perm), dtype=np.uint32)
         one = self.scheme == "one_permutation"
         for lo in range(0, len(texts), _DOCS_PER_SLICE):
-            part = texts[lo:lo + _DOCS_PER_SLICE]
+            part = texts[lo : lo + _DOCS_PER_SLICE]
             hashes, starts = self.shingle_hashes(part)
-            sig[lo:lo + len(part)] = (self._one_permutation if one else self._k_permutations)(hashes, starts)
+            sig[lo : lo + len(part)] = (self._one_permutation if one else self._k_permutations)(hashes, starts)
         return sig
 
     def _one_permutation(self, hashes: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -196,8 +197,8 @@ class MinHasher:
             np.add(buf, self._b[:, None], out=buf)
             # ``>> 32`` is monotone, so it commutes with the minimum: shifting the reduced signatures
             # instead of the whole (num_perm, shingles) buffer saves one pass over it
-            low = np.minimum.reduceat(buf, starts[doc:last + 1] - lo, axis=1)
-            sig[doc:last + 1] = (low >> np.uint64(32)).T
+            low = np.minimum.reduceat(buf, starts[doc : last + 1] - lo, axis=1)
+            sig[doc : last + 1] = (low >> np.uint64(32)).T
             doc = last + 1
         return sig
 
@@ -213,8 +214,10 @@ class MinHasher:
 
 def jaccard(a: str, b: str, shingle: int = 5) -> float:
     """Exact Jaccard similarity of two documents' word-shingle sets (for audits and tests)."""
+
     def grams(t: str) -> set:
         w = words(t)
-        return {tuple(w[i:i + shingle]) for i in range(max(1, len(w) - shingle + 1))}
+        return {tuple(w[i : i + shingle]) for i in range(max(1, len(w) - shingle + 1))}
+
     x, y = grams(a), grams(b)
     return len(x & y) / len(x | y) if x | y else 1.0

@@ -71,8 +71,9 @@ def ngram_repetition(docs_words: list[list[str]], top_ns: list[int], dup_ns: lis
     return out
 
 
-def _top_frac(ids: np.ndarray, starts: np.ndarray, doc: np.ndarray, prefix: np.ndarray, n: int,
-              chars: np.ndarray, n_docs: int) -> np.ndarray:
+def _top_frac(
+    ids: np.ndarray, starts: np.ndarray, doc: np.ndarray, prefix: np.ndarray, n: int, chars: np.ndarray, n_docs: int
+) -> np.ndarray:
     frac = np.zeros(n_docs)
     if len(ids) == 0:
         return frac
@@ -90,8 +91,16 @@ def _top_frac(ids: np.ndarray, starts: np.ndarray, doc: np.ndarray, prefix: np.n
     return frac
 
 
-def _dup_frac(ids: np.ndarray, starts: np.ndarray, doc: np.ndarray, lengths: np.ndarray, n: int,
-              chars: np.ndarray, n_docs: int, total: int) -> np.ndarray:
+def _dup_frac(
+    ids: np.ndarray,
+    starts: np.ndarray,
+    doc: np.ndarray,
+    lengths: np.ndarray,
+    n: int,
+    chars: np.ndarray,
+    n_docs: int,
+    total: int,
+) -> np.ndarray:
     if len(ids) == 0:
         return np.zeros(n_docs)
     first = np.full(int(ids.max()) + 1, len(starts), dtype=np.int64)
@@ -110,15 +119,15 @@ def ngram_repetition_reference(words: list[str], top_ns: list[int], dup_ns: list
     total = max(sum(map(len, words)), 1)
     out = {}
     for n in top_ns:
-        grams = Counter(tuple(words[i:i + n]) for i in range(len(words) - n + 1))
+        grams = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
         gram, count = grams.most_common(1)[0] if grams else ((), 0)
         out[f"top_{n}gram_frac"] = count * sum(map(len, gram)) / total if count > 1 else 0.0
     for n in dup_ns:
         covered, seen = [False] * len(words), set()
         for i in range(len(words) - n + 1):
-            g = tuple(words[i:i + n])
+            g = tuple(words[i : i + n])
             if g in seen:
-                covered[i:i + n] = [True] * n
+                covered[i : i + n] = [True] * n
             seen.add(g)
         out[f"dup_{n}gram_frac"] = sum(len(x) for x, c in zip(words, covered) if c) / total
     return out

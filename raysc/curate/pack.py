@@ -43,9 +43,18 @@ def _tokenizer(tokenizer_json: str):
     return _TOKENIZERS[key]
 
 
-def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_json: str, vocab_size: int,
-               seq_len: int, out_uri: str, options: dict, special: dict | None = None,
-               fmt: str = "raysc") -> list[dict]:
+def pack_block(
+    ids: list[str],
+    texts: list[str],
+    domains: list[str],
+    tokenizer_json: str,
+    vocab_size: int,
+    seq_len: int,
+    out_uri: str,
+    options: dict,
+    special: dict | None = None,
+    fmt: str = "raysc",
+) -> list[dict]:
     """Encode, join and pack one block of documents; write its shards (``fmt`` megatron: one Megatron
     indexed dataset per domain, a document per sequence); return their metadata."""
     import fsspec
@@ -65,13 +74,29 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_j
             fs.makedirs(f"{root}/{domain}", exist_ok=True)
             fs.pipe_file(f"{root}/{domain}/part-{name}.bin", data)
             fs.pipe_file(f"{root}/{domain}/part-{name}.idx", index)
-            out.append({"domain": domain, "file": f"{domain}/part-{name}", "sequences": len(documents),
-                        "tokens": int(len(stream)), "documents": len(pick), "dropped_tokens": 0})
+            out.append(
+                {
+                    "domain": domain,
+                    "file": f"{domain}/part-{name}",
+                    "sequences": len(documents),
+                    "tokens": int(len(stream)),
+                    "documents": len(pick),
+                    "dropped_tokens": 0,
+                }
+            )
             continue
         n_rows = (len(stream) - 1) // seq_len
         if n_rows < 1:
-            out.append({"domain": domain, "file": "", "sequences": 0, "tokens": 0, "documents": len(pick),
-                        "dropped_tokens": int(len(stream))})
+            out.append(
+                {
+                    "domain": domain,
+                    "file": "",
+                    "sequences": 0,
+                    "tokens": 0,
+                    "documents": len(pick),
+                    "dropped_tokens": int(len(stream)),
+                }
+            )
             continue
         rows = stream[np.arange(n_rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]]
         used = n_rows * seq_len + 1
@@ -83,8 +108,16 @@ def pack_block(ids: list[str], texts: list[str], domains: list[str], tokenizer_j
             buf = io.BytesIO()
             np.save(buf, array)
             fs.pipe_file(f"{root}/{domain}/shard-{name}{suffix}.npy", buf.getvalue())
-        out.append({"domain": domain, "file": f"{domain}/shard-{name}.npy", "sequences": int(n_rows),
-                    "tokens": int(used), "documents": len(pick), "dropped_tokens": int(len(stream) - used)})
+        out.append(
+            {
+                "domain": domain,
+                "file": f"{domain}/shard-{name}.npy",
+                "sequences": int(n_rows),
+                "tokens": int(used),
+                "documents": len(pick),
+                "dropped_tokens": int(len(stream) - used),
+            }
+        )
     return out
 
 
@@ -102,9 +135,19 @@ def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: fl
     return train_tokenizer(sample_texts(texts, sample_mb, seed), vocab_size).to_str()
 
 
-def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, seq_len: int, out_uri: str,
-                 options: dict | None = None, log=print, sample_mb: float = 4.0, seed: int = 0,
-                 special: SpecialTokens | None = None, fmt: str = "raysc") -> dict:
+def pack_curated(
+    curated_uri: str,
+    tokenizer_path: str | None,
+    vocab_size: int,
+    seq_len: int,
+    out_uri: str,
+    options: dict | None = None,
+    log=print,
+    sample_mb: float = 4.0,
+    seed: int = 0,
+    special: SpecialTokens | None = None,
+    fmt: str = "raysc",
+) -> dict:
     """Token shards per domain from ``<curated_uri>/documents``; returns (and writes) the index. ``fmt``:
     ``raysc`` (rows of ``seq_len + 1``) or ``megatron`` (Megatron indexed datasets, cut into rows when read).
 
@@ -121,18 +164,24 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
     fs, root = fsspec.core.url_to_fs(curated_uri, **options)
     arrow_fs = fsspec_arrow_fs(curated_uri, options)
     if not fs.exists(f"{root}/documents"):
-        raise FileNotFoundError(f"{curated_uri}/documents does not exist: run `raysc curate` first "
-                                f"(its curate.output is what `raysc pack` reads)")
+        raise FileNotFoundError(
+            f"{curated_uri}/documents does not exist: run `raysc curate` first "
+            f"(its curate.output is what `raysc pack` reads)"
+        )
     if tokenizer_path:
         tok = load_tokenizer(tokenizer_path)
         if tok.get_vocab_size() > vocab_size:
-            raise ValueError(f"tokenizer {tokenizer_path!r} has {tok.get_vocab_size()} tokens but model.vocab_size "
-                             f"is {vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}")
+            raise ValueError(
+                f"tokenizer {tokenizer_path!r} has {tok.get_vocab_size()} tokens but model.vocab_size "
+                f"is {vocab_size}; set model.vocab_size >= {tok.get_vocab_size()}"
+            )
         tokenizer_json = tok.to_str()
         special = special or read_special_tokens(tokenizer_path, tok=tok)
     else:
-        log(f"pack: training a {vocab_size}-token BPE tokenizer on the curated documents "
-            f"(at most {sample_mb} MB of them)")
+        log(
+            f"pack: training a {vocab_size}-token BPE tokenizer on the curated documents "
+            f"(at most {sample_mb} MB of them)"
+        )
         tokenizer_json = _sample_tokenizer(f"{root}/documents", arrow_fs, vocab_size, sample_mb, seed)
     docs = ray.data.read_parquet(f"{root}/documents", filesystem=arrow_fs).select_columns(["id", "text", "domain"])
     special = special or RAYSC
@@ -142,18 +191,30 @@ def pack_curated(curated_uri: str, tokenizer_path: str | None, vocab_size: int, 
 
     def block(batch: dict) -> dict:
         meta = pack_block(list(batch["id"]), list(batch["text"]), list(batch["domain"]), *args)
-        return {k: np.array([m[k] for m in meta], dtype=object if k in ("domain", "file") else np.int64)
-                for k in meta[0]} if meta else {}
+        return (
+            {k: np.array([m[k] for m in meta], dtype=object if k in ("domain", "file") else np.int64) for k in meta[0]}
+            if meta
+            else {}
+        )
 
-    rows = sorted(docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(),
-                  key=lambda r: (r["domain"], r["file"]))
-    index: dict = {"format": MEGATRON if fmt == "megatron" else "raysc-packed-v1", "curated": curated_uri.rstrip("/"), "seq_len": seq_len,
-                   "eos": special.eos, "special_tokens": special.to_dict(), "tokenizer": "tokenizer.json",
-                   "tokenizer_source": tokenizer_path or "trained by raysc pack",
-                   "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(), "domains": {}}
+    rows = sorted(
+        docs.map_batches(block, batch_size=512, batch_format="numpy").take_all(), key=lambda r: (r["domain"], r["file"])
+    )
+    index: dict = {
+        "format": MEGATRON if fmt == "megatron" else "raysc-packed-v1",
+        "curated": curated_uri.rstrip("/"),
+        "seq_len": seq_len,
+        "eos": special.eos,
+        "special_tokens": special.to_dict(),
+        "tokenizer": "tokenizer.json",
+        "tokenizer_source": tokenizer_path or "trained by raysc pack",
+        "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
+        "domains": {},
+    }
     for r in rows:
-        d = index["domains"].setdefault(r["domain"], {"shards": [], "sequences": 0, "tokens": 0, "documents": 0,
-                                                      "dropped_tokens": 0})
+        d = index["domains"].setdefault(
+            r["domain"], {"shards": [], "sequences": 0, "tokens": 0, "documents": 0, "dropped_tokens": 0}
+        )
         if r["file"]:
             d["shards"].append(r["file"])
         for k in ("sequences", "tokens", "documents", "dropped_tokens"):

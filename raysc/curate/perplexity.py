@@ -67,9 +67,15 @@ def load_reference(run_dir: str) -> Reference:
     check_reference(run_dir)
     run = load_run(run_dir)
     weights = {k: v.detach().float().numpy() for k, v in run.model.state_dict().items()}
-    return Reference(str(Path(run_dir).resolve()), run.step, asdict(run.cfg.model), run.model.max_seq_len, weights,
-                     Path(run.tokenizer_path).read_text(encoding="utf-8"),
-                     run.special.bos_id if run.special.add_bos else run.special.eos_id)
+    return Reference(
+        str(Path(run_dir).resolve()),
+        run.step,
+        asdict(run.cfg.model),
+        run.model.max_seq_len,
+        weights,
+        Path(run.tokenizer_path).read_text(encoding="utf-8"),
+        run.special.bos_id if run.special.add_bos else run.special.eos_id,
+    )
 
 
 class PerplexityScorer:
@@ -86,7 +92,9 @@ class PerplexityScorer:
         ref: Reference = ray.get(reference) if isinstance(reference, ray.ObjectRef) else reference
         self.device = torch.device(device)
         self.model = Llama(ModelConfig(**ref.model), ref.context)
-        self.model.load_state_dict({k: torch.tensor(v) for k, v in ref.weights.items()})  # copies: object-store arrays are read-only
+        self.model.load_state_dict(
+            {k: torch.tensor(v) for k, v in ref.weights.items()}
+        )  # copies: object-store arrays are read-only
         self.model.reset_buffers()
         self.model.to(self.device).eval()
         self.tokenizer = Tokenizer.from_str(ref.tokenizer_json)
@@ -94,7 +102,7 @@ class PerplexityScorer:
         self.start_id = ref.start_id
 
     def __call__(self, batch: dict) -> dict:
-        ids = [e.ids[:self.tokens] for e in self.tokenizer.encode_batch(list(batch["text"]), add_special_tokens=False)]
+        ids = [e.ids[: self.tokens] for e in self.tokenizer.encode_batch(list(batch["text"]), add_special_tokens=False)]
         out = dict(batch)
         out["q_ppl"] = document_perplexities(self.model, ids, self.device, self.start_id)
         return out
@@ -111,14 +119,14 @@ def document_perplexities(model, docs: list[list[int]], device=None, start_id: i
     order = sorted((i for i, d in enumerate(docs) if d), key=lambda i: len(docs[i]))
     with torch.no_grad():
         for s in range(0, len(order), MICRO_BATCH):
-            chunk = order[s:s + MICRO_BATCH]
+            chunk = order[s : s + MICRO_BATCH]
             width = max(len(docs[i]) for i in chunk)
             x = torch.full((len(chunk), width + 1), start_id, dtype=torch.long)
             y = torch.full((len(chunk), width), -100, dtype=torch.long)
             for r, i in enumerate(chunk):
                 n = len(docs[i])
-                x[r, 1:n + 1] = torch.tensor(docs[i])
-                y[r, :n] = x[r, 1:n + 1]
+                x[r, 1 : n + 1] = torch.tensor(docs[i])
+                y[r, :n] = x[r, 1 : n + 1]
             logits = model(x[:, :-1].to(device)).float()
             nll = F.cross_entropy(logits.transpose(1, 2), y.to(device), ignore_index=-100, reduction="none")
             mean = nll.sum(1) / (y != -100).sum(1).to(nll.device)
@@ -135,11 +143,19 @@ def score_documents(docs: Dataset, q: QualityConfig, log: Callable[[str], None] 
     log(f"curate: perplexity under {ref.run_dir} (step {ref.step}), {q.score_actors} scorer actor(s)")
     handle = ray.put(ref)
     docs.context.op_resource_reservation_enabled = True  # an actor pool keeps its share (stages.read_documents)
-    scored = docs.map_batches(PerplexityScorer, batch_format="numpy", batch_size=256,
-                              compute=ActorPoolStrategy(size=q.score_actors),
-                              fn_constructor_kwargs={"reference": handle, "score_tokens": q.score_tokens,
-                                                     "device": "cuda" if q.score_gpus else "cpu"},
-                              num_cpus=0 if q.score_gpus else 1, num_gpus=q.score_gpus or None)
+    scored = docs.map_batches(
+        PerplexityScorer,
+        batch_format="numpy",
+        batch_size=256,
+        compute=ActorPoolStrategy(size=q.score_actors),
+        fn_constructor_kwargs={
+            "reference": handle,
+            "score_tokens": q.score_tokens,
+            "device": "cuda" if q.score_gpus else "cpu",
+        },
+        num_cpus=0 if q.score_gpus else 1,
+        num_gpus=q.score_gpus or None,
+    )
     return scored.materialize(), ref
 
 
@@ -159,15 +175,20 @@ def thresholds(scored: Dataset, count: int, q: QualityConfig) -> dict[str, dict]
         if q.max_perplexity:
             limit = min(limit, q.max_perplexity)
         p33, p50, p67 = (_finite(np.percentile(s, p)) for p in (33, 50, 67))
-        out[dom] = {"documents": int(len(s)), "p33": p33, "median": p50, "p67": p67,
-                    "keep_at_or_below": _finite(limit)}
+        out[dom] = {"documents": int(len(s)), "p33": p33, "median": p50, "p67": p67, "keep_at_or_below": _finite(limit)}
     return out
 
 
 def report_fragment(ref: Reference, q: QualityConfig, limits: dict[str, dict]) -> dict:
     """``report.json``'s ``quality.perplexity``: what scored, with which settings, and the percentiles."""
-    return {"reference_run": ref.run_dir, "reference_step": ref.step, "score_tokens": q.score_tokens,
-            "keep_top_percent": q.keep_top_percent, "max_perplexity": q.max_perplexity, "per_domain": limits}
+    return {
+        "reference_run": ref.run_dir,
+        "reference_step": ref.step,
+        "score_tokens": q.score_tokens,
+        "keep_top_percent": q.keep_top_percent,
+        "max_perplexity": q.max_perplexity,
+        "per_domain": limits,
+    }
 
 
 def _finite(x: float) -> float | None:
@@ -178,9 +199,11 @@ def _finite(x: float) -> float | None:
 def check_reference(run_dir: str) -> None:
     """Fail before any work when ``quality.reference_run`` names no run directory."""
     if not (Path(run_dir) / "config.toml").is_file():
-        raise FileNotFoundError(f"quality.reference_run = {run_dir!r} is not a raysc run directory (no config.toml); "
-                                f"train a reference model on text you trust first (`raysc train CONFIG`, data.source "
-                                f"set to that text) and point quality.reference_run at its run.dir")
+        raise FileNotFoundError(
+            f"quality.reference_run = {run_dir!r} is not a raysc run directory (no config.toml); "
+            f"train a reference model on text you trust first (`raysc train CONFIG`, data.source "
+            f"set to that text) and point quality.reference_run at its run.dir"
+        )
 
 
 def judge_perplexity(out: dict, limits: dict[str, dict]) -> None:

@@ -43,8 +43,15 @@ from raysc.curate.inputs import list_inputs
 from raysc.curate.dedup import DedupStats, dedup, keyer
 from raysc.curate.output import write_report
 from raysc.curate.perplexity import check_reference
-from raysc.curate.stages import (QualityStats, ReadStats, WriteStats, cpu_alarms_checked, quality_filter,
-                                 read_documents, write_documents)
+from raysc.curate.stages import (
+    QualityStats,
+    ReadStats,
+    WriteStats,
+    cpu_alarms_checked,
+    quality_filter,
+    read_documents,
+    write_documents,
+)
 
 
 class Stopwatch:
@@ -75,9 +82,14 @@ def curate(cfg: Config, log: Callable[[str], None] = print) -> dict:
     if cfg.quality.reference_run:
         check_reference(cfg.quality.reference_run)  # before any work, not after read and dedup
         q = cfg.quality  # the scorer pool (raysc.curate.perplexity): raysc.cluster.fit's rule, before any work
-        require_fit("the perplexity scoring", {"GPU": q.score_gpus} if q.score_gpus else {"CPU": 1.0},
-                    q.score_actors, [f"lower quality.score_actors (now {q.score_actors})"] +
-                    (["set quality.score_gpus=0 to score on CPUs"] if q.score_gpus else []), log)
+        require_fit(
+            "the perplexity scoring",
+            {"GPU": q.score_gpus} if q.score_gpus else {"CPU": 1.0},
+            q.score_actors,
+            [f"lower quality.score_actors (now {q.score_actors})"]
+            + (["set quality.score_gpus=0 to score on CPUs"] if q.score_gpus else []),
+            log,
+        )
     with cpu_alarms_checked():
         return _stages(cfg, out_uri, log)
 
@@ -103,26 +115,59 @@ def _stages(cfg: Config, out_uri: str, log: Callable[[str], None]) -> dict:
     return report
 
 
-def build_report(cfg: Config, out_uri: str, files: int, read: ReadStats, near: DedupStats,
-                 quality: QualityStats, written: WriteStats, clock: Stopwatch) -> dict:
+def build_report(
+    cfg: Config,
+    out_uri: str,
+    files: int,
+    read: ReadStats,
+    near: DedupStats,
+    quality: QualityStats,
+    written: WriteStats,
+    clock: Stopwatch,
+) -> dict:
     """The ``report.json`` of a run from the stats of its stages."""
     d = cfg.dedup
     return {
-        "input": cfg.curate.input, "output": out_uri, "files": files,
-        "documents": {"read": read.documents + read.bad, "bad_input": read.bad,
-                      "after_exact_dedup": read.documents - near.exact_removed, "after_near_dedup": near.documents,
-                      "kept": written.kept},
-        "removed": {"bad_input": read.bad, "exact_duplicates": near.exact_removed,
-                    "near_duplicates": near.near_removed, "quality": near.documents - written.kept},
-        "bad_input": {"by_reason": read.bad_by_reason,
-                      "samples": [{"where": r["source"], "reason": r["bad"], "sample": r["sample"]}
-                                  for r in read.bad_samples]},
-        "near_dedup": {"clusters": near.clusters, "cc_rounds": near.rounds,
-                       "shuffles": near.shuffles, "minhash": d.minhash, "num_perm": d.num_perm,
-                       "bands": d.bands, "rows": d.rows, "shingle": d.shingle},
-        "quality": {"enabled": quality.enabled, "dropped_by_rule": quality.dropped_by_rule,
-                    "histograms": quality.histograms, "perplexity": quality.perplexity,
-                    **({"skipped": quality.note} if quality.note else {})},
-        "domains": written.domains, "kept_bytes": written.kept_bytes, "seconds": clock.laps,
-        "seconds_total": clock.total(), "stages": clock.table,
+        "input": cfg.curate.input,
+        "output": out_uri,
+        "files": files,
+        "documents": {
+            "read": read.documents + read.bad,
+            "bad_input": read.bad,
+            "after_exact_dedup": read.documents - near.exact_removed,
+            "after_near_dedup": near.documents,
+            "kept": written.kept,
+        },
+        "removed": {
+            "bad_input": read.bad,
+            "exact_duplicates": near.exact_removed,
+            "near_duplicates": near.near_removed,
+            "quality": near.documents - written.kept,
+        },
+        "bad_input": {
+            "by_reason": read.bad_by_reason,
+            "samples": [{"where": r["source"], "reason": r["bad"], "sample": r["sample"]} for r in read.bad_samples],
+        },
+        "near_dedup": {
+            "clusters": near.clusters,
+            "cc_rounds": near.rounds,
+            "shuffles": near.shuffles,
+            "minhash": d.minhash,
+            "num_perm": d.num_perm,
+            "bands": d.bands,
+            "rows": d.rows,
+            "shingle": d.shingle,
+        },
+        "quality": {
+            "enabled": quality.enabled,
+            "dropped_by_rule": quality.dropped_by_rule,
+            "histograms": quality.histograms,
+            "perplexity": quality.perplexity,
+            **({"skipped": quality.note} if quality.note else {}),
+        },
+        "domains": written.domains,
+        "kept_bytes": written.kept_bytes,
+        "seconds": clock.laps,
+        "seconds_total": clock.total(),
+        "stages": clock.table,
     }

@@ -65,8 +65,13 @@ class QualityRules:
         grams = ngram_repetition(words, list(self.top_ngram_max), list(self.dup_ngram_max))
         out = []
         for i, (text, domain) in enumerate(zip(texts, domains)):
-            m = {**measure_gopher(text, words[i]), **measure_line_repetition(text),
-                 **{k: float(v[i]) for k, v in grams.items()}, **measure_c4(text, self), **measure_fineweb(text, self)}
+            m = {
+                **measure_gopher(text, words[i]),
+                **measure_line_repetition(text),
+                **{k: float(v[i]) for k, v in grams.items()},
+                **measure_c4(text, self),
+                **measure_fineweb(text, self),
+            }
             reason = self._first_failure(m, prose=domain not in self.skip_domains)
             out.append({**m, "keep": not reason, "reason": reason})
         return out
@@ -144,22 +149,35 @@ def measure_line_repetition(text: str) -> dict:
     paras = [p.strip() for p in re.split(r"\n\s*\n", text) if p.strip()]
     line_frac, line_chars = _dup_fracs(lines)
     para_frac, para_chars = _dup_fracs(paras)
-    return {"dup_line_frac": line_frac, "dup_line_char_frac": line_chars,
-            "dup_para_frac": para_frac, "dup_para_char_frac": para_chars}
+    return {
+        "dup_line_frac": line_frac,
+        "dup_line_char_frac": line_chars,
+        "dup_para_frac": para_frac,
+        "dup_para_char_frac": para_chars,
+    }
 
 
 def measure_c4(text: str, rules: QualityRules) -> dict:
     """C4's document-level signals and its line filter (lines kept: terminal punctuation, at
     least ``c4_min_words_per_line`` words, no 'javascript', no policy boilerplate)."""
     lower = text.lower()
-    kept = [ln for ln in _lines(text)
-            if ln.endswith(TERMINAL) and len(ln.split()) >= rules.config.c4_min_words_per_line
-            and "javascript" not in ln.lower() and not any(p in ln.lower() for p in C4_POLICY)
-            and max((len(x) for x in ln.split()), default=0) <= rules.config.c4_max_word_len]
+    kept = [
+        ln
+        for ln in _lines(text)
+        if ln.endswith(TERMINAL)
+        and len(ln.split()) >= rules.config.c4_min_words_per_line
+        and "javascript" not in ln.lower()
+        and not any(p in ln.lower() for p in C4_POLICY)
+        and max((len(x) for x in ln.split()), default=0) <= rules.config.c4_max_word_len
+    ]
     kept_text = " ".join(kept)
     sentences = len([s for s in re.split(r"(?<=[.!?])\s+", kept_text) if s.strip()]) if kept_text else 0
-    return {"c4_lorem_ipsum": "lorem ipsum" in lower, "c4_curly_bracket": "{" in text,
-            "c4_kept_lines_ratio": len(kept) / max(len(_lines(text)), 1), "c4_sentences": sentences}
+    return {
+        "c4_lorem_ipsum": "lorem ipsum" in lower,
+        "c4_curly_bracket": "{" in text,
+        "c4_kept_lines_ratio": len(kept) / max(len(_lines(text)), 1),
+        "c4_sentences": sentences,
+    }
 
 
 def measure_fineweb(text: str, rules: QualityRules) -> dict:

@@ -25,9 +25,18 @@ if TYPE_CHECKING:
     import pyarrow as pa
     from ray.data import Dataset
 
-HIST_FIELDS = ("q_words", "q_avg_word_len", "q_alpha_words_ratio", "q_stop_words", "q_dup_line_frac",
-               "q_top_2gram_frac", "q_dup_5gram_frac", "q_fw_line_punct_ratio", "q_fw_short_line_ratio",
-               "q_c4_sentences")
+HIST_FIELDS = (
+    "q_words",
+    "q_avg_word_len",
+    "q_alpha_words_ratio",
+    "q_stop_words",
+    "q_dup_line_frac",
+    "q_top_2gram_frac",
+    "q_dup_5gram_frac",
+    "q_fw_line_punct_ratio",
+    "q_fw_short_line_ratio",
+    "q_c4_sentences",
+)
 HIST_SAMPLE = 200_000  # documents whose scores go into the report's histograms
 
 
@@ -44,8 +53,13 @@ def totals_by(ds: Dataset, key: str, weight: str | None = None) -> dict[str, tup
 
     def partial(t: pa.Table) -> pa.Table:
         g = t.group_by(key).aggregate([(key, "count")] + ([(weight, "sum")] if weight else []))
-        return pa.table({"k": g[key].cast(pa.string()), "n": g[f"{key}_count"].cast(pa.int64()),
-                         "w": g[f"{weight}_sum"].cast(pa.int64()) if weight else pa.nulls(len(g), pa.int64())})
+        return pa.table(
+            {
+                "k": g[key].cast(pa.string()),
+                "n": g[f"{key}_count"].cast(pa.int64()),
+                "w": g[f"{weight}_sum"].cast(pa.int64()) if weight else pa.nulls(len(g), pa.int64()),
+            }
+        )
 
     totals: dict = {}
     for row in ds.map_batches(partial, batch_format="pyarrow", batch_size=None).take_all():
@@ -108,8 +122,13 @@ class ReadStats:
     bad_samples: list[dict]
 
 
-def read_documents(files: list[str], options: dict, c: CurateConfig, log: Callable[[str], None] = print,
-                   derive: Callable[[pa.Table], pa.Table] | None = None) -> tuple[Dataset, ReadStats]:
+def read_documents(
+    files: list[str],
+    options: dict,
+    c: CurateConfig,
+    log: Callable[[str], None] = print,
+    derive: Callable[[pa.Table], pa.Table] | None = None,
+) -> tuple[Dataset, ReadStats]:
     """Parsed and normalised documents of ``files`` (one task per file) and the read stats; bad
     records are counted, sampled (``curate.bad_samples``) and left out. ``derive`` adds columns to each
     batch of normalised documents in the same task (the dedup keys: ``raysc.curate.dedup.keyer``)."""
@@ -122,8 +141,9 @@ def read_documents(files: list[str], options: dict, c: CurateConfig, log: Callab
     # process's other Datasets do not. The perplexity scorer's actor pool turns it back on for itself.
     files_ds.context.op_resource_reservation_enabled = False
     args = (options, c.text_field, c.id_field, c.domain_field, c.url_field)
-    parsed = files_ds.map_batches(_read_files, fn_args=(args, derive), batch_format="pyarrow",
-                                  batch_size=1).materialize()
+    parsed = files_ds.map_batches(
+        _read_files, fn_args=(args, derive), batch_format="pyarrow", batch_size=1
+    ).materialize()
     by_reason = count_by(parsed, "bad")  # "" counts the good documents
     n_good = by_reason.pop("", 0)
     n_bad = sum(by_reason.values())
@@ -149,8 +169,10 @@ class QualityStats:
     note: str = ""  # why nothing was measured, when nothing was
 
 
-QUALITY_SKIPPED = ("quality.enabled = false and no quality.reference_run: no measurement computed, no q_* "
-                   "columns, no histograms (set quality.enabled = true to measure, and filter)")
+QUALITY_SKIPPED = (
+    "quality.enabled = false and no quality.reference_run: no measurement computed, no q_* "
+    "columns, no histograms (set quality.enabled = true to measure, and filter)"
+)
 
 
 def judge_batch(batch: dict, rules: QualityRules, enabled: bool, ppl_limits: dict | None = None) -> dict:
@@ -169,8 +191,9 @@ def judge_batch(batch: dict, rules: QualityRules, enabled: bool, ppl_limits: dic
     return out
 
 
-def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[str], None] = print
-                   ) -> tuple[Dataset, Dataset | None, QualityStats]:
+def quality_filter(
+    docs: Dataset, count: int, q: QualityConfig, log: Callable[[str], None] = print
+) -> tuple[Dataset, Dataset | None, QualityStats]:
     """(kept, dropped or None, stats): the Gopher, C4 and FineWeb verdict on every document, and
     with ``quality.reference_run`` the reference model's perplexity (``raysc.curate.perplexity``)."""
     rules = QualityRules.from_config(q)
@@ -183,8 +206,9 @@ def quality_filter(docs: Dataset, count: int, q: QualityConfig, log: Callable[[s
         docs, ref = score_documents(docs, q, log)
         limits = thresholds(docs, count, q)
         scored_by = report_fragment(ref, q, limits)
-    judged = docs.map_batches(judge_batch, batch_format="numpy",
-                              fn_kwargs={"rules": rules, "enabled": q.enabled, "ppl_limits": limits}).materialize()
+    judged = docs.map_batches(
+        judge_batch, batch_format="numpy", fn_kwargs={"rules": rules, "enabled": q.enabled, "ppl_limits": limits}
+    ).materialize()
     from ray.data.expressions import col
 
     kept = judged.filter(expr=col("q_keep"))  # Arrow kernels, not a Python call per row
@@ -223,5 +247,6 @@ def write_documents(kept: Dataset, dropped: Dataset | None, out_uri: str, option
     if dropped is not None and dropped.count():
         dropped.drop_columns(["node"]).write_parquet(f"{out_uri}/dropped", filesystem=arrow_fs(out_uri, options))
     totals = totals_by(kept, "domain", "bytes")  # one pass: documents and bytes per domain
-    return WriteStats(sum(n for n, _ in totals.values()), {d: n for d, (n, _) in totals.items()},
-                      sum(b for _, b in totals.values()))
+    return WriteStats(
+        sum(n for n, _ in totals.values()), {d: n for d, (n, _) in totals.items()}, sum(b for _, b in totals.values())
+    )

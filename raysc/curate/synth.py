@@ -141,15 +141,21 @@ FINEWEB_DUMP = "CC-MAIN-2024-10"
 
 def fineweb_row(doc: dict, i: int) -> dict:
     """``doc`` with FineWeb's metadata columns (made up, deterministic in ``i``; see module doc)."""
-    return {"text": doc["text"], "id": doc["id"], "dump": FINEWEB_DUMP,
-            "url": f"https://{doc['domain']}.example.org/{doc['id']}", "date": "2024-02-21T00:00:00Z",
-            "file_path": f"s3://commoncrawl/crawl-data/{FINEWEB_DUMP}/segments/{i // 10_000:05d}.warc.gz",
-            "language": "en", "language_score": round(0.65 + (i * 7919 % 3400) / 10_000, 4),
-            "token_count": len(doc["text"].encode()) // 4, "domain": doc["domain"]}
+    return {
+        "text": doc["text"],
+        "id": doc["id"],
+        "dump": FINEWEB_DUMP,
+        "url": f"https://{doc['domain']}.example.org/{doc['id']}",
+        "date": "2024-02-21T00:00:00Z",
+        "file_path": f"s3://commoncrawl/crawl-data/{FINEWEB_DUMP}/segments/{i // 10_000:05d}.warc.gz",
+        "language": "en",
+        "language_score": round(0.65 + (i * 7919 % 3400) / 10_000, 4),
+        "token_count": len(doc["text"].encode()) // 4,
+        "domain": doc["domain"],
+    }
 
 
-def write_corpus(spec: SynthSpec, out: str | Path, fmt: str = "jsonl", shard_docs: int = 50_000,
-                 log=print) -> dict:
+def write_corpus(spec: SynthSpec, out: str | Path, fmt: str = "jsonl", shard_docs: int = 50_000, log=print) -> dict:
     """Stream the corpus of ``spec`` to ``out`` (shards, truth.jsonl, meta.json); returns the meta."""
     import pyarrow as pa
     import pyarrow.parquet as pq

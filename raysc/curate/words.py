@@ -30,10 +30,10 @@ _P = np.uint64(0x9E3779B97F4A7C15)  # odd
 _P_INV = np.uint64(pow(int(_P), -1, 2**64))
 _CHUNK = 1 << 18  # bytes per numpy pass (a few MiB of uint64 arrays: stays in cache, no page faults)
 _LOWER = np.arange(256, dtype=np.uint8)
-_LOWER[ord("A"):ord("Z") + 1] += 32
+_LOWER[ord("A") : ord("Z") + 1] += 32
 _IS_WORD = np.zeros(256, dtype=bool)  # [A-Za-z0-9_] and every byte of a non-ASCII character
 for _lo, _hi in (("0", "9"), ("A", "Z"), ("a", "z"), ("_", "_")):
-    _IS_WORD[ord(_lo):ord(_hi) + 1] = True
+    _IS_WORD[ord(_lo) : ord(_hi) + 1] = True
 _IS_WORD[0x80:] = True  # only in the rejoined words of non-ASCII texts, which hold word characters and spaces
 
 
@@ -114,9 +114,9 @@ def _utf8(texts: list[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np
         return np.zeros(0, dtype=np.uint8), np.zeros(1, dtype=np.int64)
     _, offset_buf, data_buf = arr.buffers()
     offset_type = np.int64 if pa.types.is_large_string(arr.type) else np.int32
-    offsets = np.frombuffer(offset_buf, dtype=offset_type)[arr.offset:arr.offset + len(arr) + 1].astype(np.int64)
+    offsets = np.frombuffer(offset_buf, dtype=offset_type)[arr.offset : arr.offset + len(arr) + 1].astype(np.int64)
     data = np.frombuffer(data_buf, dtype=np.uint8) if data_buf is not None else np.zeros(0, dtype=np.uint8)
-    return data[offsets[0]:offsets[-1]], offsets - offsets[0]
+    return data[offsets[0] : offsets[-1]], offsets - offsets[0]
 
 
 def word_hashes(texts: list[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarray, np.ndarray]:
@@ -127,7 +127,7 @@ def word_hashes(texts: list[str] | pa.Array | pa.ChunkedArray) -> tuple[np.ndarr
     while first < len(offsets) - 1:  # chunks of whole texts of up to _CHUNK bytes (or one longer text)
         last = max(first + 1, int(np.searchsorted(offsets, offsets[first] + _CHUNK, side="right")) - 1)
         lo, hi = offsets[first], offsets[last]
-        poly, starts = _chunk_words(data[lo:hi], offsets[first:last + 1] - lo)
+        poly, starts = _chunk_words(data[lo:hi], offsets[first : last + 1] - lo)
         hashes.append(poly)
         bounds.append(starts[1:] + done)
         done += len(poly)

@@ -41,8 +41,9 @@ def _zstd_frames(blob: bytes) -> tuple[bytes, str]:
     try:
         import zstandard
     except ImportError:
-        raise ImportError("reading .zst files needs the zstandard package (a raysc dependency): "
-                          "pip install 'zstandard>=0.22,<1'") from None
+        raise ImportError(
+            "reading .zst files needs the zstandard package (a raysc dependency): pip install 'zstandard>=0.22,<1'"
+        ) from None
 
     out: list[bytes] = []
     while blob:

@@ -29,8 +29,19 @@ from typing import Iterator
 from raysc.data.compressed import read_bytes
 from raysc.hashing import file_sha256
 
-_SKIP_DIRS = {"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "__pycache__",
-              "turtledemo", "ensurepip", "tkinter", "pydoc_data"}
+_SKIP_DIRS = {
+    "test",
+    "tests",
+    "idlelib",
+    "lib2to3",
+    "site-packages",
+    "dist-packages",
+    "__pycache__",
+    "turtledemo",
+    "ensurepip",
+    "tkinter",
+    "pydoc_data",
+}
 
 
 def _doc_id(source: str, text: str) -> str:
@@ -40,8 +51,7 @@ def _doc_id(source: str, text: str) -> str:
 def stdlib_files(stdlib: Path | None = None) -> list[Path]:
     """Stdlib source files in a fixed pseudo-random order (SHA-1 of the relative path)."""
     root = Path(stdlib or sysconfig.get_paths()["stdlib"])
-    files = [p for p in root.rglob("*.py")
-             if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
+    files = [p for p in root.rglob("*.py") if not _SKIP_DIRS.intersection(p.relative_to(root).parts[:-1])]
     return sorted(files, key=lambda p: hashlib.sha1(p.relative_to(root).as_posix().encode()).hexdigest())
 
 
@@ -85,8 +95,12 @@ def iter_documents(max_mb: float, stdlib: Path | None = None) -> Iterator[dict]:
         text = topics[name].strip()
         if text and used < budget:
             used += len(text.encode())
-            yield {"id": _doc_id(f"pydoc_data.topics:{name}", text), "text": text, "domain": "prose",
-                   "source": f"pydoc_data.topics:{name}"}
+            yield {
+                "id": _doc_id(f"pydoc_data.topics:{name}", text),
+                "text": text,
+                "domain": "prose",
+                "source": f"pydoc_data.topics:{name}",
+            }
     for path in files:
         if used >= budget:
             break
@@ -94,8 +108,12 @@ def iter_documents(max_mb: float, stdlib: Path | None = None) -> Iterator[dict]:
         text = _docstrings(path.read_text(encoding="utf-8", errors="replace"), rel)
         if text:
             used += len(text.encode())
-            yield {"id": _doc_id(f"docstrings:{rel}", text), "text": text, "domain": "prose",
-                   "source": f"docstrings:{rel}"}
+            yield {
+                "id": _doc_id(f"docstrings:{rel}", text),
+                "text": text,
+                "domain": "prose",
+                "source": f"docstrings:{rel}",
+            }
 
     used = 0
     for path in files:
@@ -157,13 +175,14 @@ def read_documents(source: str | Path) -> Iterator[dict]:
     elif p.is_file():
         files = [p]
     else:
-        raise FileNotFoundError(
-            f"data.source {str(p)!r} does not exist; use 'bundled' or a JSONL file/directory")
+        raise FileNotFoundError(f"data.source {str(p)!r} does not exist; use 'bundled' or a JSONL file/directory")
     for f in files:
         data, damaged = read_bytes(str(f))
         if damaged:
-            raise ValueError(f"data.source file {str(f)!r}: {damaged}; fetch it again, or run `raysc curate` over "
-                             f"the corpus, which counts damaged files in its report and keeps what they hold")
+            raise ValueError(
+                f"data.source file {str(f)!r}: {damaged}; fetch it again, or run `raysc curate` over "
+                f"the corpus, which counts damaged files in its report and keeps what they hold"
+            )
         for n, line in enumerate(data.decode("utf-8").split("\n"), 1):
             if not line.strip():
                 continue

@@ -85,6 +85,7 @@ def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank:
     from raysc.data.prepare import natural_schedule
 
     schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})
-    mixture = MixtureLoader(rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len,
-                            dp_rank, dp_size)
+    mixture = MixtureLoader(
+        rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len, dp_rank, dp_size
+    )
     return Prefetcher(mixture, cfg.data.prefetch)

@@ -22,8 +22,7 @@ from pathlib import Path
 import numpy as np
 
 HEADER = b"MMIDIDX\x00\x00"
-DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
-          8: np.uint16}
+DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
 
@@ -48,13 +47,15 @@ def read_index(prefix: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np
         raise IndexedDatasetError(f"{idx} is not a Megatron index (its header is not MMIDIDX)")
     version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
     if version != 1 or code not in DTYPES:
-        raise IndexedDatasetError(f"{idx}: version {version}, dtype code {code}; raysc reads version 1 with codes "
-                                  f"{sorted(DTYPES)}")
+        raise IndexedDatasetError(
+            f"{idx}: version {version}, dtype code {code}; raysc reads version 1 with codes {sorted(DTYPES)}"
+        )
     buf = np.memmap(idx, mode="r", dtype=np.uint8)
     need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
     if len(buf) < need:
-        raise IndexedDatasetError(f"{idx} is truncated: {len(buf)} bytes for {n_seq} sequences and {n_doc} "
-                                  f"document indices ({need} needed)")
+        raise IndexedDatasetError(
+            f"{idx} is truncated: {len(buf)} bytes for {n_seq} sequences and {n_doc} document indices ({need} needed)"
+        )
     lengths = np.frombuffer(buf, np.int32, n_seq, 34)
     pointers = np.frombuffer(buf, np.int64, n_seq, 34 + lengths.nbytes)
     documents = np.frombuffer(buf, np.int64, n_doc, 34 + lengths.nbytes + pointers.nbytes)
@@ -81,7 +82,7 @@ def read_documents(prefix: str | Path, fs=None) -> list[np.ndarray]:
     starts = pointers // dtype.itemsize
     out = []
     for a, b in zip(documents[:-1], documents[1:]):
-        parts = [data[starts[i]:starts[i] + lengths[i]] for i in range(a, b)]
+        parts = [data[starts[i] : starts[i] + lengths[i]] for i in range(a, b)]
         out.append(np.concatenate(parts) if parts else np.zeros(0, dtype))
     return out
 
@@ -94,8 +95,15 @@ def encode_indexed(documents: list[np.ndarray], dtype: np.dtype) -> tuple[bytes,
     lengths = np.array([len(d) for d in documents], dtype=np.int32)
     pointers = (np.cumsum(lengths, dtype=np.int64) - lengths) * dtype.itemsize
     data = b"".join(np.asarray(d, dtype=dtype).tobytes() for d in documents)
-    index = b"".join([HEADER, struct.pack("<QBQQ", 1, CODES[dtype], len(lengths), len(lengths) + 1),
-                      lengths.tobytes(), pointers.tobytes(), np.arange(len(lengths) + 1, dtype=np.int64).tobytes()])
+    index = b"".join(
+        [
+            HEADER,
+            struct.pack("<QBQQ", 1, CODES[dtype], len(lengths), len(lengths) + 1),
+            lengths.tobytes(),
+            pointers.tobytes(),
+            np.arange(len(lengths) + 1, dtype=np.int64).tobytes(),
+        ]
+    )
     return data, index
 
 

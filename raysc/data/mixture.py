@@ -28,8 +28,16 @@ from raysc.config.syntax import Phase
 
 
 class MixtureLoader:
-    def __init__(self, domains: dict[str, np.ndarray], schedule: list[Phase], seed: int, global_batch: int,
-                 tokens_per_sample: int, dp_rank: int = 0, dp_size: int = 1) -> None:
+    def __init__(
+        self,
+        domains: dict[str, np.ndarray],
+        schedule: list[Phase],
+        seed: int,
+        global_batch: int,
+        tokens_per_sample: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+    ) -> None:
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp size {dp_size}")
         empty = [d for d in domains if len(domains[d]) == 0]
@@ -92,7 +100,7 @@ class MixtureLoader:
         """This rank's slice of the next global batch, as int64 (batch/dp, tokens_per_sample + 1)."""
         picks = self.next_assignments()
         per = self.global_batch // self.dp_size
-        mine = picks[self.dp_rank * per:(self.dp_rank + 1) * per]
+        mine = picks[self.dp_rank * per : (self.dp_rank + 1) * per]
         return torch.from_numpy(np.stack([self.rows[d][r] for d, r in mine]).astype(np.int64))
 
     def skip(self, batches: int) -> None:
@@ -106,14 +114,23 @@ class MixtureLoader:
 
     # ---- state (goes into the checkpoint) ----
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "phase": self.phase, "phase_start": self.phase_start,
-                "phase_counts": dict(self.phase_counts), "epochs": dict(self.epochs),
-                "positions": dict(self.positions), "seed": self.seed, "domains": self.names}
+        return {
+            "cursor": self.cursor,
+            "phase": self.phase,
+            "phase_start": self.phase_start,
+            "phase_counts": dict(self.phase_counts),
+            "epochs": dict(self.epochs),
+            "positions": dict(self.positions),
+            "seed": self.seed,
+            "domains": self.names,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         if state["domains"] != self.names or state["seed"] != self.seed:
-            raise ValueError(f"loader state is for domains {state['domains']} / seed {state['seed']}; this run "
-                             f"has {self.names} / seed {self.seed}")
+            raise ValueError(
+                f"loader state is for domains {state['domains']} / seed {state['seed']}; this run "
+                f"has {self.names} / seed {self.seed}"
+            )
         self.cursor, self.phase, self.phase_start = state["cursor"], state["phase"], state["phase_start"]
         self.phase_counts = dict(state["phase_counts"])
         self.epochs = dict(state["epochs"])

@@ -43,13 +43,13 @@ def pack_tokens(stream: np.ndarray, seq_len: int) -> np.ndarray:
     if n < 1:
         raise ValueError(
             f"the corpus has {len(stream)} tokens, too few for one sequence of train.seq_len={seq_len}; "
-            f"add data or shorten train.seq_len")
+            f"add data or shorten train.seq_len"
+        )
     idx = np.arange(n)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return stream[idx]
 
 
-def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int,
-                  special: SpecialTokens = RAYSC) -> np.ndarray:
+def encode_corpus(texts: list[str], tok: Tokenizer, vocab_size: int, special: SpecialTokens = RAYSC) -> np.ndarray:
     """The documents' tokens, each document as ``[BOS] ids EOS`` (BOS when ``special.add_bos``), joined.
     The tokenizer's own post-processor is not run (``add_special_tokens=False``): BOS and EOS are added
     here, once each, whatever the tokenizer's template would add."""
@@ -80,8 +80,15 @@ def split_rows(rows: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.nd
     return rows[~mask], rows[mask]
 
 
-def build_packed(texts: list[str], tokenizer_path: str | Path, corpus_sha: str, seq_len: int,
-                 val_fraction: float, cache_dir: str | Path, special: SpecialTokens = RAYSC) -> PackedData:
+def build_packed(
+    texts: list[str],
+    tokenizer_path: str | Path,
+    corpus_sha: str,
+    seq_len: int,
+    val_fraction: float,
+    cache_dir: str | Path,
+    special: SpecialTokens = RAYSC,
+) -> PackedData:
     """Encode, pack and split ``texts``; cached under ``cache_dir/packed``."""
     tok_bytes = Path(tokenizer_path).read_bytes()
     # the special tokens are part of the key: the same tokenizer with BOS added packs other rows
@@ -92,13 +99,20 @@ def build_packed(texts: list[str], tokenizer_path: str | Path, corpus_sha: str, 
     ).hexdigest()[:16]
     base = Path(cache_dir) / "packed" / key
     if (base / "info.json").is_file():
-        return PackedData(np.load(base / "train.npy"), np.load(base / "val.npy"),
-                          json.loads((base / "info.json").read_text()))
+        return PackedData(
+            np.load(base / "train.npy"), np.load(base / "val.npy"), json.loads((base / "info.json").read_text())
+        )
     tok = Tokenizer.from_str(tok_bytes.decode())
     stream = encode_corpus(texts, tok, tok.get_vocab_size(), special)
     train, val = split_rows(pack_tokens(stream, seq_len), val_fraction)
-    info = {"key": key, "tokens": int(len(stream)), "documents": len(texts), "seq_len": seq_len,
-            "train_sequences": int(len(train)), "val_sequences": int(len(val))}
+    info = {
+        "key": key,
+        "tokens": int(len(stream)),
+        "documents": len(texts),
+        "seq_len": seq_len,
+        "train_sequences": int(len(train)),
+        "val_sequences": int(len(val)),
+    }
     base.mkdir(parents=True, exist_ok=True)
     np.save(base / "train.npy", train)
     np.save(base / "val.npy", val)

@@ -45,8 +45,10 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     if arrays:
         return prepare_token_arrays(cfg, arrays)
     if d.schedule:
-        raise ValueError(f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
-                         f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory")
+        raise ValueError(
+            f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
+            f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory"
+        )
     if d.source == "bundled":
         corpus = build_bundled_corpus(d.cache_dir, d.max_corpus_mb)
         meta = corpus_meta(corpus)
@@ -57,18 +59,23 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     if not docs:
         raise ValueError(f"data.source {d.source!r} holds no documents")
     texts = [doc["text"] for doc in docs]
-    corpus_sha = meta.get("sha256") or (file_sha256(corpus) if corpus.is_file() else
-                                        file_sha256_dir(corpus))
+    corpus_sha = meta.get("sha256") or (file_sha256(corpus) if corpus.is_file() else file_sha256_dir(corpus))
     if d.tokenizer:
         tok_path = Path(d.tokenizer)
         special = check_tokenizer(cfg, tok_path)
     else:
-        tok_path = build_tokenizer(texts, cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed,
-                                   d.cache_dir, corpus_sha)
+        tok_path = build_tokenizer(
+            texts, cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed, d.cache_dir, corpus_sha
+        )
         special = special_tokens(cfg, tok_path)
     packed = build_packed(texts, tok_path, corpus_sha, cfg.train.seq_len, d.val_fraction, d.cache_dir, special)
-    info = {"corpus": meta, "corpus_sha256": corpus_sha, "tokenizer": str(tok_path), **packed.info,
-            "special_tokens": special.to_dict()}
+    info = {
+        "corpus": meta,
+        "corpus_sha256": corpus_sha,
+        "tokenizer": str(tok_path),
+        **packed.info,
+        "special_tokens": special.to_dict(),
+    }
     return packed, tok_path, info
 
 
@@ -77,9 +84,11 @@ def check_tokenizer(cfg: Config, tok_path: str | Path) -> SpecialTokens:
     document (``SpecialTokenError``, a ValueError, otherwise); its special tokens."""
     tok = load_tokenizer(tok_path)
     if tok.get_vocab_size() > cfg.model.vocab_size:
-        raise ValueError(f"tokenizer {str(tok_path)!r} has {tok.get_vocab_size()} tokens but model.vocab_size is "
-                         f"{cfg.model.vocab_size}: the embedding has no row for its top ids; set model.vocab_size >= "
-                         f"{tok.get_vocab_size()} (or use the checkpoint's own tokenizer)")
+        raise ValueError(
+            f"tokenizer {str(tok_path)!r} has {tok.get_vocab_size()} tokens but model.vocab_size is "
+            f"{cfg.model.vocab_size}: the embedding has no row for its top ids; set model.vocab_size >= "
+            f"{tok.get_vocab_size()} (or use the checkpoint's own tokenizer)"
+        )
     return special_tokens(cfg, tok_path, tok)
 
 
@@ -93,11 +102,13 @@ def check_packed_source(cfg: Config, tok_path: str | Path, whose: str) -> None:
     index = read_index(source)
     want, have = index["tokenizer_sha256"], file_sha256(Path(tok_path))
     if want != have:
-        raise ValueError(f"data.source {source!r} was packed with another tokenizer ({index['tokenizer']} in it, "
-                         f"SHA-256 {want[:12]}) than the run's, {str(tok_path)!r} ({whose}, SHA-256 {have[:12]}); "
-                         f"re-pack the corpus with that tokenizer (`raysc pack ... --set "
-                         f"data.tokenizer='\"{tok_path}\"'`), or point data.source at the raw corpus so the run "
-                         f"tokenizes it itself")
+        raise ValueError(
+            f"data.source {source!r} was packed with another tokenizer ({index['tokenizer']} in it, "
+            f"SHA-256 {want[:12]}) than the run's, {str(tok_path)!r} ({whose}, SHA-256 {have[:12]}); "
+            f"re-pack the corpus with that tokenizer (`raysc pack ... --set "
+            f"data.tokenizer='\"{tok_path}\"'`), or point data.source at the raw corpus so the run "
+            f"tokenizes it itself"
+        )
 
 
 def special_tokens(cfg: Config, tok_path: str | Path, tok=None) -> SpecialTokens:
@@ -112,19 +123,25 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
     d = cfg.data
     options = dict(d.storage_options)
     if index.get("format") != MEGATRON and index.get("seq_len") != cfg.train.seq_len:
-        raise ValueError(f"{d.source} was packed with seq_len {index.get('seq_len')} but train.seq_len is "
-                         f"{cfg.train.seq_len}; set train.seq_len={index.get('seq_len')} or re-run `raysc pack` "
-                         f"with --set train.seq_len={cfg.train.seq_len}")
+        raise ValueError(
+            f"{d.source} was packed with seq_len {index.get('seq_len')} but train.seq_len is "
+            f"{cfg.train.seq_len}; set train.seq_len={index.get('seq_len')} or re-run `raysc pack` "
+            f"with --set train.seq_len={cfg.train.seq_len}"
+        )
     tok_path = _packed_tokenizer(cfg, index)
     vocab = load_tokenizer(tok_path).get_vocab_size()
     if vocab > cfg.model.vocab_size:
-        raise ValueError(f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
-                         f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}")
+        raise ValueError(
+            f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
+            f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}"
+        )
     domains = load_domains(d.source, options, seq_len=cfg.train.seq_len)
     missing = sorted(set(index["domains"]) - set(domains))
     if missing:
-        raise ValueError(f"domain(s) {missing} of {d.source} have no sequences (too few tokens for one row of "
-                         f"{cfg.train.seq_len + 1}); drop them from the data or shorten train.seq_len")
+        raise ValueError(
+            f"domain(s) {missing} of {d.source} have no sequences (too few tokens for one row of "
+            f"{cfg.train.seq_len + 1}); drop them from the data or shorten train.seq_len"
+        )
     train, val = {}, []
     for name, rows in domains.items():
         train[name], held = split_rows(rows, d.val_fraction)
@@ -132,12 +149,19 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
     schedule = d.schedule or natural_schedule({k: len(v) for k, v in train.items()})
     parse_schedule(schedule, list(train))  # unknown domains or a malformed schedule fail here
     index_sha = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
-    info = {"corpus": {"packed": d.source}, "corpus_sha256": index_sha, "tokenizer": str(tok_path),
-            "tokens": sum(m["tokens"] for m in index["domains"].values()),
-            "documents": sum(m["documents"] for m in index["domains"].values()), "seq_len": cfg.train.seq_len,
-            "train_sequences": sum(len(v) for v in train.values()), "val_sequences": sum(len(v) for v in val),
-            "domains": {k: len(v) for k, v in train.items()}, "schedule": schedule,
-            "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict()}
+    info = {
+        "corpus": {"packed": d.source},
+        "corpus_sha256": index_sha,
+        "tokenizer": str(tok_path),
+        "tokens": sum(m["tokens"] for m in index["domains"].values()),
+        "documents": sum(m["documents"] for m in index["domains"].values()),
+        "seq_len": cfg.train.seq_len,
+        "train_sequences": sum(len(v) for v in train.values()),
+        "val_sequences": sum(len(v) for v in val),
+        "domains": {k: len(v) for k, v in train.items()},
+        "schedule": schedule,
+        "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict(),
+    }
     return PackedData(train, np.concatenate(val), info), tok_path, info
 
 
@@ -147,8 +171,9 @@ def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
     special, tok_path = _token_source_tokenizer(cfg, "a Megatron indexed dataset")
     docs = megatron.read_documents(prefix)
     eos = special.eos_id
-    stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]
-                            ).astype(np.int64)
+    stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]).astype(
+        np.int64
+    )
     files = [prefix.with_suffix(".idx"), prefix.with_suffix(".bin")]
     _refuse_foreign_ids(cfg, files[1], stream, "")
     return _token_stream_rows(cfg, stream, len(docs), {"megatron": str(prefix)}, files, special, tok_path)
@@ -171,31 +196,52 @@ def _token_source_tokenizer(cfg: Config, what: str) -> tuple[SpecialTokens, Path
     """The tokenizer an already-tokenized ``data.source`` names (it carries none), checked."""
     d = cfg.data
     if d.schedule:
-        raise ValueError(f"data.schedule mixes domains, but data.source={d.source!r} is {what}, one domain; "
-                         f"leave data.schedule empty (or `raysc pack` per-domain shards)")
+        raise ValueError(
+            f"data.schedule mixes domains, but data.source={d.source!r} is {what}, one domain; "
+            f"leave data.schedule empty (or `raysc pack` per-domain shards)"
+        )
     if not d.tokenizer:
-        raise ValueError(f"data.source {d.source!r} is {what}: token ids without their tokenizer; set "
-                         f"data.tokenizer to the tokenizer.json it was made with (or train --init-from the "
-                         f"checkpoint whose tokenizer made it)")
+        raise ValueError(
+            f"data.source {d.source!r} is {what}: token ids without their tokenizer; set "
+            f"data.tokenizer to the tokenizer.json it was made with (or train --init-from the "
+            f"checkpoint whose tokenizer made it)"
+        )
     return check_tokenizer(cfg, Path(d.tokenizer)), Path(d.tokenizer)
 
 
 def _refuse_foreign_ids(cfg: Config, where: Path, ids: np.ndarray, why_else: str) -> None:
     """Ids past the embedding are another tokenizer's: refused, naming the file (``why_else``: another cause)."""
     if len(ids) and int(ids.max()) >= cfg.model.vocab_size:
-        raise ValueError(f"{where} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
-                         f"it was made with another tokenizer than {cfg.data.tokenizer!r}{why_else}")
+        raise ValueError(
+            f"{where} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
+            f"it was made with another tokenizer than {cfg.data.tokenizer!r}{why_else}"
+        )
 
 
-def _token_stream_rows(cfg: Config, stream: np.ndarray, documents: int, corpus: dict, files: list[Path],
-                       special: SpecialTokens, tok_path: Path) -> tuple[PackedData, Path, dict]:
+def _token_stream_rows(
+    cfg: Config,
+    stream: np.ndarray,
+    documents: int,
+    corpus: dict,
+    files: list[Path],
+    special: SpecialTokens,
+    tok_path: Path,
+) -> tuple[PackedData, Path, dict]:
     """An already-tokenized corpus packed and split as a plain one is (the same loader, exact resume and
     DP-size independence); the callers have refused ids past the embedding."""
     train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), cfg.data.val_fraction)
     sha = hashlib.sha256(" ".join(f"{f.name}:{file_sha256(f)}" for f in files).encode()).hexdigest()
-    info = {"corpus": corpus, "corpus_sha256": sha, "tokenizer": str(tok_path), "tokens": int(len(stream)),
-            "documents": documents, "seq_len": cfg.train.seq_len, "train_sequences": int(len(train)),
-            "val_sequences": int(len(val)), "special_tokens": special.to_dict()}
+    info = {
+        "corpus": corpus,
+        "corpus_sha256": sha,
+        "tokenizer": str(tok_path),
+        "tokens": int(len(stream)),
+        "documents": documents,
+        "seq_len": cfg.train.seq_len,
+        "train_sequences": int(len(train)),
+        "val_sequences": int(len(val)),
+        "special_tokens": special.to_dict(),
+    }
     return PackedData(train, val, info), tok_path, info
 
 
@@ -211,8 +257,10 @@ def _packed_tokenizer(cfg: Config, index: dict) -> Path:
     sha = index["tokenizer_sha256"]
     if cfg.data.tokenizer:
         if file_sha256(Path(cfg.data.tokenizer)) != sha:
-            raise ValueError(f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer {cfg.data.source} was "
-                             f"packed with; leave data.tokenizer empty to use the packed one")
+            raise ValueError(
+                f"data.tokenizer {cfg.data.tokenizer!r} is not the tokenizer {cfg.data.source} was "
+                f"packed with; leave data.tokenizer empty to use the packed one"
+            )
         return Path(cfg.data.tokenizer)
     local = Path(cfg.data.cache_dir) / "tokenizers" / sha[:16] / "tokenizer.json"
     if not local.is_file():
@@ -220,8 +268,10 @@ def _packed_tokenizer(cfg: Config, index: dict) -> Path:
         local.parent.mkdir(parents=True, exist_ok=True)
         blob = fs.cat_file(f"{root}/{index['tokenizer']}")
         if hashlib.sha256(blob).hexdigest() != sha:
-            raise ValueError(f"{cfg.data.source}/{index['tokenizer']} does not match its index's SHA-256: the "
-                             f"packed directory is corrupt or half-written; re-run `raysc pack`")
+            raise ValueError(
+                f"{cfg.data.source}/{index['tokenizer']} does not match its index's SHA-256: the "
+                f"packed directory is corrupt or half-written; re-run `raysc pack`"
+            )
         local.with_suffix(".tmp").write_bytes(blob)
         local.with_suffix(".tmp").replace(local)
     return local

@@ -28,8 +28,9 @@ def read_index(out_uri: str, options: dict | None = None) -> dict | None:
 MEGATRON = "megatron-indexed-v1"  # index.json's format for `raysc pack --format megatron`
 
 
-def load_domains(out_uri: str, options: dict | None = None, max_rows: int | None = None,
-                 seq_len: int | None = None) -> dict[str, np.ndarray]:
+def load_domains(
+    out_uri: str, options: dict | None = None, max_rows: int | None = None, seq_len: int | None = None
+) -> dict[str, np.ndarray]:
     """{domain: rows} from the shards listed in ``<out_uri>/index.json``, in index order; with
     ``max_rows``, only the shards that hold each domain's first ``max_rows`` rows are read (the
     result may hold more). Megatron-format shards are cut into rows of ``seq_len`` (default: the

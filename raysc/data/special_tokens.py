@@ -49,8 +49,9 @@ class SpecialTokens:
 
     def __post_init__(self) -> None:
         if self.add_bos and self.bos_id is None:
-            raise SpecialTokenError("add_bos is set but the tokenizer has no BOS token; set data.bos_token or "
-                                    "data.add_bos = \"false\"")
+            raise SpecialTokenError(
+                'add_bos is set but the tokenizer has no BOS token; set data.bos_token or data.add_bos = "false"'
+            )
 
     @property
     def stops(self) -> tuple[int, ...]:
@@ -96,13 +97,16 @@ def _ids(value) -> list[int]:
 def _id_of(tok: Tokenizer, token: str, what: str, source: str) -> int:
     i = tok.token_to_id(token)
     if i is None:
-        raise SpecialTokenError(f"{source} names {what} {token!r}, which is not in the tokenizer's vocabulary; "
-                                f"fix {source} or set data.{what.lower()}_token to a token the tokenizer has")
+        raise SpecialTokenError(
+            f"{source} names {what} {token!r}, which is not in the tokenizer's vocabulary; "
+            f"fix {source} or set data.{what.lower()}_token to a token the tokenizer has"
+        )
     return i
 
 
-def _pick(tok: Tokenizer, what: str, override: str, files: list[tuple[str, dict]], model: dict,
-          key: str) -> tuple[str, int] | None:
+def _pick(
+    tok: Tokenizer, what: str, override: str, files: list[tuple[str, dict]], model: dict, key: str
+) -> tuple[str, int] | None:
     """(token, id) for ``what`` (EOS or BOS), in transformers' precedence."""
     if override:
         return override, _id_of(tok, override, what, f"data.{what.lower()}_token")
@@ -113,7 +117,7 @@ def _pick(tok: Tokenizer, what: str, override: str, files: list[tuple[str, dict]
     ids = _ids(model.get(f"{key}_id"))
     if ids and tok.id_to_token(ids[0]) is not None:
         return tok.id_to_token(ids[0]), ids[0]
-    for token in (KNOWN_ENDS if what == "EOS" else KNOWN_BEGINS):
+    for token in KNOWN_ENDS if what == "EOS" else KNOWN_BEGINS:
         if tok.token_to_id(token) is not None:
             return token, tok.token_to_id(token)
     return None
@@ -125,8 +129,13 @@ def _adds_bos(tok: Tokenizer, bos_id: int) -> bool:
     return bool(ids) and ids[0] == bos_id
 
 
-def read_special_tokens(tokenizer_json: str | Path, eos_token: str = "", bos_token: str = "",
-                        add_bos: str = "auto", tok: Tokenizer | None = None) -> SpecialTokens:
+def read_special_tokens(
+    tokenizer_json: str | Path,
+    eos_token: str = "",
+    bos_token: str = "",
+    add_bos: str = "auto",
+    tok: Tokenizer | None = None,
+) -> SpecialTokens:
     """The special tokens of the tokenizer at ``tokenizer_json`` (its folder's other files read too);
     ``eos_token``/``bos_token``/``add_bos`` ("auto", "true", "false") override them."""
     path = Path(tokenizer_json)
@@ -144,7 +153,8 @@ def read_special_tokens(tokenizer_json: str | Path, eos_token: str = "", bos_tok
         raise SpecialTokenError(
             f"tokenizer {str(path)!r} has no end-of-text token: none is named in its folder's "
             f"special_tokens_map.json, tokenizer_config.json or config.json, and it has none of {list(KNOWN_ENDS)}. "
-            f"raysc ends every document with one; set data.eos_token to the token that ends a document")
+            f"raysc ends every document with one; set data.eos_token to the token that ends a document"
+        )
     bos = _pick(tok, "BOS", bos_token, files, model, "bos_token")
     if add_bos == "auto":
         config_add = files[1][1].get("add_bos_token")
@@ -152,18 +162,30 @@ def read_special_tokens(tokenizer_json: str | Path, eos_token: str = "", bos_tok
     else:
         adds = add_bos == "true"
     if adds and bos is None:
-        raise SpecialTokenError(f"data.add_bos = \"true\" but tokenizer {str(path)!r} has no BOS token; set "
-                                f"data.bos_token to the token that begins a document")
+        raise SpecialTokenError(
+            f'data.add_bos = "true" but tokenizer {str(path)!r} has no BOS token; set '
+            f"data.bos_token to the token that begins a document"
+        )
     pad = None
     for _, data in files:
         token = _token(data.get("pad_token"))
         if token and tok.token_to_id(token) is not None:
             pad = tok.token_to_id(token)
             break
-    stops = [i for i in _ids(generation.get("eos_token_id")) + _ids(model.get("eos_token_id"))
-             if tok.id_to_token(i) is not None]
-    return SpecialTokens(eos=eos[0], eos_id=eos[1], bos=bos[0] if bos else None, bos_id=bos[1] if bos else None,
-                         add_bos=adds, pad_id=pad, stop_ids=tuple(dict.fromkeys(stops)))
+    stops = [
+        i
+        for i in _ids(generation.get("eos_token_id")) + _ids(model.get("eos_token_id"))
+        if tok.id_to_token(i) is not None
+    ]
+    return SpecialTokens(
+        eos=eos[0],
+        eos_id=eos[1],
+        bos=bos[0] if bos else None,
+        bos_id=bos[1] if bos else None,
+        add_bos=adds,
+        pad_id=pad,
+        stop_ids=tuple(dict.fromkeys(stops)),
+    )
 
 
 def copy_tokenizer(tokenizer_json: str | Path, out_dir: str | Path) -> None:

@@ -41,11 +41,14 @@ def read_tokens(path: Path, dtype: np.dtype) -> np.ndarray:
     if magic == NPY_MAGIC:
         arr = np.load(path, mmap_mode="r")
         if arr.ndim != 1 or arr.dtype.kind not in "ui":
-            raise ValueError(f"{path} holds a {arr.dtype} array of shape {arr.shape}; a token file is one flat "
-                             f"array of unsigned ids")
+            raise ValueError(
+                f"{path} holds a {arr.dtype} array of shape {arr.shape}; a token file is one flat array of unsigned ids"
+            )
         return arr
     size = path.stat().st_size
     if size % dtype.itemsize:
-        raise ValueError(f"{path} has {size} bytes, not a whole number of {dtype} ids: it was written with "
-                         f"another dtype; set data.token_dtype")
+        raise ValueError(
+            f"{path} has {size} bytes, not a whole number of {dtype} ids: it was written with "
+            f"another dtype; set data.token_dtype"
+        )
     return np.memmap(path, mode="r", dtype=dtype)

@@ -52,8 +52,9 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
-def build_tokenizer(texts: list[str], vocab_size: int, sample_mb: float, seed: int,
-                    cache_dir: str | Path, corpus_sha: str) -> Path:
+def build_tokenizer(
+    texts: list[str], vocab_size: int, sample_mb: float, seed: int, cache_dir: str | Path, corpus_sha: str
+) -> Path:
     """Train (or reuse from the cache) a tokenizer for this corpus; return its tokenizer.json path."""
     key = hashlib.sha256(f"{corpus_sha}:{vocab_size}:{sample_mb}:{seed}".encode()).hexdigest()[:16]
     out = Path(cache_dir) / "tokenizers" / key / "tokenizer.json"
@@ -74,5 +75,7 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(p))
     except Exception as e:  # tokenizers raises a bare Exception for a file it cannot parse
-        raise ValueError(f"{str(p)!r} is not a tokenizer.json that Hugging Face tokenizers can read ({e}); "
-                         f"point data.tokenizer at a tokenizer.json file") from None
+        raise ValueError(
+            f"{str(p)!r} is not a tokenizer.json that Hugging Face tokenizers can read ({e}); "
+            f"point data.tokenizer at a tokenizer.json file"
+        ) from None

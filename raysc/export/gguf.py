@@ -44,15 +44,27 @@ from raysc.model.mup import fold_into_weights
 
 Q = gguf.GGMLQuantizationType
 TYPES = {"f32": Q.F32, "f16": Q.F16, "q8_0": Q.Q8_0, "q4_0": Q.Q4_0}
-FILE_TYPES = {"f32": gguf.LlamaFileType.ALL_F32, "f16": gguf.LlamaFileType.MOSTLY_F16,
-              "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0, "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0}
+FILE_TYPES = {
+    "f32": gguf.LlamaFileType.ALL_F32,
+    "f16": gguf.LlamaFileType.MOSTLY_F16,
+    "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0,
+    "q4_0": gguf.LlamaFileType.MOSTLY_Q4_0,
+}
 T = gguf.MODEL_TENSOR
 _LAYER_TENSORS = {
-    "attn_norm.weight": T.ATTN_NORM, "attn.wq.weight": T.ATTN_Q, "attn.wk.weight": T.ATTN_K,
-    "attn.wv.weight": T.ATTN_V, "attn.wo.weight": T.ATTN_OUT, "mlp_norm.weight": T.FFN_NORM,
-    "attn.q_norm.weight": T.ATTN_Q_NORM, "attn.k_norm.weight": T.ATTN_K_NORM,
-    "mlp.w_gate.weight": T.FFN_GATE, "mlp.w_up.weight": T.FFN_UP, "mlp.w_down.weight": T.FFN_DOWN,
+    "attn_norm.weight": T.ATTN_NORM,
+    "attn.wq.weight": T.ATTN_Q,
+    "attn.wk.weight": T.ATTN_K,
+    "attn.wv.weight": T.ATTN_V,
+    "attn.wo.weight": T.ATTN_OUT,
+    "mlp_norm.weight": T.FFN_NORM,
+    "attn.q_norm.weight": T.ATTN_Q_NORM,
+    "attn.k_norm.weight": T.ATTN_K_NORM,
+    "mlp.w_gate.weight": T.FFN_GATE,
+    "mlp.w_up.weight": T.FFN_UP,
+    "mlp.w_down.weight": T.FFN_DOWN,
 }
+
 
 def gguf_name(name: str) -> str:
     """Map a raysc parameter name to its llama.cpp tensor name (``blk.0.attn_q.weight``)."""
@@ -88,9 +100,15 @@ def tensor_type(name: str, shape: tuple[int, ...], qtype: str, tied: bool) -> Q:
     return want
 
 
-def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, qtype: str = "f32",
-                name: str = "raysc", blocks: dict[str, np.ndarray] | None = None,
-                special: SpecialTokens | None = None) -> Path:
+def export_gguf(
+    model: Llama,
+    tokenizer_json: str | Path,
+    out_file: str | Path,
+    qtype: str = "f32",
+    name: str = "raysc",
+    blocks: dict[str, np.ndarray] | None = None,
+    special: SpecialTokens | None = None,
+) -> Path:
     """Write ``model`` and its tokenizer as one GGUF file of type ``qtype`` (f32, f16, q8_0, q4_0).
 
     ``blocks``: raysc parameter name -> that matrix's blocks of the type ``tensor_type`` gives it
@@ -139,8 +157,10 @@ def export_gguf(model: Llama, tokenizer_json: str | Path, out_file: str | Path, 
             t = torch.from_numpy(np.ascontiguousarray(blocks[pname]))
             expect = (p.shape[0], p.shape[1] // gguf.GGML_QUANT_SIZES[kind][0] * gguf.GGML_QUANT_SIZES[kind][1])
             if t.dtype != torch.uint8 or tuple(t.shape) != expect:
-                raise ValueError(f"blocks of {pname} are {t.dtype} {tuple(t.shape)}; a {kind.name} tensor of "
-                                 f"shape {tuple(p.shape)} needs uint8 {expect}")
+                raise ValueError(
+                    f"blocks of {pname} are {t.dtype} {tuple(t.shape)}; a {kind.name} tensor of "
+                    f"shape {tuple(p.shape)} needs uint8 {expect}"
+                )
         else:
             t = p.detach().to("cpu", torch.float32)
         if arch == "llama" and pname.endswith("attn.wq.weight"):

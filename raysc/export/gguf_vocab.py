@@ -33,10 +33,14 @@ from raysc.data.special_tokens import SpecialTokens
 
 # the split regexes of public byte-level BPE tokenizers (tokenizer.json's pre_tokenizer Split pattern), by
 # llama.cpp's pre-tokenizer name; they differ in how digits group (\p{N}{1,3} against \p{N})
-_LLAMA3 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-           r"\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-          r"\s*[\r\n]+|\s+(?!\S)|\s+")
+_LLAMA3 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2 = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+    r"\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 SPLIT_PRE_TOKENIZERS = {_LLAMA3: "llama-bpe", _QWEN2: "qwen2"}
 _BYTE_TOKEN = re.compile(r"<0x[0-9A-Fa-f]{2}>")
 UNMERGED_SCORE = -1e9  # a SentencePiece token no merge makes: llama.cpp merges into it last, if at all
@@ -49,10 +53,12 @@ def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
     spec = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
     model = spec.get("model") or {}
     if model.get("type") != "BPE":
-        raise ValueError(f"{tokenizer_json}: GGUF export handles BPE tokenizers (byte-level: raysc's own, GPT-2, "
-                         f"Llama 3, Qwen2; with byte fallback: Llama 2, Mistral), not {model.get('type')!r}; "
-                         f"export this run with `raysc export` (Hugging Face format) and convert it with "
-                         f"llama.cpp's convert_hf_to_gguf.py")
+        raise ValueError(
+            f"{tokenizer_json}: GGUF export handles BPE tokenizers (byte-level: raysc's own, GPT-2, "
+            f"Llama 3, Qwen2; with byte fallback: Llama 2, Mistral), not {model.get('type')!r}; "
+            f"export this run with `raysc export` (Hugging Face format) and convert it with "
+            f"llama.cpp's convert_hf_to_gguf.py"
+        )
     by_id: dict[int, str] = {i: t for t, i in model["vocab"].items()}
     control = set()
     for added in spec.get("added_tokens", []):
@@ -60,8 +66,10 @@ def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
         if added.get("special"):
             control.add(added["id"])
     if max(by_id) >= vocab_size:
-        raise ValueError(f"{tokenizer_json} has token id {max(by_id)} but the model's embedding has "
-                         f"{vocab_size} rows; export with the tokenizer the run trained with")
+        raise ValueError(
+            f"{tokenizer_json} has token id {max(by_id)} but the model's embedding has "
+            f"{vocab_size} rows; export with the tokenizer the run trained with"
+        )
     merges = [m if isinstance(m, str) else " ".join(m) for m in model.get("merges", [])]
     if model.get("byte_fallback"):
         return _sentencepiece_fields(spec, by_id, control, merges, vocab_size, tokenizer_json)
@@ -73,17 +81,25 @@ def tokenizer_fields(tokenizer_json: str | Path, vocab_size: int) -> dict:
         else:
             tokens.append(f"[PAD{i}]")
             types.append(gguf.TokenType.UNUSED)
-    return {"model": "gpt2", "tokens": tokens, "types": types, "merges": merges,
-            "pre": pre_tokenizer_name(spec, tokenizer_json)}
+    return {
+        "model": "gpt2",
+        "tokens": tokens,
+        "types": types,
+        "merges": merges,
+        "pre": pre_tokenizer_name(spec, tokenizer_json),
+    }
 
 
-def _sentencepiece_fields(spec: dict, by_id: dict[int, str], control: set[int], merges: list[str],
-                          vocab_size: int, where: str | Path) -> dict:
+def _sentencepiece_fields(
+    spec: dict, by_id: dict[int, str], control: set[int], merges: list[str], vocab_size: int, where: str | Path
+) -> dict:
     """llama.cpp's ``llama`` vocabulary of a byte-fallback BPE tokenizer.json: scores from merge ranks."""
     if not _marks_words(spec):
-        raise ValueError(f"{where}: a byte-fallback BPE tokenizer whose words are not marked with '▁' (a Metaspace "
-                         f"pre-tokenizer or a Prepend/Replace normalizer) is not SentencePiece-style; export with "
-                         f"`raysc export` (Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py")
+        raise ValueError(
+            f"{where}: a byte-fallback BPE tokenizer whose words are not marked with '▁' (a Metaspace "
+            f"pre-tokenizer or a Prepend/Replace normalizer) is not SentencePiece-style; export with "
+            f"`raysc export` (Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py"
+        )
     first_rank: dict[str, int] = {}
     for rank, merge in enumerate(merges):
         first_rank.setdefault(merge.replace(" ", ""), rank)
@@ -110,8 +126,14 @@ def _sentencepiece_fields(spec: dict, by_id: dict[int, str], control: set[int], 
             scores.append(0.0)  # never the result of a merge: its score is not read
         else:
             scores.append(-float(first_rank[text]) if text in first_rank else UNMERGED_SCORE)
-    return {"model": "llama", "tokens": tokens, "types": types, "scores": scores, "unk_id": unk_id,
-            "add_space_prefix": _prepends_space(spec)}
+    return {
+        "model": "llama",
+        "tokens": tokens,
+        "types": types,
+        "scores": scores,
+        "unk_id": unk_id,
+        "add_space_prefix": _prepends_space(spec),
+    }
 
 
 def _steps(part: dict | None, kind: str) -> list[dict]:
@@ -125,8 +147,9 @@ def _marks_words(spec: dict) -> bool:
     """Whether spaces become ``▁`` (SentencePiece's word mark) before the model sees the text."""
     pre = _steps(spec.get("pre_tokenizer"), "pretokenizers")
     norm = _steps(spec.get("normalizer"), "normalizers")
-    return any(p.get("type") == "Metaspace" for p in pre) or \
-        any(n.get("type") == "Replace" and n.get("content") == "▁" for n in norm)
+    return any(p.get("type") == "Metaspace" for p in pre) or any(
+        n.get("type") == "Replace" and n.get("content") == "▁" for n in norm
+    )
 
 
 def _prepends_space(spec: dict) -> bool:
@@ -134,8 +157,9 @@ def _prepends_space(spec: dict) -> bool:
     for p in _steps(spec.get("pre_tokenizer"), "pretokenizers"):
         if p.get("type") == "Metaspace":
             return p.get("prepend_scheme", "always" if p.get("add_prefix_space", True) else "never") != "never"
-    return any(n.get("type") == "Prepend" and n.get("prepend") == "▁"
-               for n in _steps(spec.get("normalizer"), "normalizers"))
+    return any(
+        n.get("type") == "Prepend" and n.get("prepend") == "▁" for n in _steps(spec.get("normalizer"), "normalizers")
+    )
 
 
 def pre_tokenizer_name(spec: dict, where: str | Path = "tokenizer.json") -> str:
@@ -152,9 +176,11 @@ def pre_tokenizer_name(spec: dict, where: str | Path = "tokenizer.json") -> str:
         name = SPLIT_PRE_TOKENIZERS.get(pattern.get("Regex", ""))
         if name:
             return name
-    raise ValueError(f"{where}: its pre-tokenizer ({json.dumps(pre)[:200]}) is none that raysc's GGUF export "
-                     f"knows (GPT-2's ByteLevel, Llama 3's or Qwen2's split); export with `raysc export` "
-                     f"(Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py")
+    raise ValueError(
+        f"{where}: its pre-tokenizer ({json.dumps(pre)[:200]}) is none that raysc's GGUF export "
+        f"knows (GPT-2's ByteLevel, Llama 3's or Qwen2's split); export with `raysc export` "
+        f"(Hugging Face format) and convert with llama.cpp's convert_hf_to_gguf.py"
+    )
 
 
 def add_vocab(w: gguf.GGUFWriter, tokenizer_json: str | Path, vocab_size: int, special: SpecialTokens) -> str:

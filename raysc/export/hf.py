@@ -28,24 +28,40 @@ def hf_config(model: Llama, dtype: str, special: SpecialTokens) -> dict:
     family = model_type(c)
     return {
         # Qwen2 is Llama with q/k/v biases, Qwen3 with per-head q/k norms: transformers and vLLM load them as such
-        "architectures": [ARCHITECTURES[family]], "model_type": family,
-        "vocab_size": c.vocab_size, "hidden_size": c.dim, "intermediate_size": c.hidden_ffn_dim,
-        "num_hidden_layers": c.n_layers, "num_attention_heads": c.n_heads,
-        "num_key_value_heads": c.n_kv_heads, "head_dim": c.head_dim, "hidden_act": "silu",
-        "max_position_embeddings": model.max_seq_len, "rms_norm_eps": c.norm_eps,
-        "rope_theta": c.rope_theta, **rope_config(c),
-        "attention_bias": c.attention_bias, "mlp_bias": False, "attention_dropout": 0.0,
+        "architectures": [ARCHITECTURES[family]],
+        "model_type": family,
+        "vocab_size": c.vocab_size,
+        "hidden_size": c.dim,
+        "intermediate_size": c.hidden_ffn_dim,
+        "num_hidden_layers": c.n_layers,
+        "num_attention_heads": c.n_heads,
+        "num_key_value_heads": c.n_kv_heads,
+        "head_dim": c.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": model.max_seq_len,
+        "rms_norm_eps": c.norm_eps,
+        "rope_theta": c.rope_theta,
+        **rope_config(c),
+        "attention_bias": c.attention_bias,
+        "mlp_bias": False,
+        "attention_dropout": 0.0,
         **({"use_sliding_window": False, "sliding_window": None} if family != "llama" else {}),
-        "tie_word_embeddings": c.tie_embeddings, "initializer_range": c.init_std,
-        "bos_token_id": _bos_id(special), "eos_token_id": special.eos_id, "use_cache": True, "torch_dtype": dtype,
+        "tie_word_embeddings": c.tie_embeddings,
+        "initializer_range": c.init_std,
+        "bos_token_id": _bos_id(special),
+        "eos_token_id": special.eos_id,
+        "use_cache": True,
+        "torch_dtype": dtype,
     }
 
 
 # A raysc model is a base model: no chat tuning, no role tokens. Chat requests (/v1/chat/completions)
 # are rendered as a plain transcript, one "role: content" line per message, ending in "assistant:"
 # so the model continues the conversation (docs/serving.md).
-CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-                 "{% if add_generation_prompt %}assistant:{% endif %}")
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def rope_config(c) -> dict:
@@ -53,9 +69,13 @@ def rope_config(c) -> dict:
     ``rope_scaling`` that transformers 4, vLLM and llama.cpp's converter read."""
     if c.rope_scaling == "none":
         return {"rope_parameters": {"rope_type": "default", "rope_theta": c.rope_theta}}
-    scaling = {"rope_type": "llama3", "factor": c.rope_factor, "low_freq_factor": c.rope_low_freq_factor,
-               "high_freq_factor": c.rope_high_freq_factor,
-               "original_max_position_embeddings": c.rope_original_max_position}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": c.rope_factor,
+        "low_freq_factor": c.rope_low_freq_factor,
+        "high_freq_factor": c.rope_high_freq_factor,
+        "original_max_position_embeddings": c.rope_original_max_position,
+    }
     return {"rope_scaling": scaling, "rope_parameters": {**scaling, "rope_theta": c.rope_theta}}
 
 
@@ -63,8 +83,13 @@ def _bos_id(special: SpecialTokens) -> int:
     return special.eos_id if special.bos_id is None else special.bos_id  # no BOS: transformers wants an id
 
 
-def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
-              dtype: torch.dtype = torch.float32, special: SpecialTokens | None = None) -> Path:
+def export_hf(
+    model: Llama,
+    tokenizer_json: str | Path,
+    out_dir: str | Path,
+    dtype: torch.dtype = torch.float32,
+    special: SpecialTokens | None = None,
+) -> Path:
     """``tokenizer_json`` is a run's (its special tokens are read beside it unless ``special`` is given)."""
     special = special or special_tokens_beside(tokenizer_json)
     out = Path(out_dir)
@@ -81,15 +106,31 @@ def export_hf(model: Llama, tokenizer_json: str | Path, out_dir: str | Path,
     copy_tokenizer(tokenizer_json, out)  # with its tokenizer_config.json and special_tokens_map.json, if any;
     # the generation config is the run's own (the source's sampling defaults are not the export's)
     stops = list(special.stops)
-    (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": _bos_id(special), "eos_token_id": stops[0] if len(stops) == 1 else stops,
-         "do_sample": False}, indent=2))
+    (out / "generation_config.json").write_text(
+        json.dumps(
+            {
+                "bos_token_id": _bos_id(special),
+                "eos_token_id": stops[0] if len(stops) == 1 else stops,
+                "do_sample": False,
+            },
+            indent=2,
+        )
+    )
     if not (out / "tokenizer_config.json").is_file():  # a raysc-trained tokenizer: its files written here
         tokens = {"bos_token": special.bos or special.eos, "eos_token": special.eos, "unk_token": special.eos}
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model.max_seq_len,
-             "add_bos_token": special.add_bos, "add_eos_token": False, "clean_up_tokenization_spaces": False,
-             "chat_template": CHAT_TEMPLATE, **tokens},
-            indent=2))
+        (out / "tokenizer_config.json").write_text(
+            json.dumps(
+                {
+                    "tokenizer_class": "PreTrainedTokenizerFast",
+                    "model_max_length": model.max_seq_len,
+                    "add_bos_token": special.add_bos,
+                    "add_eos_token": False,
+                    "clean_up_tokenization_spaces": False,
+                    "chat_template": CHAT_TEMPLATE,
+                    **tokens,
+                },
+                indent=2,
+            )
+        )
         (out / "special_tokens_map.json").write_text(json.dumps(tokens, indent=2))
     return out

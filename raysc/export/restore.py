@@ -49,8 +49,9 @@ def run_config(run_dir: str | Path) -> Config:
     """The resolved config a run wrote into its directory."""
     cfg_path = Path(run_dir) / "config.toml"
     if not cfg_path.is_file():
-        raise FileNotFoundError(f"{run_dir} is not a raysc run directory (no config.toml); "
-                                f"pass the run.dir of a training run")
+        raise FileNotFoundError(
+            f"{run_dir} is not a raysc run directory (no config.toml); pass the run.dir of a training run"
+        )
     return load_config(cfg_path)
 
 
@@ -92,11 +93,15 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
         step = newest_verified(store, mine)
         if step is None:
             others = sorted(s for s in owners if s not in mine)
-            raise FileNotFoundError(f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}"
-                                    + (f" (steps {others} there belong to another run)" if others else ""))
+            raise FileNotFoundError(
+                f"run {rd} has no committed checkpoint under {cfg.checkpoint_uri}"
+                + (f" (steps {others} there belong to another run)" if others else "")
+            )
     elif step in owners and step not in mine:
-        raise ValueError(f"checkpoint step {step} under {cfg.checkpoint_uri} was written by run "
-                              f"{owners[step]}, not by the run in {rd} ({run_id}); refusing to mix runs")
+        raise ValueError(
+            f"checkpoint step {step} under {cfg.checkpoint_uri} was written by run "
+            f"{owners[step]}, not by the run in {rd} ({run_id}); refusing to mix runs"
+        )
     local = local_copy_dir(cfg.data.cache_dir, cfg.checkpoint_uri, step)
     store.fetch(step, local)
     model = build_model(cfg.model, cfg.rope_len, cfg.train.seed)
@@ -106,13 +111,20 @@ def load_run(run_dir: str | Path, step: int | None = None) -> RunModel:
     return RunModel(model, cfg, rd / "tokenizer.json", f"{cfg.checkpoint_uri}/{step_name(step)}", step)
 
 
-def sample_text(run_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int,
-                seed: int) -> str:
+def sample_text(
+    run_dir: str | Path, prompt: str, max_new_tokens: int, temperature: float, top_k: int, seed: int
+) -> str:
     """``prompt`` and its continuation by the newest checkpoint of the run in ``run_dir``
     (``raysc generate``, the demo's samples)."""
     run = load_run(run_dir)
     tok = load_tokenizer(run.tokenizer_path)
-    ids = generate(run.model, run.special.begin(tok.encode(prompt, add_special_tokens=False).ids), max_new_tokens, temperature, top_k, seed,
-                   run.special.stops)
+    ids = generate(
+        run.model,
+        run.special.begin(tok.encode(prompt, add_special_tokens=False).ids),
+        max_new_tokens,
+        temperature,
+        top_k,
+        seed,
+        run.special.stops,
+    )
     return prompt + tok.decode(ids)
-

@@ -55,16 +55,24 @@ RESTART_KINDS = ("kill", "hang", "raise", "kill_save", "node_loss")
 MIN_STEP = {"spike": 24, "slow": 8}  # spike: the detector judges after 16 accepted steps; slow: after calibration
 
 DETECTED_BY = {
-    "kill": ("worker_died",), "kill_save": ("worker_died",), "raise": ("worker_error",),
-    "hang": ("worker_hang", "worker_error", "worker_timeout"), "node_loss": ("node_lost",),
-    "nan": ("update_skipped",), "spike": ("update_skipped", "spike_rollback"),
-    "bitflip": ("sdc_mismatch",), "slow": ("slow_step",),
+    "kill": ("worker_died",),
+    "kill_save": ("worker_died",),
+    "raise": ("worker_error",),
+    "hang": ("worker_hang", "worker_error", "worker_timeout"),
+    "node_loss": ("node_lost",),
+    "nan": ("update_skipped",),
+    "spike": ("update_skipped", "spike_rollback"),
+    "bitflip": ("sdc_mismatch",),
+    "slow": ("slow_step",),
     OUTAGE: ("checkpoint_upload_retry", "checkpoint_save_failed"),
 }
 HEALED_BY = {
     **{k: ("recovered",) for k in RESTART_KINDS},
-    "nan": ("update_skipped", "spike_rollback"), "spike": ("update_skipped", "spike_rollback"),
-    "bitflip": ("sdc_repaired", "sdc_rollback"), "slow": ("slow_step",), OUTAGE: ("checkpoint_saved",),
+    "nan": ("update_skipped", "spike_rollback"),
+    "spike": ("update_skipped", "spike_rollback"),
+    "bitflip": ("sdc_repaired", "sdc_rollback"),
+    "slow": ("slow_step",),
+    OUTAGE: ("checkpoint_saved",),
 }
 
 
@@ -87,9 +95,18 @@ class Schedule:
     every: int  # checkpoint.every_steps the spacing assumes
 
 
-def make_schedule(seed: int, *, n: int = 12, world: int = 3, every: int = 4, first: int = 8,
-                  kinds: tuple[str, ...] = ALL_KINDS, extra_kinds: tuple[str, ...] | None = None,
-                  min_step: dict[str, int] | None = None, async_saves: bool = True) -> Schedule:
+def make_schedule(
+    seed: int,
+    *,
+    n: int = 12,
+    world: int = 3,
+    every: int = 4,
+    first: int = 8,
+    kinds: tuple[str, ...] = ALL_KINDS,
+    extra_kinds: tuple[str, ...] | None = None,
+    min_step: dict[str, int] | None = None,
+    async_saves: bool = True,
+) -> Schedule:
     """``n`` faults: each of ``kinds`` once, the rest drawn from ``extra_kinds`` (default: ``kinds``
     but node_loss, which needs a spare node each time), in a seeded random order, at random steps
     (slots after the checkpoint step ``first``; see the module docstring) and ranks < ``world``.
@@ -173,8 +190,14 @@ def _matches(fault: ChaosFault, e: dict) -> bool:
     return True
 
 
-def report(schedule: Schedule, events: list[dict], committed: list[int], *,
-           outage_start: dict[int, float] | None = None, params_equal: bool | None = None) -> dict:
+def report(
+    schedule: Schedule,
+    events: list[dict],
+    committed: list[int],
+    *,
+    outage_start: dict[int, float] | None = None,
+    params_equal: bool | None = None,
+) -> dict:
     """What became of each fault of ``schedule`` in a run with ``events``, whose store lists the
     ``committed`` steps (see the module docstring for the definitions)."""
     outage_start = outage_start or {}
@@ -183,16 +206,34 @@ def report(schedule: Schedule, events: list[dict], committed: list[int], *,
     rows, used = [], set()
     for f in schedule.faults:
         i = fired_idx[f.spec]
-        row = {"fault": f.spec, "kind": f.kind, "fired": i is not None, "detected": None, "healed": None,
-               "mttr_s": None, "steps_lost": None}
+        row = {
+            "fault": f.spec,
+            "kind": f.kind,
+            "fired": i is not None,
+            "detected": None,
+            "healed": None,
+            "mttr_s": None,
+            "steps_lost": None,
+        }
         if i is not None:
             later = [j for j, _ in order if j > i]
             end = later[0] if later and f.kind != OUTAGE else len(events)  # before the next fault fires
             t0 = outage_start.get(f.step, events[i]["time"]) if f.kind == OUTAGE else events[i]["time"]
-            det = next((j for j in range(i, end) if events[j]["kind"] in DETECTED_BY[f.kind]
-                        and _matches(f, events[j])), None)
-            heal = next((j for j in range(det, end) if events[j]["kind"] in HEALED_BY[f.kind]
-                         and _matches(f, events[j]) and j not in used), None) if det is not None else None
+            det = next(
+                (j for j in range(i, end) if events[j]["kind"] in DETECTED_BY[f.kind] and _matches(f, events[j])), None
+            )
+            heal = (
+                next(
+                    (
+                        j
+                        for j in range(det, end)
+                        if events[j]["kind"] in HEALED_BY[f.kind] and _matches(f, events[j]) and j not in used
+                    ),
+                    None,
+                )
+                if det is not None
+                else None
+            )
             row["detected"] = det is not None
             row["healed"] = heal is not None
             if heal is not None:
@@ -204,8 +245,9 @@ def report(schedule: Schedule, events: list[dict], committed: list[int], *,
 
     per_kind: dict[str, dict] = {}
     for r in rows:
-        k = per_kind.setdefault(r["kind"], {"injected": 0, "fired": 0, "detected": 0, "healed": 0,
-                                            "steps_lost": 0, "mttr_s": []})
+        k = per_kind.setdefault(
+            r["kind"], {"injected": 0, "fired": 0, "detected": 0, "healed": 0, "steps_lost": 0, "mttr_s": []}
+        )
         k["injected"] += 1
         k["fired"] += r["fired"]
         k["detected"] += bool(r["detected"])
@@ -221,15 +263,24 @@ def report(schedule: Schedule, events: list[dict], committed: list[int], *,
     restart_faults = sum(1 for r in rows if r["kind"] in RESTART_KINDS and r["fired"])
     end = next((e for e in reversed(events) if e["kind"] == "run_end"), None)
     return {
-        "seed": schedule.seed, "schedule": [f.spec for f in schedule.faults],
-        "faults": {"injected": len(rows), "fired": sum(r["fired"] for r in rows),
-                   "detected": sum(bool(r["detected"]) for r in rows), "healed": sum(bool(r["healed"]) for r in rows)},
-        "per_kind": per_kind, "per_fault": rows,
+        "seed": schedule.seed,
+        "schedule": [f.spec for f in schedule.faults],
+        "faults": {
+            "injected": len(rows),
+            "fired": sum(r["fired"] for r in rows),
+            "detected": sum(bool(r["detected"]) for r in rows),
+            "healed": sum(bool(r["healed"]) for r in rows),
+        },
+        "per_kind": per_kind,
+        "per_fault": rows,
         "steps_lost": sum(r["steps_lost"] or 0 for r in rows),
-        "restarts": len(recovered), "unscheduled_restarts": len(recovered) - restart_faults,
-        "checkpoints_saved": saved, "checkpoints_committed": sorted(committed),
+        "restarts": len(recovered),
+        "unscheduled_restarts": len(recovered) - restart_faults,
+        "checkpoints_saved": saved,
+        "checkpoints_committed": sorted(committed),
         "committed_checkpoints_lost": sorted(set(saved) - set(committed)),
-        "run_completed": end is not None, "goodput": end.get("goodput") if end else None,
+        "run_completed": end is not None,
+        "goodput": end.get("goodput") if end else None,
         "wall_s": end.get("wall_s") if end else None,
         "params_equal_reference": params_equal,
     }

@@ -69,8 +69,9 @@ class CheckpointCoordinator:
         run's committed checkpoints unless ``overwrite`` (which deletes nothing until this run commits).
         The id goes to ``run_dir/run.json`` and into every manifest; restores take only this run's."""
         committed = self.store.steps()
-        own_store = not isinstance(resume, str) or \
-            parse_resume_from(resume)[0].rstrip("/") == self.cfg.checkpoint_uri.rstrip("/")
+        own_store = not isinstance(resume, str) or parse_resume_from(resume)[0].rstrip(
+            "/"
+        ) == self.cfg.checkpoint_uri.rstrip("/")
         if resume is False or not own_store:
             if committed and not overwrite:
                 owners = sorted({o or "unknown" for o in self._owners(committed).values()})
@@ -79,12 +80,16 @@ class CheckpointCoordinator:
                     f"{committed}) of run {', '.join(owners)}; a fresh run would mix its checkpoints with them. "
                     f"Continue that run with --resume, start a new one with another run.dir or checkpoint.uri, "
                     f"or pass --overwrite to replace them (nothing is deleted until this run commits its first "
-                    f"checkpoint).")
+                    f"checkpoint)."
+                )
             self.run_id = uuid.uuid4().hex[:12]
             self.replacing = committed if overwrite else []
             if self.replacing:
-                self.event(EventKind.CHECKPOINT_OVERWRITE_PENDING, steps=committed,
-                           note="--overwrite: these are deleted once this run commits its first checkpoint")
+                self.event(
+                    EventKind.CHECKPOINT_OVERWRITE_PENDING,
+                    steps=committed,
+                    note="--overwrite: these are deleted once this run commits its first checkpoint",
+                )
         else:
             recorded = read_run_id(run_dir)
             newest = self._owners(committed[-1:]).get(committed[-1]) if committed else None
@@ -97,8 +102,11 @@ class CheckpointCoordinator:
         committed one for ``True``); empty when there is none."""
         if isinstance(resume, str):
             root, step = parse_resume_from(resume)
-            store = self.store if root.rstrip("/") == self.cfg.checkpoint_uri.rstrip("/") else \
-                CheckpointStore.for_config(self.cfg, root)
+            store = (
+                self.store
+                if root.rstrip("/") == self.cfg.checkpoint_uri.rstrip("/")
+                else CheckpointStore.for_config(self.cfg, root)
+            )
         else:
             store, steps = self.store, self.store.steps()
             if not steps:
@@ -131,7 +139,9 @@ class CheckpointCoordinator:
             self.store.storage.probe()
         except StorageError as e:
             raise RunFailed(str(e)) from None
-        self.event(EventKind.CHECKPOINT_STORE_OK, uri=self.cfg.checkpoint_uri, probe_s=round(time.perf_counter() - t0, 3))
+        self.event(
+            EventKind.CHECKPOINT_STORE_OK, uri=self.cfg.checkpoint_uri, probe_s=round(time.perf_counter() - t0, 3)
+        )
         if not self.cfg.checkpoint.every_steps:
             self._advise_interval()
 
@@ -143,9 +153,13 @@ class CheckpointCoordinator:
         dt = max(time.perf_counter() - t0, 1e-6)
         self.store.storage.delete(rel)
         save_s, mtbf_s = ckpt_bytes / (sample / dt), self.cfg.checkpoint.mtbf_hours * 3600
-        self.event(EventKind.CHECKPOINT_INTERVAL_ADVICE, estimated_save_s=round(save_s, 3),
-                   mtbf_hours=self.cfg.checkpoint.mtbf_hours, young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
-                   note="checkpoint.every_steps is unset: set it to about this many seconds of training")
+        self.event(
+            EventKind.CHECKPOINT_INTERVAL_ADVICE,
+            estimated_save_s=round(save_s, 3),
+            mtbf_hours=self.cfg.checkpoint.mtbf_hours,
+            young_interval_s=round(young_interval_s(save_s, mtbf_s), 1),
+            note="checkpoint.every_steps is unset: set it to about this many seconds of training",
+        )
 
     # ---- saving ----
     def save(self, step: int, tokens: int) -> None:
@@ -160,16 +174,30 @@ class CheckpointCoordinator:
             if owner in (None, self.run_id):
                 return  # already committed by this run (a resumed run reaching a step it had saved)
             if step not in self.replacing:  # never deleted without --overwrite: this save cannot happen
-                self._save_failed(step, f"step {step} already holds a checkpoint of run {owner}", [],
-                                  "another run's checkpoint is in the way (move it, or start with --overwrite)", 0)
+                self._save_failed(
+                    step,
+                    f"step {step} already holds a checkpoint of run {owner}",
+                    [],
+                    "another run's checkpoint is in the way (move it, or start with --overwrite)",
+                    0,
+                )
                 return
             self.store.delete_committed(step)  # --overwrite: another run's checkpoint at a step this run saves
             self.replacing.remove(step)
-            self.event(EventKind.CHECKPOINT_REPLACED, step=step, note="--overwrite: the other run's checkpoint at this step")
+            self.event(
+                EventKind.CHECKPOINT_REPLACED, step=step, note="--overwrite: the other run's checkpoint at this step"
+            )
         t0 = time.perf_counter()
         started = self.wait([w.save_start.remote(step) for w in self.workers], f"checkpoint staging at step {step}")
-        self.inflight = {"step": step, "tokens": tokens, "loader": started[0]["loader"], "detector": started[0]["detector"],
-                         "t0": t0, "stall_s": max(s["held_s"] for s in started), "results": {}}
+        self.inflight = {
+            "step": step,
+            "tokens": tokens,
+            "loader": started[0]["loader"],
+            "detector": started[0]["detector"],
+            "t0": t0,
+            "stall_s": max(s["held_s"] for s in started),
+            "results": {},
+        }
         if not self.cfg.checkpoint.async_save:
             self.finish()
 
@@ -194,8 +222,10 @@ class CheckpointCoordinator:
             kept = self.inflight["results"]
             new = [r for r, busy in enumerate(pending) if not busy and r not in kept]
             if new:
-                got = self.wait([self.workers[r].save_wait.remote() for r in new],
-                                f"checkpoint upload of step {self.inflight['step']}")
+                got = self.wait(
+                    [self.workers[r].save_wait.remote() for r in new],
+                    f"checkpoint upload of step {self.inflight['step']}",
+                )
                 kept.update(zip(new, got))
             if not any(pending):
                 self.finish()
@@ -233,8 +263,12 @@ class CheckpointCoordinator:
                 pass  # the commit failed and its policy says stop: already recorded; the caller's error stands
             return
         step, self.inflight = self.inflight["step"], None
-        self.event(EventKind.CHECKPOINT_SAVE_ABANDONED, step=step, freed_bytes=self._discard(step),
-                   note="a rank failed before its upload finished; no manifest written, its files deleted")
+        self.event(
+            EventKind.CHECKPOINT_SAVE_ABANDONED,
+            step=step,
+            freed_bytes=self._discard(step),
+            note="a rank failed before its upload finished; no manifest written, its files deleted",
+        )
 
     def finish(self) -> None:
         """Wait for the save in flight; commit it if every rank uploaded, else record the failure."""
@@ -253,18 +287,30 @@ class CheckpointCoordinator:
             for note in r.get("retries", []):
                 self.event(EventKind.CHECKPOINT_UPLOAD_RETRY, step=step, rank=r["rank"], detail=note)
         if failed:
-            self._save_failed(step, failed[0]["error"], [r["rank"] for r in failed], failed[0].get("permanent"),
-                              sum(r.get("freed_local", 0) for r in failed))
+            self._save_failed(
+                step,
+                failed[0]["error"],
+                [r["rank"] for r in failed],
+                failed[0].get("permanent"),
+                sum(r.get("freed_local", 0) for r in failed),
+            )
             return
         files = [f for r in results for f in r["files"]]
         par = self.cfg.parallel
         meta = {
-            "run_id": self.run_id, "trackers": dict(self.trackers), "tokens": job["tokens"], "config_hash": config_hash(self.cfg), "config": dump_config(self.cfg),
+            "run_id": self.run_id,
+            "trackers": dict(self.trackers),
+            "tokens": job["tokens"],
+            "config_hash": config_hash(self.cfg),
+            "config": dump_config(self.cfg),
             "layout": {**par.dims.as_dict(), "pp_virtual_stages": par.pp_virtual_stages, "world_size": par.world_size},
-            "loader": job["loader"], "detectors": {"spike": job["detector"]},
-            "state": {"model": "DCP key 'model' in .metadata + __*.distcp",
-                      "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
-                      "scheduler_rng_loader": "extra_rank{r}.safetensors (JSON + tensors), one per rank"},
+            "loader": job["loader"],
+            "detectors": {"spike": job["detector"]},
+            "state": {
+                "model": "DCP key 'model' in .metadata + __*.distcp",
+                "optimizer": "DCP key 'optim' in .metadata + __*.distcp",
+                "scheduler_rng_loader": "extra_rank{r}.safetensors (JSON + tensors), one per rank",
+            },
         }
         try:
             manifest = self.store.commit(step, files, meta)
@@ -275,15 +321,22 @@ class CheckpointCoordinator:
         if self.replacing:  # --overwrite: this run has a checkpoint of its own now
             for old in self.replacing:
                 self.store.delete_committed(old)
-            self.event(EventKind.PREVIOUS_RUN_DELETED, steps=self.replacing, note="--overwrite, after this run's first commit")
+            self.event(
+                EventKind.PREVIOUS_RUN_DELETED, steps=self.replacing, note="--overwrite, after this run's first commit"
+            )
             self.replacing = []
         total_s = time.perf_counter() - job["t0"]
-        deleted = self.store.retention(self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps,
-                                       protect=step, steps=self.own_steps())  # never another run's
+        deleted = self.store.retention(
+            self.cfg.checkpoint.keep_last, self.cfg.checkpoint.keep_every_steps, protect=step, steps=self.own_steps()
+        )  # never another run's
         if self.cfg.checkpoint.hot_copy and hot:
             self._keep_hot(step, results)
-        rec = {"step": step, "bytes": sum(f["size"] for f in manifest["files"]), "stall_s": round(job["stall_s"], 4),
-               "total_s": round(total_s, 3)}
+        rec = {
+            "step": step,
+            "bytes": sum(f["size"] for f in manifest["files"]),
+            "stall_s": round(job["stall_s"], 4),
+            "total_s": round(total_s, 3),
+        }
         self.saves.append(rec)
         self.event(EventKind.CHECKPOINT_SAVED, **rec, uri=self.cfg.checkpoint_uri, files=len(files), deleted=deleted)
 
@@ -299,30 +352,48 @@ class CheckpointCoordinator:
         """Record a failed save, clean up after it and apply ``checkpoint.on_save_failure``."""
         ck = self.cfg.checkpoint
         self.failed_in_row, self.failed_saves = self.failed_in_row + 1, self.failed_saves + 1
-        self.event(EventKind.CHECKPOINT_SAVE_FAILED, step=step, ranks=ranks, error=error,
-                   failure=f"permanent: {permanent}" if permanent else "transient (retried)",
-                   freed_bytes=self._discard(step), freed_local_bytes=freed_local,
-                   note="no manifest written; the previous checkpoint stands")
+        self.event(
+            EventKind.CHECKPOINT_SAVE_FAILED,
+            step=step,
+            ranks=ranks,
+            error=error,
+            failure=f"permanent: {permanent}" if permanent else "transient (retried)",
+            freed_bytes=self._discard(step),
+            freed_local_bytes=freed_local,
+            note="no manifest written; the previous checkpoint stands",
+        )
         stop = ck.on_save_failure == "stop" or self.failed_in_row >= ck.max_failed_saves
         at_risk = step - (self.durable_step or 0)
-        self.event(EventKind.CHECKPOINT_LAGGING, step=step, durable_step=self.durable_step, steps_at_risk=at_risk,
-                   failed_in_row=self.failed_in_row, max_failed_saves=ck.max_failed_saves,
-                   action="stop the run" if stop else "keep training; the next checkpoint step tries again")
+        self.event(
+            EventKind.CHECKPOINT_LAGGING,
+            step=step,
+            durable_step=self.durable_step,
+            steps_at_risk=at_risk,
+            failed_in_row=self.failed_in_row,
+            max_failed_saves=ck.max_failed_saves,
+            action="stop the run" if stop else "keep training; the next checkpoint step tries again",
+        )
         if stop:
-            why = f"{self.failed_in_row} checkpoint save(s) in a row failed" if ck.on_save_failure == "continue" \
+            why = (
+                f"{self.failed_in_row} checkpoint save(s) in a row failed"
+                if ck.on_save_failure == "continue"
                 else "a checkpoint save failed and checkpoint.on_save_failure = 'stop'"
-            raise RunFailed(f"{why} (last: step {step}: {error}). The newest durable checkpoint is "
-                            f"{'step ' + str(self.durable_step) if self.durable_step is not None else 'none'} "
-                            f"({at_risk} steps of work unsaved). Free space or raise the quota/permissions of "
-                            f"{self.cfg.checkpoint_uri} (see docs/checkpointing.md), then continue with --resume.",
-                            Failure(FailureKind.STORAGE))  # a restart would hit the same store
+            )
+            raise RunFailed(
+                f"{why} (last: step {step}: {error}). The newest durable checkpoint is "
+                f"{'step ' + str(self.durable_step) if self.durable_step is not None else 'none'} "
+                f"({at_risk} steps of work unsaved). Free space or raise the quota/permissions of "
+                f"{self.cfg.checkpoint_uri} (see docs/checkpointing.md), then continue with --resume.",
+                Failure(FailureKind.STORAGE),
+            )  # a restart would hit the same store
 
     def _keep_hot(self, step: int, results: list[dict]) -> None:
         """Keep the newest checkpoint's files in Ray's object store, owned by the supervisor."""
         import ray
 
-        refs = {f["path"]: self.workers[r["rank"]].read_file.remote(step, f["path"])
-                for r in results for f in r["files"]}
+        refs = {
+            f["path"]: self.workers[r["rank"]].read_file.remote(step, f["path"]) for r in results for f in r["files"]
+        }
         ray.wait(list(refs.values()), num_returns=len(refs), fetch_local=False)
         self.hot, self.hot_step = refs, step  # the previous step's refs are dropped and freed
 
@@ -330,8 +401,9 @@ class CheckpointCoordinator:
     def rollback_to_before(self, first_bad_step: int) -> int:
         """Restore, in place, the newest committed checkpoint taken before ``first_bad_step``."""
         self.finish()
-        step = next((s for s in reversed(self.own_steps())
-                     if s < first_bad_step and self.store.verify(s) is None), None)
+        step = next(
+            (s for s in reversed(self.own_steps()) if s < first_bad_step and self.store.verify(s) is None), None
+        )
         if step is None:
             raise RunFailed(f"rollback: no committed checkpoint before step {first_bad_step}")
         restored, self.durable_step = self._fetch_and_load(self.store, step)[0], step
@@ -360,8 +432,11 @@ class CheckpointCoordinator:
             return
         for step in reversed(self.store.steps()):
             owner = self._owners([step])[step]
-            reason = self.store.verify(step) if owner in (None, self.run_id) else \
-                f"written by run {owner}, not by this run ({self.run_id}); name it with --resume-from to use it"
+            reason = (
+                self.store.verify(step)
+                if owner in (None, self.run_id)
+                else f"written by run {owner}, not by this run ({self.run_id}); name it with --resume-from to use it"
+            )
             if reason is None:
                 yield step
             else:
@@ -377,24 +452,42 @@ class CheckpointCoordinator:
                 restored, infos = self._fetch_and_load(self.load_store, step)
             except RunFailed as e:
                 if e.failure is not None and isinstance(e.failure.cause, CorruptCheckpoint):
-                    self.event(EventKind.CHECKPOINT_CORRUPT, step=step, error=str(e),
-                               action="falling back to the previous checkpoint")
+                    self.event(
+                        EventKind.CHECKPOINT_CORRUPT,
+                        step=step,
+                        error=str(e),
+                        action="falling back to the previous checkpoint",
+                    )
                     continue
                 raise
             if self.load_store is self.store:
                 self.durable_step = step
             manifest = self.load_store.read_manifest(step) or {}
-            self.event(EventKind.RESUMED, step=restored, uri=self.load_store.uri, from_layout=manifest.get("layout"),
-                       source=sorted({i["source"] for i in infos}), fetch_s=round(max(i["seconds"] for i in infos), 3))
+            self.event(
+                EventKind.RESUMED,
+                step=restored,
+                uri=self.load_store.uri,
+                from_layout=manifest.get("layout"),
+                source=sorted({i["source"] for i in infos}),
+                fetch_s=round(max(i["seconds"] for i in infos), 3),
+            )
             if manifest.get("config_hash") and manifest["config_hash"] != config_hash(self.cfg):
-                self.event(EventKind.RESUME_CONFIG_CHANGED, step=step, saved_hash=manifest["config_hash"],
-                           hash=config_hash(self.cfg),
-                           note="the configuration differs from the one that wrote the checkpoint")
+                self.event(
+                    EventKind.RESUME_CONFIG_CHANGED,
+                    step=step,
+                    saved_hash=manifest["config_hash"],
+                    hash=config_hash(self.cfg),
+                    note="the configuration differs from the one that wrote the checkpoint",
+                )
             return restored
         if not tried:
             if fresh_ok:
                 return 0
-            raise RunFailed(f"--resume: no committed checkpoint of run {self.run_id} under "
-                            f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N).")
-        raise RunFailed(f"every checkpoint under {self.load_store.uri} failed verification; see the "
-                        f"checkpoint_corrupt events. Start without --resume or restore the files.")
+            raise RunFailed(
+                f"--resume: no committed checkpoint of run {self.run_id} under "
+                f"{self.cfg.checkpoint_uri}; start without --resume (or --resume-from URI/step_N)."
+            )
+        raise RunFailed(
+            f"every checkpoint under {self.load_store.uri} failed verification; see the "
+            f"checkpoint_corrupt events. Start without --resume or restore the files."
+        )

@@ -55,14 +55,21 @@ def check_inputs(cfg: Config) -> None:
     Raises FileNotFoundError naming the key, or a ValueError (``CheckpointMismatch`` lists the differences;
     ``ConfigError`` for a [track] tracker whose package is not installed)."""
     check_track(cfg, "config")
-    if cfg.data.source != "bundled" and not is_url(cfg.data.source) and not Path(cfg.data.source).exists() \
-            and megatron.prefix_of(cfg.data.source) is None:
-        raise FileNotFoundError(f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
-                                f"or directory, a `raysc pack` output directory, a Megatron dataset prefix "
-                                f"(PREFIX.bin + PREFIX.idx) or .npy token files")
+    if (
+        cfg.data.source != "bundled"
+        and not is_url(cfg.data.source)
+        and not Path(cfg.data.source).exists()
+        and megatron.prefix_of(cfg.data.source) is None
+    ):
+        raise FileNotFoundError(
+            f"data.source {cfg.data.source!r} does not exist; use 'bundled', a JSONL file "
+            f"or directory, a `raysc pack` output directory, a Megatron dataset prefix "
+            f"(PREFIX.bin + PREFIX.idx) or .npy token files"
+        )
     if cfg.data.tokenizer and not Path(cfg.data.tokenizer).is_file():
-        raise FileNotFoundError(f"data.tokenizer {cfg.data.tokenizer!r} does not exist; "
-                                f"leave it empty to train one on the corpus")
+        raise FileNotFoundError(
+            f"data.tokenizer {cfg.data.tokenizer!r} does not exist; leave it empty to train one on the corpus"
+        )
     tokenizer, whose = cfg.data.tokenizer, "data.tokenizer"
     if cfg.model.init_from and not is_url(cfg.model.init_from):
         from raysc.model.hf_checkpoint import check_init_from
@@ -83,8 +90,9 @@ def ensure_ray() -> None:
     init_ray(log_to_driver=True, configure_logging=False)
 
 
-def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0,
-          overwrite: bool = False) -> dict:
+def train(
+    cfg: Config, resume: bool | str = False, progress: bool = True, probe_bytes: int = 0, overwrite: bool = False
+) -> dict:
     """Run a training job to the end and return its summary (raises ``RunFailed`` on failure and
     ``RunStopped`` after SIGINT / SIGTERM). ``probe_bytes`` > 0 adds the pre-flight probe's
     measurements (``summary["probe"]``)."""
@@ -99,8 +107,12 @@ def train(cfg: Config, resume: bool | str = False, progress: bool = True, probe_
     # one rule for every command that trains (train, preflight's probe, parity): a fleet this Ray can never
     # hold stops here, before data or workers, instead of waiting out supervisor.start_timeout_s; that it
     # waits for nodes is said on stderr even without progress lines (a run that sits idle says why)
-    require_fleet_fit("the run", cfg.parallel, min_world(cfg),  # an elastic run starts with what fits
-                      log=lambda line: print(line, file=sys.stderr, flush=True))
+    require_fleet_fit(
+        "the run",
+        cfg.parallel,
+        min_world(cfg),  # an elastic run starts with what fits
+        log=lambda line: print(line, file=sys.stderr, flush=True),
+    )
     with StopSignals() as signals:
         return _follow(cfg, resume, progress, probe_bytes, overwrite, signals)
 
@@ -145,8 +157,9 @@ class StopSignals:
             self.abort = name
 
 
-def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, overwrite: bool,
-            signals: StopSignals) -> dict:
+def _follow(
+    cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, overwrite: bool, signals: StopSignals
+) -> dict:
     """Start the supervisor, relay progress, signals and checkpoint requests until it returns."""
     from raysc.fleet.supervisor import Supervisor
 
@@ -157,13 +170,14 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=cfg.train.steps, desc="starting", unit="step", file=sys.stderr,
-                   dynamic_ncols=True, mininterval=0.5)
+        bar = tqdm(
+            total=cfg.train.steps, desc="starting", unit="step", file=sys.stderr, dynamic_ncols=True, mininterval=0.5
+        )
     seen, step, stop_sent, sup = 0, None, None, None
     try:
-        sup = Supervisor.options(
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)
-        ).remote(config_to_dict(cfg), resume, probe_bytes, overwrite)
+        sup = Supervisor.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            config_to_dict(cfg), resume, probe_bytes, overwrite
+        )
         done_ref = sup.run.remote()
         while True:
             ready, _ = ray.wait([done_ref], timeout=1.0)
@@ -172,13 +186,18 @@ def _follow(cfg: Config, resume: bool | str, progress: bool, probe_bytes: int, o
             if signals.stop and stop_sent is None:
                 sup.request_stop.remote(signals.stop)
                 stop_sent = time.monotonic()
-                _print(bar, f"[raysc] {signals.stop}: stopping at the next step boundary"
-                            f"{' and saving a checkpoint' if cfg.train.save_on_stop else ''} "
-                            f"(at most train.stop_timeout_s={cfg.train.stop_timeout_s:g}s); "
-                            f"press Ctrl-C again to abort")
+                _print(
+                    bar,
+                    f"[raysc] {signals.stop}: stopping at the next step boundary"
+                    f"{' and saving a checkpoint' if cfg.train.save_on_stop else ''} "
+                    f"(at most train.stop_timeout_s={cfg.train.stop_timeout_s:g}s); "
+                    f"press Ctrl-C again to abort",
+                )
             if stop_sent is not None and not ready and time.monotonic() - stop_sent > cfg.train.stop_timeout_s:
-                raise _Abort(signals.stop, f"the graceful stop took longer than train.stop_timeout_s="
-                                           f"{cfg.train.stop_timeout_s:g}s")
+                raise _Abort(
+                    signals.stop,
+                    f"the graceful stop took longer than train.stop_timeout_s={cfg.train.stop_timeout_s:g}s",
+                )
             while signals.checkpoints:
                 signals.checkpoints -= 1
                 sup.request_checkpoint.remote("SIGUSR1")
@@ -240,12 +259,25 @@ def _aborted(cfg: Config, abort: _Abort, step: int | None) -> RunStopped:
         latest = None
     checkpoint = f"{cfg.checkpoint_uri}/{step_name(latest)}" if latest is not None else None
     events = JsonlWriter(Path(cfg.run_dir) / "events.jsonl")
-    events.write({"time": time.time(), "kind": EventKind.RUN_STOPPED.value, "reason": abort.reason, "aborted": True,
-                  "why": str(abort), "step": step, "checkpoint_step": latest, "checkpoint": checkpoint,
-                  "note": "the supervisor was killed; a save in flight stays uncommitted (no manifest)"})
+    events.write(
+        {
+            "time": time.time(),
+            "kind": EventKind.RUN_STOPPED.value,
+            "reason": abort.reason,
+            "aborted": True,
+            "why": str(abort),
+            "step": step,
+            "checkpoint_step": latest,
+            "checkpoint": checkpoint,
+            "note": "the supervisor was killed; a save in flight stays uncommitted (no manifest)",
+        }
+    )
     events.close()
-    print(f"[raysc] run_stopped: aborted ({abort}); newest committed checkpoint: {checkpoint or 'none'}",
-          file=sys.stderr, flush=True)
+    print(
+        f"[raysc] run_stopped: aborted ({abort}); newest committed checkpoint: {checkpoint or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
     return RunStopped(abort.reason, step, checkpoint, aborted=True)
 
 
@@ -266,8 +298,9 @@ def _update_bar(bar, prog: dict) -> None:
     bar.set_description(prog["phase"])
     if last:
         bar.n = last["step"]
-        bar.set_postfix(loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}",
-                        lr=f"{last['lr']:.2e}", refresh=False)
+        bar.set_postfix(
+            loss=f"{last['loss']:.3f}", tok_s=f"{last['tokens_per_s']:.0f}", lr=f"{last['lr']:.2e}", refresh=False
+        )
         bar.refresh()
 
 
@@ -277,9 +310,11 @@ def _log_line(prog: dict, logged: int, every: int) -> int:
     if not last or last["step"] == logged:
         return logged
     if last["step"] // every > logged // every or last["step"] == prog["total_steps"]:
-        print(f"step {last['step']}/{prog['total_steps']} loss {last['loss']:.4f} "
-              f"grad_norm {last['grad_norm']:.3f} lr {last['lr']:.2e} "
-              f"tokens/s {last['tokens_per_s']:.0f} mfu {last['mfu']:.1%}", flush=True)
+        print(
+            f"step {last['step']}/{prog['total_steps']} loss {last['loss']:.4f} "
+            f"grad_norm {last['grad_norm']:.3f} lr {last['lr']:.2e} "
+            f"tokens/s {last['tokens_per_s']:.0f} mfu {last['mfu']:.1%}",
+            flush=True,
+        )
         return last["step"]
     return logged
-

@@ -64,8 +64,10 @@ class Elastic:
         self._pp_micro = par.pp_microbatches or par.pp
         for f in parse_faults(cfg.supervisor.inject):
             if f.rank >= par.world_size:
-                raise ConfigError(f"supervisor.inject: rank {f.rank} in {f.spec!r} does not exist (world size "
-                                  f"{par.world_size} at the configured size; name a rank below it).")
+                raise ConfigError(
+                    f"supervisor.inject: rank {f.rank} in {f.spec!r} does not exist (world size "
+                    f"{par.world_size} at the configured size; name a rank below it)."
+                )
         if par.pp == 1:
             cfg.train.micro_batch = self.micro  # pinned: a smaller fleet accumulates, never grows its forward
 
@@ -108,8 +110,7 @@ class Elastic:
 
         bundle = worker_bundle(self.cfg.parallel)
         missing = self.world(self.full) - self.world(self.size)
-        self.request = placement_group([dict(bundle) for _ in range(missing)], strategy="PACK",
-                                       name=group_name("grow"))
+        self.request = placement_group([dict(bundle) for _ in range(missing)], strategy="PACK", name=group_name("grow"))
         self._placed = self.request.ready()
 
     def grow_ready(self) -> bool:

@@ -64,8 +64,9 @@ class RunStopped(Exception):
     (None if there is none), ``aborted`` whether the graceful stop was cut short (a second signal,
     or ``train.stop_timeout_s``), ``summary`` the supervisor's stop summary when it finished."""
 
-    def __init__(self, reason: str, step: int | None, checkpoint: str | None, aborted: bool = False,
-                 summary: dict | None = None) -> None:
+    def __init__(
+        self, reason: str, step: int | None, checkpoint: str | None, aborted: bool = False, summary: dict | None = None
+    ) -> None:
         how = "aborted" if aborted else "stopped"
         super().__init__(f"{how} by {reason} at step {step}; newest committed checkpoint: {checkpoint or 'none'}")
         self.reason, self.step, self.checkpoint, self.aborted, self.summary = reason, step, checkpoint, aborted, summary

@@ -81,7 +81,7 @@ def raylet_pid(pid: int | None = None) -> int:
     pid = pid or os.getpid()
     while pid > 1:
         stat = Path(f"/proc/{pid}/stat").read_text()
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:].split()
+        name, rest = stat[stat.index("(") + 1 : stat.rindex(")")], stat[stat.rindex(")") + 2 :].split()
         if name == "raylet":
             return pid
         pid = int(rest[1])  # the parent
@@ -92,8 +92,9 @@ class FaultInjector:
     """The faults of ``spec`` for ``rank``, fired at the worker's hooks. ``announce(fault)`` is
     called (and returns) before a fault fires, so the supervisor records it first."""
 
-    def __init__(self, spec: str, rank: int, announce: Callable[[Fault], None],
-                 local_copies: Path | None = None) -> None:
+    def __init__(
+        self, spec: str, rank: int, announce: Callable[[Fault], None], local_copies: Path | None = None
+    ) -> None:
         mine = [f for f in parse_faults(spec) if f.rank == rank]
         self._step_faults = {f.step: f for f in mine if f.kind not in ("kill_save", "slow_upload")}
         self._save_faults = {f.step: f for f in mine if f.kind == "kill_save"}

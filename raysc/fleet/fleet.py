@@ -75,8 +75,12 @@ class Fleet:
         if self.quarantine and not avoid:
             self._quarantine_ignored()
         selector = [{"ray.io/node-id": f"!in({','.join(avoid)})"} for _ in range(self.world)] if avoid else None
-        self.pg = placement_group([dict(bundle) for _ in range(self.world)], strategy="PACK",
-                                  bundle_label_selector=selector, name=group_name("fleet"))
+        self.pg = placement_group(
+            [dict(bundle) for _ in range(self.world)],
+            strategy="PACK",
+            bundle_label_selector=selector,
+            name=group_name("fleet"),
+        )
         ready, _ = ray.wait([self.pg.ready()], timeout=timeout_s)
         if not ready:
             avail = ray.available_resources()
@@ -85,7 +89,8 @@ class Fleet:
             raise RunFailed(
                 f"could not reserve {self.world} worker(s) with {bundle} each within {timeout_s:.0f}s; the cluster "
                 f"has {avail} free on {self._node_sizes()}. Lower parallel.cpus_per_worker, add nodes, or raise "
-                f"supervisor.start_timeout_s (supervisor.node_wait_s after a node loss).")
+                f"supervisor.start_timeout_s (supervisor.node_wait_s after a node loss)."
+            )
         self.bundles = self._bundles_in_node_order()
 
     def _bundle(self) -> dict[str, float]:
@@ -116,10 +121,12 @@ class Fleet:
         dims = self.cfg.parallel.dims
         block = dims.tp * dims.cp
         for start in range(0, self.world, block):
-            if len({table[i] for i in order[start:start + block]}) > 1:
-                self.event(EventKind.LAYOUT_WARNING, ranks=f"{start}..{start + block - 1}",
-                           note="a tensor/context-parallel group spans nodes; give nodes a multiple of "
-                                "tp×cp workers")
+            if len({table[i] for i in order[start : start + block]}) > 1:
+                self.event(
+                    EventKind.LAYOUT_WARNING,
+                    ranks=f"{start}..{start + block - 1}",
+                    note="a tensor/context-parallel group spans nodes; give nodes a multiple of tp×cp workers",
+                )
         return order
 
     def _check_groups_fit(self, bundle: dict[str, float]) -> None:
@@ -132,7 +139,8 @@ class Fleet:
                 f"parallel.tp_within_node: a tensor×context-parallel group is {group} workers of {bundle}, but the "
                 f"largest node holds {max(fits, default=0)} ({self._node_sizes()}). Use nodes with at least "
                 f"{group * bundle['CPU']:g} CPUs{' and %d GPUs' % group if 'GPU' in bundle else ''}, lower "
-                f"parallel.tp/cp or parallel.cpus_per_worker, or set parallel.tp_within_node=false.")
+                f"parallel.tp/cp or parallel.cpus_per_worker, or set parallel.tp_within_node=false."
+            )
 
     @staticmethod
     def _node_sizes() -> str:
@@ -152,7 +160,9 @@ class Fleet:
         """Before a restart: re-reserve the placement group after a node loss (on the surviving
         nodes or a replacement, waiting up to supervisor.node_wait_s), or when a bundle sits on a
         quarantined node that can be avoided."""
-        on_quarantined = set(placement_group_table(self.pg).get("bundles_to_node_id", {}).values()) & set(self.quarantine)
+        on_quarantined = set(placement_group_table(self.pg).get("bundles_to_node_id", {}).values()) & set(
+            self.quarantine
+        )
         if not node_lost and not on_quarantined:
             return
         if not node_lost and not self._avoid_nodes(self._bundle()):
@@ -164,9 +174,11 @@ class Fleet:
         self.reserve(self.cfg.supervisor.node_wait_s if node_lost else None)
 
     def _quarantine_ignored(self) -> None:
-        self.event(EventKind.QUARANTINE_IGNORED, nodes=self.quarantined_nodes(),
-                   note="the nodes outside the quarantine cannot hold the fleet; placing workers on quarantined "
-                        "nodes too")
+        self.event(
+            EventKind.QUARANTINE_IGNORED,
+            nodes=self.quarantined_nodes(),
+            note="the nodes outside the quarantine cannot hold the fleet; placing workers on quarantined nodes too",
+        )
 
     def quarantine_rank(self, rank: int, why: str) -> None:
         """Record the node of ``rank`` as suspect: later placements avoid it when the cluster has
@@ -186,8 +198,11 @@ class Fleet:
         par = self.cfg.parallel
         cpus, gpus = (0, 0) if spare else (par.cpus_per_worker, 1 if par.device == "cuda" else 0)
         return TrainWorker.options(
-            num_cpus=cpus, num_gpus=gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=self.bundles[rank]),
+            num_cpus=cpus,
+            num_gpus=gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                self.pg, placement_group_bundle_index=self.bundles[rank]
+            ),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
     def _all_answer(self, refs: list, extra_s: float = 0.0) -> bool:
@@ -209,8 +224,9 @@ class Fleet:
         they were prepared (``ensure_spares``: then they take the run's current config, whose injected
         faults that fired are gone, here); else None (they are discarded and a cold fleet starts)."""
         spares, prepared, self.spares, self.spare_setup = self.spares, self.spare_setup, [], []
-        if len(spares) == self.world and self._all_answer(prepared or [s.address.remote() for s in spares],
-                                                          extra_s=60 if prepared else 0.0):
+        if len(spares) == self.world and self._all_answer(
+            prepared or [s.address.remote() for s in spares], extra_s=60 if prepared else 0.0
+        ):
             if not prepared:
                 return spares, None
             if self._all_answer([s.activate.remote(cfg_dict) for s in spares]):
@@ -238,8 +254,12 @@ class Fleet:
             self.pool = self.pool or worker_pool(idle_s)
             if self.pool is not None and len(table) == self.world:
                 try:
-                    lent = ray.get(self.pool.lend.remote([table[self.bundles[r]] for r in range(self.world)],
-                                                         self.supervisor, idle_s), timeout=30)
+                    lent = ray.get(
+                        self.pool.lend.remote(
+                            [table[self.bundles[r]] for r in range(self.world)], self.supervisor, idle_s
+                        ),
+                        timeout=30,
+                    )
                 except ray.exceptions.RayError:
                     self.pool = None  # gone (its idle time ran out meanwhile): this fleet starts its own
                 else:
@@ -248,8 +268,9 @@ class Fleet:
                     return list(self.lent)
         return [self._new_worker(rank) for rank in range(self.world)]
 
-    def start(self, data: dict, wait: Callable[..., list], touch: Callable[[], None],
-              warm: bool = False) -> list[WorkerInfo]:
+    def start(
+        self, data: dict, wait: Callable[..., list], touch: Callable[[], None], warm: bool = False
+    ) -> list[WorkerInfo]:
         """Create the workers in the reserved bundles (unless ``spawn`` did, or activate the warm
         spares) and form their process group; ``wait`` watches the setup calls, whose hang clock
         ``touch`` restarts."""
@@ -268,28 +289,57 @@ class Fleet:
             if not spares:  # a cold fleet: how long its processes took to start calibrates the next one's bound
                 self._last_start_s = time.monotonic() - self._created_at
                 self.start_measured_s = max(self.start_measured_s, self._last_start_s)
-            infos = wait([w.setup.remote((ip, port), data, cfg_dict, gpu_ids[r],
-                                         (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None)
-                          for r, w in enumerate(self.workers)],
-                         "setup (rendezvous and model build)", timeout=start_s + 60, hang_s=start_s + 61,
-                         hang_why=f"{START_BOUND} + 60 s")
+            infos = wait(
+                [
+                    w.setup.remote(
+                        (ip, port),
+                        data,
+                        cfg_dict,
+                        gpu_ids[r],
+                        (r, self.world, self.supervisor) if w._actor_id.hex() in lent else None,
+                    )
+                    for r, w in enumerate(self.workers)
+                ],
+                "setup (rendezvous and model build)",
+                timeout=start_s + 60,
+                hang_s=start_s + 61,
+                hang_why=f"{START_BOUND} + 60 s",
+            )
             # (bounded by the start-up timeout alone, as the start above: a fleet setting up beside other
             # work is slow, not hung; a small hang_timeout_s, meant for steps, failed a CI run in setup)
         self.infos = infos
         self.peak_flops = self.peak_flops or infos[0].peak_flops
-        self.event(EventKind.WORKERS_READY, workers=len(infos), warm=bool(spares), prepared=bool(prepared),
-                   pooled=len(lent),
-                   reused=self.reused if lent else 0, master=f"{ip}:{port}",
-                   started_s=None if spares else round(self._last_start_s, 2), start_bound_s=round(start_s, 1),
-                   pids=[i.pid for i in infos], setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
-                   device=infos[0].device, threads=infos[0].threads, peak_flops=infos[0].peak_flops)
+        self.event(
+            EventKind.WORKERS_READY,
+            workers=len(infos),
+            warm=bool(spares),
+            prepared=bool(prepared),
+            pooled=len(lent),
+            reused=self.reused if lent else 0,
+            master=f"{ip}:{port}",
+            started_s=None if spares else round(self._last_start_s, 2),
+            start_bound_s=round(start_s, 1),
+            pids=[i.pid for i in infos],
+            setup_s=max((i.setup_s for i in infos), key=lambda d: sum(d.values())),
+            device=infos[0].device,
+            threads=infos[0].threads,
+            peak_flops=infos[0].peak_flops,
+        )
         dims = self.cfg.parallel.dims
-        self.event(EventKind.LAYOUT, layout=dims.describe(), world_size=dims.world_size,
-                   node_ids=[i.node_id for i in infos], built=infos[0].built,
-                   table="\n" + rank_table(dims, [i.node for i in infos]))
+        self.event(
+            EventKind.LAYOUT,
+            layout=dims.describe(),
+            world_size=dims.world_size,
+            node_ids=[i.node_id for i in infos],
+            built=infos[0].built,
+            table="\n" + rank_table(dims, [i.node for i in infos]),
+        )
         if self.cfg.supervisor.sdc_every_steps and not infos[0].replicas:
-            self.event(EventKind.SDC_UNAVAILABLE, note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
-                                                       "no rank holds a replica of another's parameters to compare")
+            self.event(
+                EventKind.SDC_UNAVAILABLE,
+                note="supervisor.sdc_every_steps is set but parallel.dp_replicate=1: "
+                "no rank holds a replica of another's parameters to compare",
+            )
         return infos
 
     def start_bound_s(self) -> float:
@@ -307,8 +357,14 @@ class Fleet:
         that the free port it names is still free when its ``setup`` binds it."""
         address = None
         for rank in [*range(1, len(self.workers)), 0]:
-            address = wait([self.workers[rank].address.remote()], f"start of rank {rank}", timeout=start_s,
-                           hang_s=start_s + 1, ranks=[rank], hang_why=START_BOUND)[0]
+            address = wait(
+                [self.workers[rank].address.remote()],
+                f"start of rank {rank}",
+                timeout=start_s,
+                hang_s=start_s + 1,
+                ranks=[rank],
+                hang_why=START_BOUND,
+            )[0]
             touch()
         ip, port, _ = address
         return ip, port
@@ -332,11 +388,13 @@ class Fleet:
                 # every spare's address, resolved by Ray before each setup runs: the rendezvous (spare rank 0
                 # waits supervisor.start_timeout_s for its peers) starts once every spare is up, as in ``start``
                 up = [s.address.remote() for s in self.spares]
-                self.spare_setup = [s.setup.remote(up[0], self.data, self._cfg_dict(), None, None, *up[1:])
-                                    for s in self.spares]
+                self.spare_setup = [
+                    s.setup.remote(up[0], self.data, self._cfg_dict(), None, None, *up[1:]) for s in self.spares
+                ]
             refs = self.spare_setup or [s.address.remote() for s in self.spares]
-            threading.Thread(target=self._announce_spares, args=(refs, time.monotonic()), daemon=True,
-                             name="spares-ready").start()
+            threading.Thread(
+                target=self._announce_spares, args=(refs, time.monotonic()), daemon=True, name="spares-ready"
+            ).start()
 
     def _announce_spares(self, refs: list, t0: float) -> None:
         """``spares_ready`` once every spare of this set answers (``refs``: their addresses, or their
@@ -345,8 +403,12 @@ class Fleet:
         if not self._all_answer(refs, extra_s=60):
             return  # not up in time, or a spare died: _take_spares discards them (a cold fleet starts)
         try:
-            self.event(EventKind.SPARES_READY, spares=len(refs), seconds=round(time.monotonic() - t0, 2),
-                       prepared=isinstance(ray.get(refs[0]), WorkerInfo))
+            self.event(
+                EventKind.SPARES_READY,
+                spares=len(refs),
+                seconds=round(time.monotonic() - t0, 2),
+                prepared=isinstance(ray.get(refs[0]), WorkerInfo),
+            )
         except ValueError:
             pass  # the run's records were closed meanwhile
 

@@ -27,8 +27,11 @@ def standing_groups(owner: str | None = None) -> dict[str, str]:
     """raysc's placement groups not yet removed (id -> name), those of the supervisor ``owner`` (an
     actor id in hex) only when given."""
     prefix = f"{PREFIX}{owner}-" if owner else PREFIX
-    return {pg_id: info.get("name", "") for pg_id, info in placement_group_table().items()
-            if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"}
+    return {
+        pg_id: info.get("name", "")
+        for pg_id, info in placement_group_table().items()
+        if info.get("name", "").startswith(prefix) and info.get("state") != "REMOVED"
+    }
 
 
 def remove_groups_of(owner: str) -> list[str]:

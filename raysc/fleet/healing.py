@@ -56,9 +56,19 @@ def raylet_answers(node_id: str) -> bool:
 
 
 class Healer:
-    def __init__(self, cfg: Config, fleet: Fleet, ckpt: CheckpointCoordinator, stats: RunStats,
-                 timeouts: Timeouts, event: Callable[..., dict], wait: Callable[..., list],
-                 touch: Callable[[], None], fired: Callable[[], set[str]], elastic: Elastic | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        fleet: Fleet,
+        ckpt: CheckpointCoordinator,
+        stats: RunStats,
+        timeouts: Timeouts,
+        event: Callable[..., dict],
+        wait: Callable[..., list],
+        touch: Callable[[], None],
+        fired: Callable[[], set[str]],
+        elastic: Elastic | None = None,
+    ) -> None:
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
         self.elastic = elastic
@@ -105,12 +115,21 @@ class Healer:
         self.ckpt.workers = self.fleet.workers  # (the calibrated timeouts reach it after its warm-up step)
         step = self.ckpt.restore(True, fresh_ok=True)
         seconds = round(time.monotonic() - t0, 3)
-        self.event(EventKind.RECOVERED, attempt=self.stats.restarts, resumed_step=step,
-                   steps_lost=failed_at - 1 - step, seconds=seconds)
+        self.event(
+            EventKind.RECOVERED,
+            attempt=self.stats.restarts,
+            resumed_step=step,
+            steps_lost=failed_at - 1 - step,
+            seconds=seconds,
+        )
         if size is not None and self.elastic.size != size:
-            self._resized(size, f"a node was lost and the cluster had no room for {self.elastic.world(size)} "
-                                f"workers within supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s",
-                          seconds, failed_at - 1 - step)
+            self._resized(
+                size,
+                f"a node was lost and the cluster had no room for {self.elastic.world(size)} "
+                f"workers within supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s",
+                seconds,
+                failed_at - 1 - step,
+            )
         return step
 
     def _replace(self, node_lost: bool) -> None:
@@ -160,15 +179,26 @@ class Healer:
         self.fleet.start(data, self.wait, self.touch)
         self.ckpt.workers = self.fleet.workers
         restored = self.ckpt.restore(True)
-        self._resized(size, "the growth request was placed: the cluster has room for the configured size again",
-                      round(time.monotonic() - t0, 3), step - restored)
+        self._resized(
+            size,
+            "the growth request was placed: the cluster has room for the configured size again",
+            round(time.monotonic() - t0, 3),
+            step - restored,
+        )
         return restored
 
     def _resized(self, size: int, why: str, seconds: float, steps_lost: int) -> None:
         el = self.elastic
-        self.event(EventKind.RESIZED, dim=el.dim, **{"from": size, "to": el.size}, world_size=el.world(el.size),
-                   why=why, seconds=seconds, steps_lost=steps_lost,
-                   note="the global batch, schedule and data order are the run's own at every size")
+        self.event(
+            EventKind.RESIZED,
+            dim=el.dim,
+            **{"from": size, "to": el.size},
+            world_size=el.world(el.size),
+            why=why,
+            seconds=seconds,
+            steps_lost=steps_lost,
+            note="the global batch, schedule and data order are the run's own at every size",
+        )
 
     def _lost_nodes(self, err: RunFailed) -> dict[str, list[int]]:
         """The fleet's nodes Ray reports dead (node id -> ranks), recorded as ``node_lost``. After a
@@ -183,9 +213,14 @@ class Healer:
         while not (lost := self.fleet.lost_nodes()) and time.monotonic() < deadline:
             time.sleep(0.25)
         for node_id, ranks in lost.items():
-            self.event(EventKind.NODE_LOST, node_id=node_id, node=self.fleet.node(ranks[0]), ranks=ranks,
-                       action=f"re-placing the fleet on the surviving nodes (or a replacement), waiting up "
-                              f"to supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s")
+            self.event(
+                EventKind.NODE_LOST,
+                node_id=node_id,
+                node=self.fleet.node(ranks[0]),
+                ranks=ranks,
+                action=f"re-placing the fleet on the surviving nodes (or a replacement), waiting up "
+                f"to supervisor.node_wait_s={self.cfg.supervisor.node_wait_s:g}s",
+            )
         return lost
 
     def rollback(self, spike: SpikeRollback) -> int:
@@ -195,25 +230,38 @@ class Healer:
         self.stats.rollbacks += 1
         n = self.cfg.supervisor.skip_batches
         cursor = self.wait([w.skip_batches.remote(n) for w in self.fleet.workers], "data skip")[0]
-        self.event(EventKind.SPIKE_ROLLBACK, step=spike.step, first_flagged=spike.first_step, resumed_step=step,
-                   skipped_batches=n, cursor=cursor, steps_lost=spike.step - step, evidence=spike.evidence)
+        self.event(
+            EventKind.SPIKE_ROLLBACK,
+            step=spike.step,
+            first_flagged=spike.first_step,
+            resumed_step=step,
+            skipped_batches=n,
+            cursor=cursor,
+            steps_lost=spike.step - step,
+            evidence=spike.evidence,
+        )
         return step
 
     def repair(self, err: SilentCorruption) -> int:
         """Replicas disagreed at ``err.step``: restore the minority from a healthy replica (majority
         vote), or roll every replica back to a checkpoint no later than the last passing check."""
         workers, sdc = self.fleet.workers, self.stats.sdc
-        verdicts = [v["verdict"] for v in self.wait([w.sdc_verdict.remote() for w in workers], "SDC verdicts")
-                    if v["verdict"]]
+        verdicts = [
+            v["verdict"] for v in self.wait([w.sdc_verdict.remote() for w in workers], "SDC verdicts") if v["verdict"]
+        ]
         failing = [v for v in verdicts if not v["ok"]]
         bad = sorted({v["global_ranks"][b] for v in failing for b in v["bad"]})
         majority = all(v["source"] is not None for v in failing)
         nodes = sorted({self.fleet.node(r) for r in bad})
         sdc.mismatches += 1
-        self.event(EventKind.SDC_MISMATCH, step=err.step, ranks=bad, nodes=nodes,
-                   evidence=[{k: e[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")}
-                             for e in failing[:4]],
-                   action="restore_from_replica" if majority else "rollback")
+        self.event(
+            EventKind.SDC_MISMATCH,
+            step=err.step,
+            ranks=bad,
+            nodes=nodes,
+            evidence=[{k: e[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")} for e in failing[:4]],
+            action="restore_from_replica" if majority else "rollback",
+        )
         if majority:
             t0 = time.monotonic()
             self.wait([w.sdc_repair.remote() for w in workers], "SDC repair (broadcast from healthy replicas)")
@@ -222,15 +270,22 @@ class Healer:
             sdc.clean_step = err.step
             for r in bad:
                 self.fleet.quarantine_rank(r, f"parameters diverged from the replica majority at step {err.step}")
-            self.event(EventKind.SDC_REPAIRED, step=err.step, ranks=bad, steps_lost=0,
-                       seconds=round(time.monotonic() - t0, 3))
+            self.event(
+                EventKind.SDC_REPAIRED, step=err.step, ranks=bad, steps_lost=0, seconds=round(time.monotonic() - t0, 3)
+            )
             self.repaired_in_place = True
             return err.step
         self._strike(RunFailed(f"too many rollbacks/restarts without progress; last: {err}"))
         step = self.ckpt.rollback_to_before(sdc.clean_step + 1)
         sdc.rollbacks += 1
         self.stats.rollbacks += 1
-        self.event(EventKind.SDC_ROLLBACK, step=err.step, resumed_step=step, last_clean_check=sdc.clean_step,
-                   steps_lost=err.step - step, suspects=nodes,
-                   note="two replicas disagree and neither has a majority: both restored from the checkpoint")
+        self.event(
+            EventKind.SDC_ROLLBACK,
+            step=err.step,
+            resumed_step=step,
+            last_clean_check=sdc.clean_step,
+            steps_lost=err.step - step,
+            suspects=nodes,
+            note="two replicas disagree and neither has a majority: both restored from the checkpoint",
+        )
         return step

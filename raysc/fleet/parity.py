@@ -66,11 +66,15 @@ class ParityReport:
         return bool(self.steps) and steps_ok and self.worst_param[1] <= self.rtol
 
     def table(self) -> str:
-        lines = [f"parity of {self.layout} against world size 1 (rtol {self.rtol:g})",
-                 "step  loss(ref)      loss(layout)   rel       grad_norm(ref) grad_norm(layout) rel"]
+        lines = [
+            f"parity of {self.layout} against world size 1 (rtol {self.rtol:g})",
+            "step  loss(ref)      loss(layout)   rel       grad_norm(ref) grad_norm(layout) rel",
+        ]
         for s in self.steps:
-            lines.append(f"{s['step']:4d}  {s['loss_ref']:.8f}  {s['loss']:.8f}  {s['loss_rel']:.1e}   "
-                         f"{s['grad_norm_ref']:.8f}     {s['grad_norm']:.8f}        {s['grad_norm_rel']:.1e}")
+            lines.append(
+                f"{s['step']:4d}  {s['loss_ref']:.8f}  {s['loss']:.8f}  {s['loss_rel']:.1e}   "
+                f"{s['grad_norm_ref']:.8f}     {s['grad_norm']:.8f}        {s['grad_norm_rel']:.1e}"
+            )
         name, worst = self.worst_param
         lines.append(f"final parameters: {len(self.params)} tensors, worst {name} rel {worst:.1e}")
         lines.append("PASS" if self.ok else "FAIL")
@@ -87,19 +91,36 @@ def compare_runs(ref_dir: Path, got_dir: Path, layout: str, rtol: float) -> Pari
     report = ParityReport(layout, rtol, run_dir=str(got_dir))
     for step in sorted(ref):
         if step not in got:
-            report.steps.append({"step": step, "loss_ref": ref[step]["loss"], "loss": float("nan"),
-                                 "loss_rel": float("inf"), "grad_norm_ref": ref[step]["grad_norm"],
-                                 "grad_norm": float("nan"), "grad_norm_rel": float("inf")})
+            report.steps.append(
+                {
+                    "step": step,
+                    "loss_ref": ref[step]["loss"],
+                    "loss": float("nan"),
+                    "loss_rel": float("inf"),
+                    "grad_norm_ref": ref[step]["grad_norm"],
+                    "grad_norm": float("nan"),
+                    "grad_norm_rel": float("inf"),
+                }
+            )
             continue
         a, b = ref[step], got[step]
-        report.steps.append({"step": step, "loss_ref": a["loss"], "loss": b["loss"],
-                             "loss_rel": _rel(a["loss"], b["loss"]), "grad_norm_ref": a["grad_norm"],
-                             "grad_norm": b["grad_norm"], "grad_norm_rel": _rel(a["grad_norm"], b["grad_norm"])})
+        report.steps.append(
+            {
+                "step": step,
+                "loss_ref": a["loss"],
+                "loss": b["loss"],
+                "loss_rel": _rel(a["loss"], b["loss"]),
+                "grad_norm_ref": a["grad_norm"],
+                "grad_norm": b["grad_norm"],
+                "grad_norm_rel": _rel(a["grad_norm"], b["grad_norm"]),
+            }
+        )
     ma, mb = load_run(ref_dir).model, load_run(got_dir).model
     pb = dict(mb.named_parameters())
     for name, p in ma.named_parameters():
-        report.params[name] = (torch.linalg.vector_norm(p - pb[name]) /
-                               torch.linalg.vector_norm(p).clamp_min(1e-12)).item()
+        report.params[name] = (
+            torch.linalg.vector_norm(p - pb[name]) / torch.linalg.vector_norm(p).clamp_min(1e-12)
+        ).item()
     return report
 
 
@@ -107,33 +128,46 @@ def _common(overrides: list[str], steps: int) -> list[str]:
     """A parity run is a measurement: no periodic checkpoints, no injected faults, and no warm spares
     (an idle process per rank that a run without faults never uses; on a small machine their start-up
     competes with the ranks being compared)."""
-    return [*overrides, f"train.steps={steps}", "checkpoint.every_steps=0", "supervisor.inject=\"\"",
-            "supervisor.warm_spares=false"]
+    return [
+        *overrides,
+        f"train.steps={steps}",
+        "checkpoint.every_steps=0",
+        'supervisor.inject=""',
+        "supervisor.warm_spares=false",
+    ]
 
 
-def ensure_reference(config: str | Path | None, overrides: list[str], steps: int, ref_dir: Path,
-                     progress: bool = False) -> Path:
+def ensure_reference(
+    config: str | Path | None, overrides: list[str], steps: int, ref_dir: Path, progress: bool = False
+) -> Path:
     """The world-size-1 run of ``config`` + ``overrides`` in ``ref_dir``, trained unless it is
     there. Whoever calls first decides its overrides: callers that share a ``ref_dir`` train it
     up front with the plain overrides (a layout run with extra overrides would otherwise do it)."""
     from raysc.fleet.driver import train
 
     if not (ref_dir / "metrics.jsonl").is_file():
-        train(load_config(config, [*_common(overrides, steps), f'run.dir="{ref_dir}"']), progress=progress,
-              overwrite=True)  # a reference that never finished is scratch
+        train(
+            load_config(config, [*_common(overrides, steps), f'run.dir="{ref_dir}"']), progress=progress, overwrite=True
+        )  # a reference that never finished is scratch
     return ref_dir
 
 
-def run_parity(config: str | Path | None, layout: str, overrides: list[str] = (), steps: int = 10,
-               rtol: float = 1e-4, work_dir: str | Path = "runs/parity", ref_dir: str | Path | None = None,
-               progress: bool = False) -> ParityReport:
+def run_parity(
+    config: str | Path | None,
+    layout: str,
+    overrides: list[str] = (),
+    steps: int = 10,
+    rtol: float = 1e-4,
+    work_dir: str | Path = "runs/parity",
+    ref_dir: str | Path | None = None,
+    progress: bool = False,
+) -> ParityReport:
     """Train the reference (unless ``ref_dir`` holds one) and the layout, then compare."""
     from raysc.fleet.driver import train
 
     work = Path(work_dir)
     common = _common(overrides, steps)
-    ref_path = ensure_reference(config, overrides, steps, Path(ref_dir) if ref_dir else work / "reference",
-                                progress)
+    ref_path = ensure_reference(config, overrides, steps, Path(ref_dir) if ref_dir else work / "reference", progress)
     name = layout.replace(",", "_").replace("=", "") or "single"
     got_path = work / name
     # the layout's run directory is this harness's scratch: a run of the same layout before (other

@@ -57,8 +57,13 @@ def worker_pool(idle_s: float):
     on a node an autoscaler may remove); None when it cannot be reached."""
     try:
         here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        return WorkerPool.options(name=pool_name(), namespace=POOL_NAMESPACE, lifetime="detached",
-                                  get_if_exists=True, scheduling_strategy=here).remote(idle_s)
+        return WorkerPool.options(
+            name=pool_name(),
+            namespace=POOL_NAMESPACE,
+            lifetime="detached",
+            get_if_exists=True,
+            scheduling_strategy=here,
+        ).remote(idle_s)
     except (ray.exceptions.RayError, ValueError):
         return None
 
@@ -92,8 +97,12 @@ class WorkerPool:
                     worker, reused = idle.pop()[0], True
                     self._reused += 1
                 else:
-                    worker, reused = TrainWorker.options(
-                        num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(), False
+                    worker, reused = (
+                        TrainWorker.options(
+                            num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                        ).remote(),
+                        False,
+                    )
                 self._by_supervisor.setdefault(sup_id, []).append((worker, node, rank))
                 out.append((worker, reused))
             self._supervisors[sup_id] = supervisor
@@ -120,9 +129,12 @@ class WorkerPool:
     def stats(self) -> dict:
         """Idle workers per node, lent ones, and how many lends reused a process."""
         with self._lock:
-            return {"idle": {f"{n}:{r}": len(v) for (n, r), v in self._idle.items() if v},
-                    "lent": sum(len(v) for v in self._by_supervisor.values()), "reused": self._reused,
-                    "idle_s": self._idle_s}
+            return {
+                "idle": {f"{n}:{r}": len(v) for (n, r), v in self._idle.items() if v},
+                "lent": sum(len(v) for v in self._by_supervisor.values()),
+                "reused": self._reused,
+                "idle_s": self._idle_s,
+            }
 
     def idle_workers(self) -> list:
         with self._lock:

@@ -35,13 +35,17 @@ def require_passing(cfg: Config) -> None:
     for this config."""
     path = Path(cfg.run_dir).resolve() / "preflight.json"
     if not path.is_file():
-        raise PreflightRequired(f"train.require_preflight is set but {path} does not exist: run "
-                                f"`raysc preflight` with this config first")
+        raise PreflightRequired(
+            f"train.require_preflight is set but {path} does not exist: run `raysc preflight` with this config first"
+        )
     report = json.loads(path.read_text())
     if report.get("config_hash") != preflight_hash(cfg):
-        raise PreflightRequired(f"{path} is for config {report.get('config_hash')}, this config is "
-                                f"{preflight_hash(cfg)}: the config changed since the pre-flight; run it again")
+        raise PreflightRequired(
+            f"{path} is for config {report.get('config_hash')}, this config is "
+            f"{preflight_hash(cfg)}: the config changed since the pre-flight; run it again"
+        )
     if not report.get("passed"):
         failed = [f"{i['name']}: {i['summary']}" for i in report["items"] if i["status"] == "fail"]
-        raise PreflightRequired(f"the pre-flight in {path} failed ({'; '.join(failed)}); fix it and re-run "
-                                f"`raysc preflight`")
+        raise PreflightRequired(
+            f"the pre-flight in {path} failed ({'; '.join(failed)}); fix it and re-run `raysc preflight`"
+        )

@@ -42,6 +42,7 @@ from raysc.train.memory import PeakMemory
 from raysc.train.signals import SilentCorruption
 from raysc.train.trainer import Trainer
 
+
 def _discard_staged(local: Path, rank: int) -> int:
     """Remove this rank's staged files of a save that failed (they will never be committed); bytes freed."""
     freed = 0
@@ -73,8 +74,12 @@ class RankWorker:
 
     def _configure(self, cfg_dict: dict) -> None:
         self.cfg = config_from_dict(cfg_dict, "supervisor")
-        self.faults = FaultInjector(self.cfg.supervisor.inject, self.rank, self._announce,
-                                    node_copies_root(self.cfg.data.cache_dir, ray.get_runtime_context().get_node_id()))
+        self.faults = FaultInjector(
+            self.cfg.supervisor.inject,
+            self.rank,
+            self._announce,
+            node_copies_root(self.cfg.data.cache_dir, ray.get_runtime_context().get_node_id()),
+        )
         if self.trainer is not None:
             self._hook_faults()
 
@@ -90,8 +95,9 @@ class RankWorker:
         """A prepared spare takes over: the run's current config (injected faults that fired are gone)."""
         self._configure(cfg_dict)
 
-    def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
-              gpu_ids: list | None = None) -> WorkerInfo:
+    def setup(
+        self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None, gpu_ids: list | None = None
+    ) -> WorkerInfo:
         """Join the process group and build this rank's model shard. A warm spare (started without
         resources, in the bundle of the rank it replaces) gets the current config (injected faults that
         fired are gone) and, on GPU, the device of the worker it replaces, before CUDA is first touched."""
@@ -105,21 +111,29 @@ class RankWorker:
         backend = "nccl" if self.cfg.parallel.device == "cuda" else "gloo"
         if self.cfg.parallel.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU assigned to this actor
-        dist.init_process_group(backend, init_method=f"tcp://{master[0]}:{master[1]}",
-                                rank=self.rank, world_size=self.world_size,
-                                timeout=timedelta(seconds=self.cfg.supervisor.start_timeout_s))
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{master[0]}:{master[1]}",
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=timedelta(seconds=self.cfg.supervisor.start_timeout_s),
+        )
         t_setup.append(time.perf_counter())
         train_rows = ray.get(data["train"])
         val_rows = ray.get(data["val"])
         t_setup.append(time.perf_counter())
         dims = self.cfg.parallel.dims
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
-        mesh = build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") \
-            if dims.world_size > 1 else None
+        mesh = (
+            build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") if dims.world_size > 1 else None
+        )
         self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh, eos_id=data["eos_id"])
         self._hook_faults()
-        self.memory = PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device) \
-            if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory else None
+        self.memory = (
+            PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device)
+            if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory
+            else None
+        )
         t_setup.append(time.perf_counter())
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.ckpt_group = dist.new_group(backend="gloo")
@@ -128,26 +142,33 @@ class RankWorker:
         self.ckpt = CheckpointStore.for_config(self.cfg)
         phases = ("process_group", "data", "model", "checkpoint_group")
         return WorkerInfo(
-            rank=self.rank, pid=os.getpid(), node=ray.util.get_node_ip_address(),
-            node_id=ray.get_runtime_context().get_node_id(), replicas=self.trainer.replicas.enabled,
-            gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()], coords=dims.coords(self.rank),
+            rank=self.rank,
+            pid=os.getpid(),
+            node=ray.util.get_node_ip_address(),
+            node_id=ray.get_runtime_context().get_node_id(),
+            replicas=self.trainer.replicas.enabled,
+            gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()],
+            coords=dims.coords(self.rank),
             built=describe_shard(self.trainer.shard, self.trainer.schedule),
-            threads=torch.get_num_threads(), device=str(self.trainer.device), peak_flops=self.trainer.peak_flops,
+            threads=torch.get_num_threads(),
+            device=str(self.trainer.device),
+            peak_flops=self.trainer.peak_flops,
             master=(master[0], master[1]),
-            setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))))
+            setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))),
+        )
 
     # ---- checkpoints ----
     def _local_dir(self, step: int, uri: str | None = None) -> Path:
         """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
-        return local_copy_dir(self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step,
-                              ray.get_runtime_context().get_node_id())
+        return local_copy_dir(
+            self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step, ray.get_runtime_context().get_node_id()
+        )
 
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
         """Bring every file of checkpoint ``step`` under ``uri`` to this node, verifying sizes and
         SHA-256 (no collectives, so a corrupt file fails here, on every rank, before any load)."""
         getters = {name: (lambda ref=ref: ray.get(ref)) for name, ref in (hot or {}).items()}
-        store = self.ckpt if uri == self.cfg.checkpoint_uri else \
-            CheckpointStore.for_config(self.cfg, uri)
+        store = self.ckpt if uri == self.cfg.checkpoint_uri else CheckpointStore.for_config(self.cfg, uri)
         t0 = time.perf_counter()
         _, source = store.fetch(step, self._local_dir(step, uri), getters, reuse_local=self.cfg.checkpoint.hot_copy)
         return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
@@ -155,8 +176,9 @@ class RankWorker:
     def load(self, uri: str, step: int) -> int:
         """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG
         (DCP reshards it when it was written under another layout)."""
-        extra = load_local(self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer,
-                           self.rank, step=step)
+        extra = load_local(
+            self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer, self.rank, step=step
+        )
         self.trainer.load_extra_state(extra)
         return self.trainer.step
 
@@ -171,8 +193,13 @@ class RankWorker:
         for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
             (local / stale).unlink(missing_ok=True)
         extra = self.trainer.extra_state()
-        staged = write_shards(local, self.trainer.shard.state_module(), self.trainer.optimizer, self.ckpt_group,
-                              asynchronous=self.cfg.checkpoint.async_save)
+        staged = write_shards(
+            local,
+            self.trainer.shard.state_module(),
+            self.trainer.optimizer,
+            self.ckpt_group,
+            asynchronous=self.cfg.checkpoint.async_save,
+        )
         self._save = {"step": step, "done": threading.Event(), "result": None}
         threading.Thread(target=self._finish_save, args=(step, local, staged, extra), daemon=True).start()
         held = time.perf_counter() - t0
@@ -187,16 +214,24 @@ class RankWorker:
             self.faults.before_upload(step)
             save_extra(staged, local, extra, self.rank)
             digests = staged.wait()
-            entries = self.ckpt.upload(step, local, rank_files(local, self.rank), digests,
-                                       retries=self.cfg.checkpoint.upload_retries,
-                                       on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
-                                       after_file=self.faults.on_file_written(step))
+            entries = self.ckpt.upload(
+                step,
+                local,
+                rank_files(local, self.rank),
+                digests,
+                retries=self.cfg.checkpoint.upload_retries,
+                on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
+                after_file=self.faults.on_file_written(step),
+            )
             self.ckpt.write_receipt(step, self.rank, entries)  # the supervisor may commit it without us
             result.update(ok=True, files=entries)
         except Exception as e:  # reported to the supervisor, which records it and applies its policy
-            result.update(ok=False, error=f"{type(e).__name__}: {e}",
-                          permanent=getattr(e, "reason", None) if isinstance(e, PermanentStorageError) else None,
-                          freed_local=_discard_staged(local, self.rank))
+            result.update(
+                ok=False,
+                error=f"{type(e).__name__}: {e}",
+                permanent=getattr(e, "reason", None) if isinstance(e, PermanentStorageError) else None,
+                freed_local=_discard_staged(local, self.rank),
+            )
         self._save["result"] = result
         self._save["done"].set()
 
@@ -321,9 +356,14 @@ class RankWorker:
         sizes = dims.as_dict()
         with self._training:
             bandwidth = group_bandwidth(self.trainer.mesh, sizes, nbytes, self.trainer.device)
-        return {"rank": self.rank, "coords": dims.coords(self.rank), "node": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id(), "bandwidth": bandwidth,
-                "topology": node_topology(self.trainer.device)}
+        return {
+            "rank": self.rank,
+            "coords": dims.coords(self.rank),
+            "node": ray.util.get_node_ip_address(),
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "bandwidth": bandwidth,
+            "topology": node_topology(self.trainer.device),
+        }
 
     def set_timeout(self, seconds: float) -> None:
         """The process-group timeout of every training collective (the default group and each mesh

@@ -28,9 +28,13 @@ class SdcCounts:
     clean_step: int = 0  # the newest step whose check passed
 
     def summary(self) -> dict:
-        return {"checks": self.checks, "mismatches": self.mismatches, "repairs": self.repairs,
-                "rollbacks": self.rollbacks,
-                "overhead": round(self.check_s / self.step_s, 4) if self.step_s else None}
+        return {
+            "checks": self.checks,
+            "mismatches": self.mismatches,
+            "repairs": self.repairs,
+            "rollbacks": self.rollbacks,
+            "overhead": round(self.check_s / self.step_s, 4) if self.step_s else None,
+        }
 
 
 @dataclass
@@ -101,26 +105,37 @@ class RunStats:
 
     def health(self) -> dict:
         """The dashboard's run-health gauges (``raysc.fleet.records.HEALTH_METRICS``)."""
-        return {"restarts": self.restarts - self.rollbacks, "rollbacks": self.rollbacks,
-                "skipped_steps": self.skipped(), "sdc_checks": self.sdc.checks,
-                "sdc_mismatches": self.sdc.mismatches, "goodput": self.goodput()}
+        return {
+            "restarts": self.restarts - self.rollbacks,
+            "rollbacks": self.rollbacks,
+            "skipped_steps": self.skipped(),
+            "sdc_checks": self.sdc.checks,
+            "sdc_mismatches": self.sdc.mismatches,
+            "goodput": self.goodput(),
+        }
 
     def median_tps(self) -> float:
         with self._lock:
-            tps = self.tps[len(self.tps) // 10:] or [0.0]  # skip warm-up steps
+            tps = self.tps[len(self.tps) // 10 :] or [0.0]  # skip warm-up steps
         return sorted(tps)[len(tps) // 2]
 
-    def run_summary(self, last: dict | None, *, steps_run: int, tokens_per_step: int, train_time: float,
-                    params: int) -> dict:
+    def run_summary(
+        self, last: dict | None, *, steps_run: int, tokens_per_step: int, train_time: float, params: int
+    ) -> dict:
         """The training part of the ``run_end`` summary, ``last`` being rank 0's final step metrics
         (the caller adds checkpoints, quarantine, probe)."""
         return {
-            "final_loss": last["loss"] if last else None, "tokens": last["tokens"] if last else None,
+            "final_loss": last["loss"] if last else None,
+            "tokens": last["tokens"] if last else None,
             "tokens_per_s": self.median_tps(),
             "tokens_per_s_wall": steps_run * tokens_per_step / train_time if steps_run else 0.0,
-            "mfu": last["mfu"] if last else None, "params": params,
-            "restarts": self.restarts - self.rollbacks, "rollbacks": self.rollbacks, "sdc": self.sdc.summary(),
-            "goodput": self.goodput(), "skipped_updates": self.skipped(),
+            "mfu": last["mfu"] if last else None,
+            "params": params,
+            "restarts": self.restarts - self.rollbacks,
+            "rollbacks": self.rollbacks,
+            "sdc": self.sdc.summary(),
+            "goodput": self.goodput(),
+            "skipped_updates": self.skipped(),
             "wall_s": round(time.time() - self.t_start, 2),
             "peak_memory_gb": [round(m["peak_bytes"] / 1e9, 4) for m in self.memory] if self.memory else None,
         }

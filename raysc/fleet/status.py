@@ -58,8 +58,11 @@ def tracker_states(events: list[dict]) -> dict[str, dict]:
 
 def resizes(events: list[dict]) -> list[str]:
     """An elastic run's size changes, oldest first (``dp_replicate 2->1 at ... (why)``)."""
-    return [f"{e['dim']} {e['from']}->{e['to']} ({e['why']}; {e['seconds']:g}s, {e['steps_lost']} steps lost)"
-            for e in events if e["kind"] == EventKind.RESIZED]
+    return [
+        f"{e['dim']} {e['from']}->{e['to']} ({e['why']}; {e['seconds']:g}s, {e['steps_lost']} steps lost)"
+        for e in events
+        if e["kind"] == EventKind.RESIZED
+    ]
 
 
 def run_status(run_dir: str | Path) -> dict:
@@ -69,8 +72,9 @@ def run_status(run_dir: str | Path) -> dict:
     events = read_jsonl(rd / "events.jsonl")
     metrics = read_jsonl(rd / "metrics.jsonl")
     last_event = events[-1]
-    state = {EventKind.RUN_END: "finished", EventKind.RUN_FAILED: "failed",
-             EventKind.RUN_STOPPED: "stopped"}.get(last_event["kind"], "running")
+    state = {EventKind.RUN_END: "finished", EventKind.RUN_FAILED: "failed", EventKind.RUN_STOPPED: "stopped"}.get(
+        last_event["kind"], "running"
+    )
     wall = running_s(events, metrics)
     last = metrics[-1] if metrics else {}
     total = None
@@ -80,15 +84,23 @@ def run_status(run_dir: str | Path) -> dict:
         total = load_config(rd / "config.toml").train.steps
     saved = [e for e in events if e["kind"] == EventKind.CHECKPOINT_SAVED]
     return {
-        "run_dir": str(rd), "state": state, "step": last.get("step"), "total_steps": total,
-        "loss": last.get("loss"), "grad_norm": last.get("grad_norm"), "tokens_per_s": last.get("tokens_per_s"),
-        "mfu": last.get("mfu"), "tokens": last.get("tokens"),
-        "dp": last.get("dp"), "resizes": resizes(events),
+        "run_dir": str(rd),
+        "state": state,
+        "step": last.get("step"),
+        "total_steps": total,
+        "loss": last.get("loss"),
+        "grad_norm": last.get("grad_norm"),
+        "tokens_per_s": last.get("tokens_per_s"),
+        "mfu": last.get("mfu"),
+        "tokens": last.get("tokens"),
+        "dp": last.get("dp"),
+        "resizes": resizes(events),
         "restarts": sum(1 for e in events if e["kind"] == EventKind.RECOVERED),
         "skipped_updates": sum(1 for e in events if e["kind"] == EventKind.UPDATE_SKIPPED),
         "failed_saves": sum(1 for e in events if e["kind"] == EventKind.CHECKPOINT_SAVE_FAILED),
         "last_checkpoint": saved[-1]["step"] if saved else None,
-        "wall_s": round(wall, 2), "goodput": goodput(metrics, wall),
+        "wall_s": round(wall, 2),
+        "goodput": goodput(metrics, wall),
         "sessions": max(1, sum(1 for e in events if e["kind"] == EventKind.RUN_START)),
         "last_events": [f"{e['kind']}" + (f" step={e['step']}" if "step" in e else "") for e in events[-5:]],
         "serving": read_serving(rd),

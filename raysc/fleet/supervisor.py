@@ -46,8 +46,9 @@ from raysc.track.run_tracker import RunTracker, read_track_ids
 
 @ray.remote(num_cpus=0, max_concurrency=8, concurrency_groups={"reports": 1})
 class Supervisor:
-    def __init__(self, cfg_dict: dict, resume: bool | str = False, probe_bytes: int = 0,
-                 overwrite: bool = False) -> None:
+    def __init__(
+        self, cfg_dict: dict, resume: bool | str = False, probe_bytes: int = 0, overwrite: bool = False
+    ) -> None:
         self.cfg = cfg = config_from_dict(cfg_dict, "driver")
         self.resume = resume
         self.overwrite = overwrite  # a fresh run may replace another run's checkpoints (--overwrite)
@@ -91,13 +92,22 @@ class Supervisor:
             if m.get("skipped"):
                 self._event(EventKind.UPDATE_SKIPPED, step=m["step"], action="skip", **m["skipped"])
             if m.get("domain_epochs"):
-                self._event(EventKind.DATA_EPOCH, step=m["step"], epochs=m["domain_epochs"],
-                            note="a domain ran out of sequences and started a new seeded permutation")
+                self._event(
+                    EventKind.DATA_EPOCH,
+                    step=m["step"],
+                    epochs=m["domain_epochs"],
+                    note="a domain ran out of sequences and started a new seeded permutation",
+                )
             normal = self.timeouts.is_slow(m["step_time"])
             if normal and m["step"] != self._warmup_step:  # a new fleet's first step is no straggler
-                self._event(EventKind.SLOW_STEP, step=m["step"], step_time_s=round(m["step_time"], 3),
-                            normal_s=round(normal, 4), action="none (within the hang timeout)",
-                            note="a straggler: every rank waits for the slowest in each collective")
+                self._event(
+                    EventKind.SLOW_STEP,
+                    step=m["step"],
+                    step_time_s=round(m["step_time"], 3),
+                    normal_s=round(normal, 4),
+                    action="none (within the hang timeout)",
+                    note="a straggler: every rank waits for the slowest in each collective",
+                )
 
     def fault_fired(self, spec: str, rank: int, step: int) -> None:
         """An injected fault is about to fire on ``rank`` before ``step`` (recorded so a restart
@@ -114,8 +124,12 @@ class Supervisor:
     def progress(self, events_seen: int = 0) -> dict:
         """Phase, newest step metrics, and the events after the first ``events_seen``."""
         with self._lock:
-            return {"phase": self._phase, "last": self.stats.last, "total_steps": self.cfg.train.steps,
-                    "events": self._events[events_seen:]}
+            return {
+                "phase": self._phase,
+                "last": self.stats.last,
+                "total_steps": self.cfg.train.steps,
+                "events": self._events[events_seen:],
+            }
 
     def request_stop(self, reason: str) -> None:
         """Stop at the next step boundary all ranks agree on, save that step, shut down (``run``
@@ -157,8 +171,13 @@ class Supervisor:
     # ---- the run ----
     def run(self) -> dict:
         self.stats.t_start = time.time()
-        self._event(EventKind.RUN_START, run_dir=str(self.run_dir), config_hash=config_hash(self.cfg),
-                    params=param_count(self.cfg.model)["total"], resume=bool(self.resume))
+        self._event(
+            EventKind.RUN_START,
+            run_dir=str(self.run_dir),
+            config_hash=config_hash(self.cfg),
+            params=param_count(self.cfg.model)["total"],
+            resume=bool(self.resume),
+        )
         status = "FAILED"
         try:
             summary = self._run()
@@ -173,8 +192,9 @@ class Supervisor:
         except Exception as e:  # a defect of raysc's own: recorded with where it happened, saves kept
             if self.ckpt is not None:
                 self.ckpt.salvage()
-            self._event(EventKind.RUN_FAILED, error=f"{type(e).__name__}: {e}",
-                        traceback=traceback.format_exc(limit=-8))
+            self._event(
+                EventKind.RUN_FAILED, error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(limit=-8)
+            )
             raise
         finally:
             self._phase = "stopped"
@@ -189,8 +209,18 @@ class Supervisor:
         total = self.cfg.train.steps
         data = self._prepare()
         start_step = step = self._start(data)
-        healer = Healer(self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts, self._event,
-                        self.watch.wait, self.stats.touch, self._fired_faults, self.elastic)
+        healer = Healer(
+            self.cfg,
+            self.fleet,
+            self.ckpt,
+            self.stats,
+            self.timeouts,
+            self._event,
+            self.watch.wait,
+            self.stats.touch,
+            self._fired_faults,
+            self.elastic,
+        )
         self._phase = "training"
         t_train = time.perf_counter()
         repaired = False  # replicas repaired in place at ``step``: it may still be due its checkpoint
@@ -223,10 +253,14 @@ class Supervisor:
                     if self.ckpt.latest() != total:
                         raise
                     # training and its final checkpoint are complete: a success without the validation
-                    self._event(EventKind.VALIDATION_MISSING, phase=self._final_phase, error=str(gave_up),
-                                checkpoint=self._checkpoint_uri(total),
-                                note="the run's training and final checkpoint are complete; the final "
-                                     "validation could not be run (see the failure above)")
+                    self._event(
+                        EventKind.VALIDATION_MISSING,
+                        phase=self._final_phase,
+                        error=str(gave_up),
+                        checkpoint=self._checkpoint_uri(total),
+                        note="the run's training and final checkpoint are complete; the final "
+                        "validation could not be run (see the failure above)",
+                    )
                     return self._finish(start_step, train_time, (None, None))
                 repaired = healer.repaired_in_place
                 self._phase = "training"
@@ -271,12 +305,28 @@ class Supervisor:
         # tokens this run packed with: exports, generation and serving read them from the run directory
         copy_tokenizer(tok_path, self.run_dir)
         write_special_tokens(self.run_dir, SpecialTokens.from_dict(data_info["special_tokens"]))
-        self._event(EventKind.DATA_READY, **{k: data_info[k] for k in (
-            "tokens", "documents", "train_sequences", "val_sequences", "corpus_sha256", "domains", "schedule")
-            if k in data_info})
+        self._event(
+            EventKind.DATA_READY,
+            **{
+                k: data_info[k]
+                for k in (
+                    "tokens",
+                    "documents",
+                    "train_sequences",
+                    "val_sequences",
+                    "corpus_sha256",
+                    "domains",
+                    "schedule",
+                )
+                if k in data_info
+            },
+        )
         # the EOS id: with train.document_mask the ranks find document boundaries by it
-        return {"train": ray.put(packed.train), "val": ray.put(packed.val),
-                "eos_id": int(data_info["special_tokens"]["eos_id"])}
+        return {
+            "train": ray.put(packed.train),
+            "val": ray.put(packed.val),
+            "eos_id": int(data_info["special_tokens"]["eos_id"]),
+        }
 
     def _start_size(self) -> None:
         """An elastic run starts with the largest allowed size the alive nodes hold (the configured
@@ -286,10 +336,16 @@ class Supervisor:
         if size is not None and size < el.size:
             full = el.size
             el.resize(size)
-            self._event(EventKind.RESIZED, dim=el.dim, **{"from": full, "to": size}, world_size=el.world(size),
-                        why=f"the cluster holds {el.world(size)} of the configured {el.world(full)} workers at "
-                            f"the start", seconds=0.0, steps_lost=0,
-                        note="grows at a checkpoint boundary once its growth request is placed")
+            self._event(
+                EventKind.RESIZED,
+                dim=el.dim,
+                **{"from": full, "to": size},
+                world_size=el.world(size),
+                why=f"the cluster holds {el.world(size)} of the configured {el.world(full)} workers at the start",
+                seconds=0.0,
+                steps_lost=0,
+                note="grows at a checkpoint boundary once its growth request is placed",
+            )
 
     def _track(self) -> None:
         """Open the [track] trackers: a resumed run continues the tracker runs recorded in the run
@@ -313,9 +369,15 @@ class Supervisor:
         took = bool(info["tokenizer"]) and not self.cfg.data.tokenizer
         if took:
             self.cfg.data.tokenizer = info["tokenizer"]
-        self._event(EventKind.INIT_FROM, source=m.init_from, sha256=content_sha256(local), tensors=info["tensors"],
-                    bytes=info["bytes"], tokenizer=info["tokenizer"] if took else None,
-                    note="weights from the checkpoint, optimizer and schedule fresh")
+        self._event(
+            EventKind.INIT_FROM,
+            source=m.init_from,
+            sha256=content_sha256(local),
+            tensors=info["tensors"],
+            bytes=info["bytes"],
+            tokenizer=info["tokenizer"] if took else None,
+            note="weights from the checkpoint, optimizer and schedule fresh",
+        )
 
     def _start(self, data: dict) -> int:
         """Set up the fleet ``_prepare`` spawned; the step it starts from (a resumed checkpoint's, else 0)."""
@@ -344,8 +406,11 @@ class Supervisor:
         if fresh:  # kept after the chunk: rank 0's report of the step may arrive after it returns
             self._warmup_step = step + 1
         self.stats.touch()
-        results = self.watch.wait([w.train.remote(target) for w in workers], f"steps {step + 1}..{target}",
-                                  hang_s=None if fresh else self.timeouts.hang_s)
+        results = self.watch.wait(
+            [w.train.remote(target) for w in workers],
+            f"steps {step + 1}..{target}",
+            hang_s=None if fresh else self.timeouts.hang_s,
+        )
         if fresh and not calibrating:
             self.timeouts.apply(workers)
         self._trained_on = workers
@@ -396,9 +461,17 @@ class Supervisor:
         latest = self.ckpt.latest()
         steps_run = cfg.train.steps - start_step
         summary = {
-            "run_dir": str(self.run_dir), "steps": cfg.train.steps, "steps_run": steps_run, "val_loss": val,
-            **self.stats.run_summary(self._last, steps_run=steps_run, params=param_count(cfg.model)["total"], train_time=train_time,
-                                     tokens_per_step=cfg.train.global_batch_sequences * cfg.train.seq_len),
+            "run_dir": str(self.run_dir),
+            "steps": cfg.train.steps,
+            "steps_run": steps_run,
+            "val_loss": val,
+            **self.stats.run_summary(
+                self._last,
+                steps_run=steps_run,
+                params=param_count(cfg.model)["total"],
+                train_time=train_time,
+                tokens_per_step=cfg.train.global_batch_sequences * cfg.train.seq_len,
+            ),
             "checkpoint": self._checkpoint_uri(latest),
             "checkpoint_stall_s": round(sum(x["stall_s"] for x in self.ckpt.saves), 4),
             # steps of work the newest durable checkpoint lacks (> 0 only when saves failed): non-zero exit
@@ -420,8 +493,16 @@ class Supervisor:
             self.ckpt.save(step, self._tokens())  # waits for a save in flight first
         self.ckpt.finish()
         latest = self.ckpt.latest()
-        summary = {"run_dir": str(self.run_dir), "stopped": self._stop, "step": step, "steps": self.cfg.train.steps,
-                   "step_in_flight": "finished", "checkpoint_step": latest, "checkpoint": self._checkpoint_uri(latest),
-                   "stop_s": round(time.monotonic() - t0, 3), "wall_s": round(time.time() - self.stats.t_start, 2)}
+        summary = {
+            "run_dir": str(self.run_dir),
+            "stopped": self._stop,
+            "step": step,
+            "steps": self.cfg.train.steps,
+            "step_in_flight": "finished",
+            "checkpoint_step": latest,
+            "checkpoint": self._checkpoint_uri(latest),
+            "stop_s": round(time.monotonic() - t0, 3),
+            "wall_s": round(time.time() - self.stats.t_start, 2),
+        }
         self._event(EventKind.RUN_STOPPED, reason=self._stop, **{k: v for k, v in summary.items() if k != "stopped"})
         return summary

@@ -61,25 +61,44 @@ class Timeouts:
         coll_s = max(c["allreduce_s"] for c in coll)
         silence_s = max(step_s, REPORT_EVERY_S)  # rank 0 reports once a step, at most once a second
         sup = self.sup
-        self.values = {"step_s": step_s, "collective_s": coll_s, "collective_bytes": coll[0]["bytes"],
-                       "hang_s": max(sup.timeout_floor_s, sup.timeout_factor * silence_s),
-                       "pg_s": max(sup.timeout_floor_s, sup.timeout_factor * max(step_s, coll_s))}
+        self.values = {
+            "step_s": step_s,
+            "collective_s": coll_s,
+            "collective_bytes": coll[0]["bytes"],
+            "hang_s": max(sup.timeout_floor_s, sup.timeout_factor * silence_s),
+            "pg_s": max(sup.timeout_floor_s, sup.timeout_factor * max(step_s, coll_s)),
+        }
         self.apply(workers)
-        self.event(EventKind.TIMEOUTS_CALIBRATED, steps=f"{first}..{last}", step_time_s=round(step_s, 4),
-                   allreduce_s=round(coll_s, 5), allreduce_bytes=coll[0]["bytes"], factor=sup.timeout_factor,
-                   floor_s=sup.timeout_floor_s, hang_timeout_s=round(self.values["hang_s"], 3),
-                   pg_timeout_s=round(self.values["pg_s"], 3))
+        self.event(
+            EventKind.TIMEOUTS_CALIBRATED,
+            steps=f"{first}..{last}",
+            step_time_s=round(step_s, 4),
+            allreduce_s=round(coll_s, 5),
+            allreduce_bytes=coll[0]["bytes"],
+            factor=sup.timeout_factor,
+            floor_s=sup.timeout_floor_s,
+            hang_timeout_s=round(self.values["hang_s"], 3),
+            pg_timeout_s=round(self.values["pg_s"], 3),
+        )
         if sup.stress_s:
             self._stress(workers)
 
     def _stress(self, workers: list) -> None:
         pg_s = self.values["pg_s"]
-        res = self.wait([w.stress.remote(self.sup.stress_s) for w in workers], "collective stress test",
-                        hang_s=self.sup.stress_s + pg_s + 30)
-        self.event(EventKind.COLLECTIVE_STRESS, seconds=self.sup.stress_s, ops=sum(r["ops"] for r in res),
-                   slowest_op_s=round(max(r["slowest_s"] for r in res), 4),
-                   timeouts=sum(r["timeouts"] for r in res), pg_timeout_s=round(pg_s, 3),
-                   errors=[r["error"] for r in res if r["error"]][:2])
+        res = self.wait(
+            [w.stress.remote(self.sup.stress_s) for w in workers],
+            "collective stress test",
+            hang_s=self.sup.stress_s + pg_s + 30,
+        )
+        self.event(
+            EventKind.COLLECTIVE_STRESS,
+            seconds=self.sup.stress_s,
+            ops=sum(r["ops"] for r in res),
+            slowest_op_s=round(max(r["slowest_s"] for r in res), 4),
+            timeouts=sum(r["timeouts"] for r in res),
+            pg_timeout_s=round(pg_s, 3),
+            errors=[r["error"] for r in res if r["error"]][:2],
+        )
 
     def apply(self, workers: list) -> None:
         """Set the calibrated process-group timeout on ``workers`` (a new fleet gets it too)."""

@@ -26,7 +26,8 @@ def is_peer_failure(exc: BaseException | None) -> bool:
     if isinstance(exc, RankError) and exc.is_a("torch.distributed.DistError"):
         return True
     return isinstance(exc, RuntimeError) and any(
-        k in str(exc) for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out"))
+        k in str(exc) for k in ("gloo", "NCCL", "Connection reset", "Connection closed", "Timed out")
+    )
 
 
 def _outcome(ref) -> object:
@@ -76,16 +77,28 @@ class Watch:
     ``node(rank)`` names a rank's node, ``poll()`` runs while waiting (checkpoint commits),
     ``default_hang_s`` is supervisor.hang_timeout_s."""
 
-    def __init__(self, event: Callable[..., dict], silent_s: Callable[[], float],
-                 node: Callable[[int], str | None], default_hang_s: float) -> None:
+    def __init__(
+        self,
+        event: Callable[..., dict],
+        silent_s: Callable[[], float],
+        node: Callable[[int], str | None],
+        default_hang_s: float,
+    ) -> None:
         self.event = event
         self.silent_s = silent_s
         self.node = node
         self.default_hang_s = default_hang_s
         self.poll: Callable[[], None] = lambda: None
 
-    def wait(self, refs: list, what: str, timeout: float | None = None, hang_s: float | None = None,
-             ranks: list[int] | None = None, hang_why: str = "") -> list:
+    def wait(
+        self,
+        refs: list,
+        what: str,
+        timeout: float | None = None,
+        hang_s: float | None = None,
+        ranks: list[int] | None = None,
+        hang_why: str = "",
+    ) -> list:
         """Every result of ``refs`` (one per rank: ``ranks`` names them, else their positions), or
         RunFailed naming the rank(s) and how; ``hang_why`` says where ``hang_s`` comes from when it is
         neither calibrated nor supervisor.hang_timeout_s."""
@@ -103,17 +116,27 @@ class Watch:
             if pending and timeout is not None and time.monotonic() - t0 > timeout:
                 late = sorted(rank_of[r] for r in pending)
                 self.event(EventKind.WORKER_TIMEOUT, during=what, ranks=late, seconds=round(timeout, 1))
-                raise RunFailed(f"ranks {late} did not finish {what} within {timeout:.0f}s.",
-                                Failure(FailureKind.TIMED_OUT, late[0]))
+                raise RunFailed(
+                    f"ranks {late} did not finish {what} within {timeout:.0f}s.",
+                    Failure(FailureKind.TIMED_OUT, late[0]),
+                )
             if pending and silent > hang_s:
                 late = sorted(rank_of[r] for r in pending)
-                self.event(EventKind.WORKER_HANG, during=what, silent_s=round(silent, 1), ranks=late,
-                           nodes=sorted({self.node(r) for r in late}), timeout_s=round(hang_s, 2))
-                raise RunFailed(f"no progress for {silent:.0f}s during {what}; waiting on ranks {late} "
-                                f"(hang timeout {hang_s:.1f}s: "
-                                + (hang_why or ("calibrated" if hang_s != self.default_hang_s
-                                                else "supervisor.hang_timeout_s"))
-                                + ").", Failure(FailureKind.HUNG, late[0]))
+                self.event(
+                    EventKind.WORKER_HANG,
+                    during=what,
+                    silent_s=round(silent, 1),
+                    ranks=late,
+                    nodes=sorted({self.node(r) for r in late}),
+                    timeout_s=round(hang_s, 2),
+                )
+                raise RunFailed(
+                    f"no progress for {silent:.0f}s during {what}; waiting on ranks {late} "
+                    f"(hang timeout {hang_s:.1f}s: "
+                    + (hang_why or ("calibrated" if hang_s != self.default_hang_s else "supervisor.hang_timeout_s"))
+                    + ").",
+                    Failure(FailureKind.HUNG, late[0]),
+                )
         return ray.get(refs)
 
     def _raise_if_failed(self, ref, rank: int, what: str) -> None:
@@ -122,10 +145,12 @@ class Watch:
         except ray.exceptions.RayActorError as e:
             first = str(e).splitlines()[0]
             self.event(EventKind.WORKER_DIED, rank=rank, node=self.node(rank), during=what, error=first)
-            raise RunFailed(f"worker rank {rank} died during {what}: {first}",
-                            Failure(FailureKind.DIED, rank)) from None
+            raise RunFailed(
+                f"worker rank {rank} died during {what}: {first}", Failure(FailureKind.DIED, rank)
+            ) from None
         except ray.exceptions.RayTaskError as e:
             cause = str(e.cause) if e.cause is not None else str(e)
             self.event(EventKind.WORKER_ERROR, rank=rank, node=self.node(rank), during=what, error=cause)
-            raise RunFailed(f"worker rank {rank} raised during {what}: {cause}",
-                            Failure(FailureKind.RAISED, rank, e.cause)) from None
+            raise RunFailed(
+                f"worker rank {rank} raised during {what}: {cause}", Failure(FailureKind.RAISED, rank, e.cause)
+            ) from None

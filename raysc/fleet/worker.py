@@ -43,8 +43,13 @@ def _portably(method: Callable[..., Any], *args: Any) -> Any:
 
 @ray.remote(concurrency_groups={"side": 2})
 class TrainWorker:
-    def __init__(self, cfg_dict: dict | None = None, rank: int = 0, world_size: int = 1,
-                 supervisor: ray.actor.ActorHandle | None = None) -> None:
+    def __init__(
+        self,
+        cfg_dict: dict | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        supervisor: ray.actor.ActorHandle | None = None,
+    ) -> None:
         """A run's rank; without a config, a pooled process (``raysc.fleet.pool``) that has done its
         imports and takes a rank in ``setup``."""
         from raysc.fleet.rank import RankWorker
@@ -57,9 +62,15 @@ class TrainWorker:
 
         return _portably(rendezvous_address)
 
-    def setup(self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None,
-              gpu_ids: list | None = None, attach: tuple[int, int, ray.actor.ActorHandle] | None = None,
-              *peers_up: Any) -> WorkerInfo:
+    def setup(
+        self,
+        master: tuple[str, int],
+        data: dict,
+        cfg_dict: dict | None = None,
+        gpu_ids: list | None = None,
+        attach: tuple[int, int, ray.actor.ActorHandle] | None = None,
+        *peers_up: Any,
+    ) -> WorkerInfo:
         """Join the run's process group and build the shard; ``attach`` = (rank, world size,
         supervisor) gives a pooled process its rank first. ``peers_up``: unused; passed as object refs
         (the peers' ``address`` calls), which Ray resolves before this call runs, they hold it back until

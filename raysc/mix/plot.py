@@ -6,8 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def predicted_vs_measured(path: Path, measured: list[float], predicted: list[float], fit: str, target: str,
-                          validation: list[tuple[str, float, float]]) -> Path:
+def predicted_vs_measured(
+    path: Path,
+    measured: list[float],
+    predicted: list[float],
+    fit: str,
+    target: str,
+    validation: list[tuple[str, float, float]],
+) -> Path:
     """``validation``: (label, predicted, measured mean) per validated mixture. Its runs may be longer
     than the proxies, so its points sit off the diagonal: their order is what they check."""
     import matplotlib

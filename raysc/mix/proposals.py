@@ -21,8 +21,9 @@ def natural_weights(tokens: dict[str, int]) -> dict[str, float]:
     return {k: tokens[k] / total for k in sorted(tokens)}
 
 
-def dirichlet_mixtures(natural: dict[str, float], n: int, concentration: float, seed: int,
-                       floor: float = 0.01) -> np.ndarray:
+def dirichlet_mixtures(
+    natural: dict[str, float], n: int, concentration: float, seed: int, floor: float = 0.01
+) -> np.ndarray:
     """``n`` mixtures around ``natural`` (domains in name order), each row summing to one."""
     if concentration <= 0:
         raise ValueError(f"concentration must be > 0, not {concentration}")

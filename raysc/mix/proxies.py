@@ -45,18 +45,23 @@ class Proxy:
 def heldout_rows(cfg: Config, max_rows: int) -> dict[str, torch.Tensor]:
     """Each domain's validation rows (the split training holds out), at most ``max_rows`` each."""
     if cfg.data.val_fraction <= 0:
-        raise ValueError("mix tune scores proxies on held-out rows, but data.val_fraction = 0; set "
-                         "data.val_fraction > 0 (e.g. --set data.val_fraction=0.05)")
+        raise ValueError(
+            "mix tune scores proxies on held-out rows, but data.val_fraction = 0; set "
+            "data.val_fraction > 0 (e.g. --set data.val_fraction=0.05)"
+        )
     out = {}
     # training holds out every k-th row of a domain, so its first max_rows held-out rows lie in the
     # first k * max_rows rows: only the shards holding those are read
     every = val_every(cfg.data.val_fraction)
-    for name, rows in load_domains(cfg.data.source, dict(cfg.data.storage_options), every * max_rows,
-                                   seq_len=cfg.train.seq_len).items():
+    for name, rows in load_domains(
+        cfg.data.source, dict(cfg.data.storage_options), every * max_rows, seq_len=cfg.train.seq_len
+    ).items():
         val = split_rows(rows, cfg.data.val_fraction)[1][:max_rows]
         if len(val) == 0:
-            raise ValueError(f"domain {name!r} has no held-out rows ({len(rows)} rows, data.val_fraction="
-                             f"{cfg.data.val_fraction}); raise data.val_fraction or add data")
+            raise ValueError(
+                f"domain {name!r} has no held-out rows ({len(rows)} rows, data.val_fraction="
+                f"{cfg.data.val_fraction}); raise data.val_fraction or add data"
+            )
         out[name] = torch.from_numpy(val.astype("int64"))
     return out
 
@@ -71,9 +76,17 @@ def domain_losses(run_dir: str | Path, rows: dict[str, torch.Tensor]) -> dict[st
 
 
 def proxy_overrides(base: Config, p: Proxy, run_dir: Path) -> list[str]:
-    extra = [f'run.dir="{run_dir}"', f'run.name="{p.name}"', f"train.steps={p.steps}", f"train.seed={p.seed}",
-             f'data.schedule="{p.schedule}"', "supervisor.warm_spares=false", f"checkpoint.every_steps={p.steps}",
-             "train.require_preflight=false", "train.log_every=1000000"]
+    extra = [
+        f'run.dir="{run_dir}"',
+        f'run.name="{p.name}"',
+        f"train.steps={p.steps}",
+        f"train.seed={p.seed}",
+        f'data.schedule="{p.schedule}"',
+        "supervisor.warm_spares=false",
+        f"checkpoint.every_steps={p.steps}",
+        "train.require_preflight=false",
+        "train.log_every=1000000",
+    ]
     if base.checkpoint.uri:  # a shared store: each proxy under its own prefix
         extra.append(f'checkpoint.uri="{base.checkpoint.uri.rstrip("/")}/mix-tune/{run_dir.parent.name}/{p.name}"')
     return extra
@@ -85,8 +98,9 @@ def _key(config_path: str | None, overrides: list[str], p: Proxy) -> str:
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
-def run_one(config_path: str | None, overrides: list[str], p: Proxy, out_dir: Path,
-            rows: dict[str, torch.Tensor]) -> dict:
+def run_one(
+    config_path: str | None, overrides: list[str], p: Proxy, out_dir: Path, rows: dict[str, torch.Tensor]
+) -> dict:
     from raysc.fleet.driver import train
 
     run_dir = out_dir / p.name
@@ -100,16 +114,31 @@ def run_one(config_path: str | None, overrides: list[str], p: Proxy, out_dir: Pa
     cfg = load_config(config_path, [*overrides, *proxy_overrides(base, p, run_dir)])
     t0 = time.perf_counter()
     summary = train(cfg, progress=False, overwrite=True)
-    result = {"name": p.name, "schedule": p.schedule, "seed": p.seed, "steps": p.steps, "key": key,
-              "losses": domain_losses(run_dir, rows), "final_train_loss": summary.get("final_loss"),
-              "tokens": summary.get("tokens"), "seconds": round(time.perf_counter() - t0, 1)}
+    result = {
+        "name": p.name,
+        "schedule": p.schedule,
+        "seed": p.seed,
+        "steps": p.steps,
+        "key": key,
+        "losses": domain_losses(run_dir, rows),
+        "final_train_loss": summary.get("final_loss"),
+        "tokens": summary.get("tokens"),
+        "seconds": round(time.perf_counter() - t0, 1),
+    }
     result_path.write_text(json.dumps(result, indent=1))
     return {**result, "reused": False}
 
 
-def run_all(config_path: str | None, overrides: list[str], proxies: list[Proxy], out_dir: Path,
-            rows: dict[str, torch.Tensor], concurrency: int, target: str,
-            log: Callable[[str], None] = print) -> list[dict]:
+def run_all(
+    config_path: str | None,
+    overrides: list[str],
+    proxies: list[Proxy],
+    out_dir: Path,
+    rows: dict[str, torch.Tensor],
+    concurrency: int,
+    target: str,
+    log: Callable[[str], None] = print,
+) -> list[dict]:
     """Every proxy's result, in the order given; a proxy that fails is ``{"name", "error"}``."""
     results: dict[str, dict] = {}
     lock = threading.Lock()
@@ -130,10 +159,12 @@ def run_all(config_path: str | None, overrides: list[str], proxies: list[Proxy],
                 results[r["name"]] = r
                 done, elapsed = len(results), time.perf_counter() - t0
             left = elapsed / done * (len(proxies) - done)
-            what = (f"error: {r['error']}" if "error" in r else
-                    f"{target} loss {r['losses'][target]:.4f}" + (" (reused)" if r["reused"] else ""))
-            log(f"mix: {done}/{len(proxies)} {r['name']} [{r['schedule']}] {what}; {elapsed:.0f} s, "
-                f"~{left:.0f} s left")
+            what = (
+                f"error: {r['error']}"
+                if "error" in r
+                else f"{target} loss {r['losses'][target]:.4f}" + (" (reused)" if r["reused"] else "")
+            )
+            log(f"mix: {done}/{len(proxies)} {r['name']} [{r['schedule']}] {what}; {elapsed:.0f} s, ~{left:.0f} s left")
     except BaseException:  # Ctrl-C: queued runs never start; the ones in flight finish (their results stay)
         pool.shutdown(wait=True, cancel_futures=True)
         raise

@@ -67,9 +67,13 @@ class Fit:
         return features(w, self.kind) @ self.coef
 
     def summary(self) -> dict:
-        return {"kind": self.kind, "coef": [round(float(c), 6) for c in self.coef],
-                "loo_rmse": round(self.loo_rmse, 6), "loo_spearman": round(self.loo_spearman, 4),
-                "loo_r2": round(self.r2, 4)}
+        return {
+            "kind": self.kind,
+            "coef": [round(float(c), 6) for c in self.coef],
+            "loo_rmse": round(self.loo_rmse, 6),
+            "loo_spearman": round(self.loo_spearman, 4),
+            "loo_r2": round(self.r2, 4),
+        }
 
 
 def fit(w: np.ndarray, y: np.ndarray, kind: str) -> Fit:
@@ -93,8 +97,10 @@ def min_proxies(n_domains: int) -> int:
 def choose(w: np.ndarray, y: np.ndarray) -> tuple[Fit, dict[str, Fit]]:
     """Both fits, and the one with the lower leave-one-out error."""
     if len(y) < min_proxies(np.asarray(w).shape[1]):
-        raise ValueError(f"{len(y)} proxy results are too few to fit {np.asarray(w).shape[1]} domains; "
-                         f"run at least {min_proxies(np.asarray(w).shape[1])} proxies (--proxies)")
+        raise ValueError(
+            f"{len(y)} proxy results are too few to fit {np.asarray(w).shape[1]} domains; "
+            f"run at least {min_proxies(np.asarray(w).shape[1])} proxies (--proxies)"
+        )
     fits = {k: fit(w, y, k) for k in KINDS}
     return min(fits.values(), key=lambda f: (f.loo_rmse, KINDS.index(f.kind))), fits
 
@@ -110,6 +116,6 @@ def within(candidates: np.ndarray, trained: np.ndarray) -> np.ndarray:
 def best_mixture(f: Fit, candidates: np.ndarray, top_k: int) -> tuple[np.ndarray, float]:
     """The mean of the ``top_k`` candidates with the lowest predicted loss, and its prediction."""
     pred = f.predict(candidates)
-    top = candidates[np.argsort(pred)[:max(1, top_k)]].mean(axis=0)
+    top = candidates[np.argsort(pred)[: max(1, top_k)]].mean(axis=0)
     top = top / top.sum()
     return top, float(f.predict(top)[0])

@@ -46,8 +46,9 @@ def document_starts(documents: torch.Tensor) -> torch.Tensor:
     return torch.cummax(torch.where(starts, index, torch.zeros_like(index)), dim=1).values
 
 
-def block_causal_mask(documents: torch.Tensor, query_positions: torch.Tensor, first_key: int = 0,
-                      end_key: int | None = None) -> torch.Tensor:
+def block_causal_mask(
+    documents: torch.Tensor, query_positions: torch.Tensor, first_key: int = 0, end_key: int | None = None
+) -> torch.Tensor:
     """(batch, 1, len(query_positions), keys) boolean mask, True where the query at that absolute position
     may attend: keys at or before it in the same document. ``documents`` covers the whole row; the
     queries may be a subset of it (a context-parallel rank's chunks, a query block), the keys the row's
@@ -79,13 +80,18 @@ class QueryBlocks:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None) -> torch.Tensor:
         """Attention of (batch, heads, seq, head_dim) q/k/v (k, v with q's head count)."""
-        return torch.cat([F.scaled_dot_product_attention(q[:, :, s:e], k[:, :, first:e], v[:, :, first:e],
-                                                         attn_mask=mask, scale=scale)
-                          for s, e, first, mask in self.blocks], dim=2)
+        return torch.cat(
+            [
+                F.scaled_dot_product_attention(
+                    q[:, :, s:e], k[:, :, first:e], v[:, :, first:e], attn_mask=mask, scale=scale
+                )
+                for s, e, first, mask in self.blocks
+            ],
+            dim=2,
+        )
 
 
-def document_mask(documents: torch.Tensor, query_positions: torch.Tensor | None
-                  ) -> torch.Tensor | QueryBlocks | None:
+def document_mask(documents: torch.Tensor, query_positions: torch.Tensor | None) -> torch.Tensor | QueryBlocks | None:
     """The attention mask of a forward with ``documents``: None (plain causal) when no row of the batch
     crosses a boundary and the queries are the whole row; ``QueryBlocks`` for whole rows of at least two
     blocks; else the mask of ``query_positions`` (default: the whole row) over the whole row."""

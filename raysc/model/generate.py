@@ -16,8 +16,15 @@ from raysc.model.llama import Llama
 
 
 @torch.no_grad()
-def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperature: float = 0.0,
-             top_k: int = 0, seed: int = 0, stop_id: int | Iterable[int] | None = None) -> list[int]:
+def generate(
+    model: Llama,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    seed: int = 0,
+    stop_id: int | Iterable[int] | None = None,
+) -> list[int]:
     """Return the generated continuation (without the prompt), ended before the first of ``stop_id``
     (an id or several: a tokenizer's EOS and its generation config's others). temperature 0 means greedy."""
     stops = {stop_id} if isinstance(stop_id, int) else set(stop_id or ())
@@ -30,7 +37,7 @@ def generate(model: Llama, prompt_ids: list[int], max_new_tokens: int, temperatu
     was_training = model.training
     model.eval()
     for _ in range(max_new_tokens):
-        logits = model(ids[:, -model.max_seq_len:])[0, -1].float()
+        logits = model(ids[:, -model.max_seq_len :])[0, -1].float()
         if temperature <= 0:
             nxt = int(logits.argmax())
         else:

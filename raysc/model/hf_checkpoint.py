@@ -52,8 +52,10 @@ def weight_map(directory: Path) -> dict[str, str]:
     if (directory / WEIGHTS).is_file():
         with safe_open(str(directory / WEIGHTS), framework="pt") as f:
             return {k: WEIGHTS for k in f.keys()}
-    raise FileNotFoundError(f"model.init_from {str(directory)!r} holds neither {WEIGHTS} nor {INDEX}: point it at "
-                            f"a Hugging Face Llama checkpoint directory (what `raysc export` writes)")
+    raise FileNotFoundError(
+        f"model.init_from {str(directory)!r} holds neither {WEIGHTS} nor {INDEX}: point it at "
+        f"a Hugging Face Llama checkpoint directory (what `raysc export` writes)"
+    )
 
 
 def files_read(directory: Path) -> list[str]:
@@ -77,9 +79,12 @@ def _power_of_two(x: float) -> bool:
 
 
 # llama3 rope scaling: config.json's key -> raysc's model key
-LLAMA3_ROPE_KEYS = {"factor": "rope_factor", "low_freq_factor": "rope_low_freq_factor",
-                    "high_freq_factor": "rope_high_freq_factor",
-                    "original_max_position_embeddings": "rope_original_max_position"}
+LLAMA3_ROPE_KEYS = {
+    "factor": "rope_factor",
+    "low_freq_factor": "rope_low_freq_factor",
+    "high_freq_factor": "rope_high_freq_factor",
+    "original_max_position_embeddings": "rope_original_max_position",
+}
 
 
 def _rope(hf: dict) -> tuple[float | None, str, dict]:
@@ -104,8 +109,14 @@ def family_settings(hf: dict) -> dict:
         out["attn_head_dim"] = hf["head_dim"]
     if kind == "llama3":
         out["rope_scaling"] = "llama3"
-        out.update({ours: type_(rope[key]) for key, ours in LLAMA3_ROPE_KEYS.items() if key in rope
-                    for type_ in [int if ours == "rope_original_max_position" else float]})
+        out.update(
+            {
+                ours: type_(rope[key])
+                for key, ours in LLAMA3_ROPE_KEYS.items()
+                if key in rope
+                for type_ in [int if ours == "rope_original_max_position" else float]
+            }
+        )
     return out
 
 
@@ -116,11 +127,15 @@ class HFCheckpoint:
         self.dir = Path(directory)
         self.cfg = cfg
         if not self.dir.is_dir():
-            raise FileNotFoundError(f"model.init_from {str(self.dir)!r} is not a directory; point it at a Hugging "
-                                    f"Face Llama checkpoint directory or URL (what `raysc export` writes)")
+            raise FileNotFoundError(
+                f"model.init_from {str(self.dir)!r} is not a directory; point it at a Hugging "
+                f"Face Llama checkpoint directory or URL (what `raysc export` writes)"
+            )
         if not (self.dir / CONFIG).is_file():
-            raise FileNotFoundError(f"model.init_from {str(self.dir)!r} has no {CONFIG}: point it at a Hugging "
-                                    f"Face Llama checkpoint directory (what `raysc export` writes)")
+            raise FileNotFoundError(
+                f"model.init_from {str(self.dir)!r} has no {CONFIG}: point it at a Hugging "
+                f"Face Llama checkpoint directory (what `raysc export` writes)"
+            )
         self.hf_config: dict = json.loads((self.dir / CONFIG).read_text())
         self.files = weight_map(self.dir)
         self._open: dict[str, safe_open] = {}
@@ -164,20 +179,28 @@ class HFCheckpoint:
         out = []
         model_type = hf.get("model_type", "llama")
         if model_type not in ARCHITECTURES:
-            out.append(f"config.json: model_type {model_type!r} is not one raysc reads ({', '.join(ARCHITECTURES)}: "
-                       f"{', '.join(ARCHITECTURES.values())})")
+            out.append(
+                f"config.json: model_type {model_type!r} is not one raysc reads ({', '.join(ARCHITECTURES)}: "
+                f"{', '.join(ARCHITECTURES.values())})"
+            )
         biased = model_type == "qwen2" or bool(hf.get("attention_bias"))  # Qwen2 always has q/k/v biases
         if biased != c.attention_bias:
-            out.append(f"config.json: {'q/k/v biases' if biased else 'no attention biases'} ({model_type}) but "
-                       f"model.attention_bias = {str(c.attention_bias).lower()}; set "
-                       f"model.attention_bias={str(biased).lower()}")
+            out.append(
+                f"config.json: {'q/k/v biases' if biased else 'no attention biases'} ({model_type}) but "
+                f"model.attention_bias = {str(c.attention_bias).lower()}; set "
+                f"model.attention_bias={str(biased).lower()}"
+            )
         qk_norm = model_type == "qwen3"  # Qwen3 always normalises q and k per head
         if qk_norm != c.qk_norm:
-            out.append(f"config.json: {'q/k norms' if qk_norm else 'no q/k norms'} ({model_type}) but "
-                       f"model.qk_norm = {str(c.qk_norm).lower()}; set model.qk_norm={str(qk_norm).lower()}")
+            out.append(
+                f"config.json: {'q/k norms' if qk_norm else 'no q/k norms'} ({model_type}) but "
+                f"model.qk_norm = {str(c.qk_norm).lower()}; set model.qk_norm={str(qk_norm).lower()}"
+            )
         if hf.get("use_sliding_window") or (model_type not in ("qwen2", "qwen3") and hf.get("sliding_window")):
-            out.append(f"config.json: sliding-window attention (sliding_window = {hf.get('sliding_window')}); "
-                       f"raysc's attention is full causal attention")
+            out.append(
+                f"config.json: sliding-window attention (sliding_window = {hf.get('sliding_window')}); "
+                f"raysc's attention is full causal attention"
+            )
         heads = hf.get("num_attention_heads")
         theta, rope_type, rope = _rope(hf)
         want = {  # config.json key: (its value, ours, the raysc key)
@@ -197,21 +220,27 @@ class HFCheckpoint:
                 out.append(f"config.json: {key} = {theirs} but {ours_key} = {ours}; set {ours_key}={value}")
         head_dim = hf.get("head_dim") or (hf.get("hidden_size", 0) // heads if heads else None)
         if head_dim is not None and head_dim != c.head_dim:
-            out.append(f"config.json: head_dim = {head_dim} but the config's heads are {c.head_dim} wide; set "
-                       f"model.head_dim={head_dim}")
+            out.append(
+                f"config.json: head_dim = {head_dim} but the config's heads are {c.head_dim} wide; set "
+                f"model.head_dim={head_dim}"
+            )
         ours = "default" if c.rope_scaling == "none" else c.rope_scaling
         if rope_type not in ("default", "llama3"):
             out.append(f"config.json: rope type {rope_type!r}; raysc's rotary embedding scales as llama3 or not at all")
         elif rope_type != ours:
             value = "none" if rope_type == "default" else rope_type
-            out.append(f"config.json: rope type {rope_type!r} but model.rope_scaling = {c.rope_scaling!r}; set "
-                       f"model.rope_scaling={value}")
+            out.append(
+                f"config.json: rope type {rope_type!r} but model.rope_scaling = {c.rope_scaling!r}; set "
+                f"model.rope_scaling={value}"
+            )
         if rope_type == "llama3":
             for key, ours_key in LLAMA3_ROPE_KEYS.items():
                 theirs, mine = rope.get(key), getattr(c, ours_key)
                 if theirs is not None and float(theirs) != float(mine):
-                    out.append(f"config.json: rope {key} = {theirs} but model.{ours_key} = {mine}; set "
-                               f"model.{ours_key}={theirs}")
+                    out.append(
+                        f"config.json: rope {key} = {theirs} but model.{ours_key} = {mine}; set "
+                        f"model.{ours_key}={theirs}"
+                    )
         if hf.get("hidden_act", "silu") != "silu":
             out.append(f"config.json: hidden_act {hf.get('hidden_act')!r}; raysc's MLP is SwiGLU (silu)")
         if hf.get("mlp_bias"):
@@ -224,17 +253,21 @@ class HFCheckpoint:
             return []
         m = c.mup_width_mult
         if c.tie_embeddings and m != 1.0:
-            return [f"model.mup with tie_embeddings and width multiplier {m:g}: the checkpoint's tied embedding "
-                    f"cannot take back the 1/m logit multiplier without changing the input side; set model.mup=false "
-                    f"(continue in the standard parametrisation the checkpoint is in)"]
+            return [
+                f"model.mup with tie_embeddings and width multiplier {m:g}: the checkpoint's tied embedding "
+                f"cannot take back the 1/m logit multiplier without changing the input side; set model.mup=false "
+                f"(continue in the standard parametrisation the checkpoint is in)"
+            ]
         bad = [f"sqrt(head_dim) = {math.sqrt(c.head_dim):g}"] if not _power_of_two(math.sqrt(c.head_dim)) else []
         if not c.tie_embeddings and not _power_of_two(m):
             bad.append(f"the width multiplier m = {m:g}")
         if bad:
-            return [f"model.mup: the checkpoint has μP's scales folded into q_proj (1/sqrt(head_dim)) and lm_head "
-                    f"(1/m); multiplying them back out is exact only for powers of two, and {' and '.join(bad)} "
-                    f"is not; set model.mup=false to continue in the standard parametrisation the checkpoint is "
-                    f"in, or use a head_dim that is a power of 4 and a model.mup_base_width with dim/base a power of 2"]
+            return [
+                f"model.mup: the checkpoint has μP's scales folded into q_proj (1/sqrt(head_dim)) and lm_head "
+                f"(1/m); multiplying them back out is exact only for powers of two, and {' and '.join(bad)} "
+                f"is not; set model.mup=false to continue in the standard parametrisation the checkpoint is "
+                f"in, or use a head_dim that is a power of 4 and a model.mup_base_width with dim/base a power of 2"
+            ]
         return []
 
     def problems(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> list[str]:
@@ -244,29 +277,42 @@ class HFCheckpoint:
         for name, shape in want.items():
             if name not in self.names:
                 where = INDEX if (self.dir / INDEX).is_file() else WEIGHTS
-                hint = " (config.json says the embeddings are tied; set model.tie_embeddings=true)" if (
-                    name == "output.weight" and self.tied) else ""
+                hint = (
+                    " (config.json says the embeddings are tied; set model.tie_embeddings=true)"
+                    if (name == "output.weight" and self.tied)
+                    else ""
+                )
                 out.append(f"missing tensor {hf_name(name)} ({name}): not in {where}{hint}")
                 continue
             got = self.shape(name)
             if got != shape:
-                out.append(f"tensor {self.names[name]} ({name}): checkpoint shape {list(got)}, the config's "
-                           f"model needs {list(shape)}")
-        extra = [hf for ours, hf in self.names.items() if ours not in want
-                 and not (ours == "output.weight" and self.cfg.tie_embeddings and self.tied)]
+                out.append(
+                    f"tensor {self.names[name]} ({name}): checkpoint shape {list(got)}, the config's "
+                    f"model needs {list(shape)}"
+                )
+        extra = [
+            hf
+            for ours, hf in self.names.items()
+            if ours not in want and not (ours == "output.weight" and self.cfg.tie_embeddings and self.tied)
+        ]
         extra += self.unexpected
         if extra:
-            out.append(f"{len(extra)} tensor(s) the config's model has no place for: {', '.join(sorted(extra)[:5])}"
-                       f"{', ...' if len(extra) > 5 else ''}")
+            out.append(
+                f"{len(extra)} tensor(s) the config's model has no place for: {', '.join(sorted(extra)[:5])}"
+                f"{', ...' if len(extra) > 5 else ''}"
+            )
         return out
 
     def check(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> None:
         """Raise ``CheckpointMismatch`` listing every problem (before any weight is read)."""
         found = self.problems(expected)
         if found:
-            shown = found[:MAX_LISTED] + ([f"... and {len(found) - MAX_LISTED} more"] if len(found) > MAX_LISTED else [])
-            raise CheckpointMismatch(f"model.init_from {str(self.dir)!r} does not fit the [model] config:\n  - "
-                                     + "\n  - ".join(shown))
+            shown = found[:MAX_LISTED] + (
+                [f"... and {len(found) - MAX_LISTED} more"] if len(found) > MAX_LISTED else []
+            )
+            raise CheckpointMismatch(
+                f"model.init_from {str(self.dir)!r} does not fit the [model] config:\n  - " + "\n  - ".join(shown)
+            )
 
     @torch.no_grad()
     def read(self, name: str, offset: tuple[int, ...], shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -285,7 +331,7 @@ class HFCheckpoint:
         for start in range(0, shape[0], rows):
             n = min(rows, shape[0] - start)
             part = self.read(name, (offset[0] + start, *offset[1:]), (n, *shape[1:]), local.dtype)
-            local[start:start + n].copy_(part)
+            local[start : start + n].copy_(part)
 
 
 def check_init_from(directory: str | Path, cfg: ModelConfig) -> dict:
@@ -296,5 +342,8 @@ def check_init_from(directory: str | Path, cfg: ModelConfig) -> dict:
     ckpt = HFCheckpoint(directory, cfg)
     ckpt.check(expected)
     d = Path(directory)
-    return {"tensors": len(expected), "bytes": sum((d / f).stat().st_size for f in set(ckpt.files.values())),
-            "tokenizer": str(d / TOKENIZER) if (d / TOKENIZER).is_file() else None}
+    return {
+        "tensors": len(expected),
+        "bytes": sum((d / f).stat().st_size for f in set(ckpt.files.values())),
+        "tokenizer": str(d / TOKENIZER) if (d / TOKENIZER).is_file() else None,
+    }

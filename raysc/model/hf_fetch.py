@@ -33,8 +33,10 @@ def init_dir(source: str, options: dict, cache_dir: str | Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)
         names = [n for n in (CONFIG, INDEX, TOKENIZER) if fs.exists(f"{root}/{n}")]
         if CONFIG not in names:
-            raise FileNotFoundError(f"model.init_from {source!r} has no {CONFIG}: point it at a Hugging Face "
-                                    f"Llama checkpoint (what `raysc export` writes)")
+            raise FileNotFoundError(
+                f"model.init_from {source!r} has no {CONFIG}: point it at a Hugging Face "
+                f"Llama checkpoint (what `raysc export` writes)"
+            )
         for name in names:  # small: always fetched again
             _copy(fs, f"{root}/{name}", local / name, reuse=False)
         if INDEX in names:

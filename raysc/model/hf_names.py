@@ -15,8 +15,12 @@ if TYPE_CHECKING:
 
 # config.json model_type -> the transformers class raysc reads and writes for it (model.attention_bias
 # picks qwen2, model.qk_norm qwen3); mistral checkpoints without a sliding window are Llama-architecture ones
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                 "mistral": "MistralForCausalLM"}
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def model_type(cfg: "ModelConfig") -> str:

@@ -73,8 +73,13 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return (x * cos + _rotate_half(x) * sin).to(x.dtype)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                     mask: torch.Tensor | QueryBlocks | None = None) -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    mask: torch.Tensor | QueryBlocks | None = None,
+) -> torch.Tensor:
     """Causal scaled-dot-product attention; k/v with fewer heads are shared by query-head groups (GQA).
     ``scale`` multiplies q·k (None = 1/sqrt(head_dim); μP passes 1/head_dim); ``mask`` (boolean, True =
     attend), when given, replaces the causal mask (block-causal attention over packed documents)."""
@@ -94,8 +99,13 @@ class Rope:
     ((seq,) shared by the batch, or (batch, seq) when positions restart per document); ``mask`` is the
     attention mask of the pass when it is not plain causal (block-causal over documents)."""
 
-    def __init__(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor | None,
-                 mask: torch.Tensor | QueryBlocks | None = None) -> None:
+    def __init__(
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor | None,
+        mask: torch.Tensor | QueryBlocks | None = None,
+    ) -> None:
         self.cos, self.sin, self.positions, self.mask = cos, sin, positions, mask
 
     def tables(self, seqlen: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,7 +117,8 @@ class Rope:
             if seqlen > self.cos.shape[0]:
                 raise ValueError(
                     f"sequence of {seqlen} tokens is longer than the model's rotary table "
-                    f"({self.cos.shape[0]}); raise model.max_seq_len.")
+                    f"({self.cos.shape[0]}); raise model.max_seq_len."
+                )
             cos, sin = self.cos[:seqlen], self.sin[:seqlen]
         return cos.to(dtype), sin.to(dtype)
 
@@ -181,8 +192,13 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-def init_value(cfg: ModelConfig, name: str, shape: torch.Size, generator: torch.Generator | None,
-               dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def init_value(
+    cfg: ModelConfig,
+    name: str,
+    shape: torch.Size,
+    generator: torch.Generator | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """The initial value of parameter ``name`` (full shape, on CPU): Normal(0, init_std) matrices,
     output projections scaled by 1/sqrt(2·layers), unit norms; under μP hidden matrices also by
     1/sqrt(width multiplier); zero biases. Draws ``numel`` normals from ``generator`` for a matrix, none for
@@ -250,8 +266,9 @@ class Llama(nn.Module):
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
 
-    def forward(self, tokens: torch.Tensor, positions: torch.Tensor | None = None,
-                documents: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """``tokens`` (batch, seq) ids, or hidden states on a later pipeline stage; ``positions``
         (seq,) absolute positions of the tokens (default ``self.positions``, else 0..seq-1);
         ``documents`` (batch, whole row) each token's document id (``raysc.model.documents``): attention

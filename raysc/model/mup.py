@@ -11,8 +11,8 @@ parameter                    init std          AdamW LR      forward
 ===========================  ================  ============  ==========================
 embed.weight (input)         init_std          lr            —
 hidden matrices              init_std/sqrt(m)  lr/m          —
-  (attn.wq/wk/wv/wo,         (wo, w_down keep                
-  mlp.w_gate/w_up/w_down)    their 1/sqrt(2L))               
+  (attn.wq/wk/wv/wo,         (wo, w_down keep
+  mlp.w_gate/w_up/w_down)    their 1/sqrt(2L))
 output.weight (readout)      init_std          lr            logits × 1/m
 norms (vectors)              1                 lr            —
 attention scores             —                 —             q·k / head_dim (not sqrt)
@@ -48,7 +48,8 @@ from raysc.config.schema import ModelConfig, OptimConfig
 INPUT, HIDDEN, OUTPUT, VECTOR = "input", "hidden", "output", "vector"
 
 HIDDEN_SUFFIXES: tuple[str, ...] = tuple(
-    f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down"))
+    f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
+)
 
 
 def param_role(name: str) -> str:
@@ -65,8 +66,10 @@ def param_role(name: str) -> str:
         return VECTOR
     if name.endswith(HIDDEN_SUFFIXES):
         return HIDDEN
-    raise ValueError(f"μP has no rule for parameter {name!r}: expected embed.weight, output.weight, a norm "
-                     f"or one of {', '.join(HIDDEN_SUFFIXES)}; add the new parameter to raysc/model/mup.py")
+    raise ValueError(
+        f"μP has no rule for parameter {name!r}: expected embed.weight, output.weight, a norm "
+        f"or one of {', '.join(HIDDEN_SUFFIXES)}; add the new parameter to raysc/model/mup.py"
+    )
 
 
 def is_hidden(name: str) -> bool:
@@ -105,8 +108,9 @@ def attention_scale(head_dim: int) -> float:
     return 1.0 / head_dim
 
 
-def param_groups(named_params: Iterable[tuple[str, torch.Tensor]], optim: OptimConfig,
-                 model: ModelConfig) -> list[dict]:
+def param_groups(
+    named_params: Iterable[tuple[str, torch.Tensor]], optim: OptimConfig, model: ModelConfig
+) -> list[dict]:
     """AdamW parameter groups under μP, decided by name.
 
     Group 0 holds the vectors (norms: base LR, no weight decay), which every
@@ -121,9 +125,11 @@ def param_groups(named_params: Iterable[tuple[str, torch.Tensor]], optim: OptimC
             continue
         role = param_role(name)
         (vectors if role == VECTOR else hidden if role == HIDDEN else io).append(p)
-    groups = [{"params": vectors, "lr": optim.lr, "weight_decay": 0.0},
-              {"params": io, "lr": optim.lr, "weight_decay": optim.weight_decay},
-              {"params": hidden, "lr": optim.lr / m, "weight_decay": optim.weight_decay * m}]
+    groups = [
+        {"params": vectors, "lr": optim.lr, "weight_decay": 0.0},
+        {"params": io, "lr": optim.lr, "weight_decay": optim.weight_decay},
+        {"params": hidden, "lr": optim.lr / m, "weight_decay": optim.weight_decay * m},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -141,8 +147,10 @@ def fold_into_weights(state: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[
         return dict(state)
     m = cfg.mup_width_mult
     if cfg.tie_embeddings and m != 1.0:
-        raise ValueError(f"a μP model with tie_embeddings and width multiplier {m:g} cannot be exported as a "
-                         f"standard Llama: the 1/m logit multiplier would also scale the input embedding")
+        raise ValueError(
+            f"a μP model with tie_embeddings and width multiplier {m:g} cannot be exported as a "
+            f"standard Llama: the 1/m logit multiplier would also scale the input embedding"
+        )
     out = {}
     for name, t in state.items():
         if name.endswith("attn.wq.weight"):

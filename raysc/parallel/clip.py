@@ -70,8 +70,9 @@ def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | N
 
 
 @torch.no_grad()
-def clip_grad_norm(params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
-                   ) -> torch.Tensor:
+def clip_grad_norm(
+    params: list[torch.Tensor], max_norm: float, pp_group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
     """Scale gradients so their global norm is at most ``max_norm`` (0/inf: measure only)."""
     norm = global_grad_norm(params, pp_group)
     if max_norm and math.isfinite(max_norm):

@@ -80,8 +80,14 @@ class ContextParallelAttention:
         self.order = torch.argsort(gathered)
         self.mask = q_pos[:, None] >= torch.arange(seq_len, device=device)[None, :]
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None,
-                 mask: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        scale: float | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """``mask``: the model's block-causal mask for these queries over the whole row, when documents
         are masked (``raysc.model.documents``), else this rank's causal mask by position."""
         k = _GatherChunks.apply(k, self.group)[:, :, self.order]
@@ -90,12 +96,14 @@ class ContextParallelAttention:
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)
             v = v.repeat_interleave(groups, dim=1)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=self.mask if mask is None else mask,
-                                              scale=scale)  # μP passes 1/head_dim
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=self.mask if mask is None else mask, scale=scale
+        )  # μP passes 1/head_dim
 
 
-def apply_cp(model: nn.Module, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int,
-             device: torch.device) -> None:
+def apply_cp(
+    model: nn.Module, group: dist.ProcessGroup, cp_rank: int, cp: int, seq_len: int, device: torch.device
+) -> None:
     kernel = ContextParallelAttention(group, cp_rank, cp, seq_len, device)
     for block in model.layers.values():
         block.attn.core_attention = kernel

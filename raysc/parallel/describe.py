@@ -27,12 +27,17 @@ def placement(p: nn.Parameter) -> str:
 
 def describe_shard(shard: ModelShard, schedule: object | None) -> dict:
     """This rank's stages, schedule class, sample placements, attention kernel and recompute."""
-    out: dict = {"stages": list(shard.stage_ids), "num_stages": shard.num_stages,
-                 "schedule": type(schedule).__name__ if schedule is not None else None}
+    out: dict = {
+        "stages": list(shard.stage_ids),
+        "num_stages": shard.num_stages,
+        "schedule": type(schedule).__name__ if schedule is not None else None,
+    }
     block = next(iter(shard.parts[0].layers.values()), None)
     if block is not None:
-        out["placements"] = {"attn.wq.weight": placement(block.attn.wq.weight),
-                             "attn_norm.weight": placement(block.attn_norm.weight)}
+        out["placements"] = {
+            "attn.wq.weight": placement(block.attn.wq.weight),
+            "attn_norm.weight": placement(block.attn_norm.weight),
+        }
         kernel = block.attn.core_attention
         out["attention"] = getattr(kernel, "__name__", type(kernel).__name__)
         out["recompute"] = is_recomputed(block)

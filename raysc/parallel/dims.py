@@ -22,8 +22,10 @@ def rank_table(dims: ParallelDims, nodes: list[str]) -> str:
     lines = ["rank  pp  dp_rep  dp_shard  cp  tp  node"]
     for r in range(dims.world_size):
         c = dims.coords(r)
-        lines.append(f"{r:4d}  {c['pp']:2d}  {c['dp_replicate']:6d}  {c['dp_shard']:8d}  {c['cp']:2d}  "
-                     f"{c['tp']:2d}  {nodes[r] if r < len(nodes) else '?'}")
+        lines.append(
+            f"{r:4d}  {c['pp']:2d}  {c['dp_replicate']:6d}  {c['dp_shard']:8d}  {c['cp']:2d}  "
+            f"{c['tp']:2d}  {nodes[r] if r < len(nodes) else '?'}"
+        )
     return "\n".join(lines)
 
 

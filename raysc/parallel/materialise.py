@@ -70,18 +70,17 @@ def row_blocks(shape: torch.Size) -> list[tuple[int, int]]:
     return out
 
 
-def _copy_rows(region: tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]], values: torch.Tensor,
-               start: int) -> None:
+def _copy_rows(region: tuple[torch.Tensor, tuple[int, ...], tuple[int, ...]], values: torch.Tensor, start: int) -> None:
     """Copy the overlap of full-tensor rows ``start .. start+len(values)`` with this rank's block."""
     local, shape, offset = region
     a, b = max(start, offset[0]), min(start + len(values), offset[0] + shape[0])
     if a >= b:
         return
-    src = values[a - start:b - start]
+    src = values[a - start : b - start]
     for dim in range(1, values.ndim):
         if shape[dim] != values.shape[dim]:
             src = src.narrow(dim, offset[dim], shape[dim])
-    local[a - offset[0]:b - offset[0]].copy_(src)
+    local[a - offset[0] : b - offset[0]].copy_(src)
 
 
 def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
@@ -99,8 +98,14 @@ def _to_empty_keeping_ties(module: nn.Module, device: torch.device) -> None:
 
 
 @torch.no_grad()
-def materialise(parts: list[nn.Module], order: list[tuple[str, torch.Size, torch.dtype]], cfg: ModelConfig,
-                seed: int, device: torch.device, source: HFCheckpoint | None = None) -> None:
+def materialise(
+    parts: list[nn.Module],
+    order: list[tuple[str, torch.Size, torch.dtype]],
+    cfg: ModelConfig,
+    seed: int,
+    device: torch.device,
+    source: HFCheckpoint | None = None,
+) -> None:
     """Allocate ``parts`` (meta modules: pipeline stages of one rank, or the model) on ``device`` and
     initialise them to exactly this rank's share of ``build_model(cfg, ..., seed)``, or of the
     checkpoint ``source`` when one is given (checked against ``order`` before)."""

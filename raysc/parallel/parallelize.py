@@ -57,8 +57,7 @@ class ModelShard:
         return self.num_stages - 1 in self.stage_ids
 
 
-def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device,
-                      bf16: bool) -> ModelShard:
+def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device, bf16: bool) -> ModelShard:
     with torch.device("meta"):
         full = Llama(cfg.model, cfg.rope_len)
     order = init_order(full)
@@ -71,8 +70,9 @@ def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: 
     return ModelShard(parts, ids, num_stages)
 
 
-def _plan_meta(full: Llama, cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device,
-               bf16: bool) -> tuple[list[nn.Module], list[int], int]:
+def _plan_meta(
+    full: Llama, cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device, bf16: bool
+) -> tuple[list[nn.Module], list[int], int]:
     """Apply the pipeline split, CP, TP/SP, recompute and FSDP to the meta model ``full``."""
     if dims.world_size == 1:
         apply_recompute(full, cfg.parallel.recompute)

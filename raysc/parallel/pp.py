@@ -45,15 +45,25 @@ def build_stages(model: nn.Module, pp_rank: int, pp: int, virtual: int) -> tuple
     return [split_stage(model, s, pp * virtual) for s in ids], ids
 
 
-def build_schedule(chunks: list[nn.Module], ids: list[int], num_stages: int, schedule: str,
-                   microbatches: int, loss_fn: Callable, device: torch.device, pp_group):
+def build_schedule(
+    chunks: list[nn.Module],
+    ids: list[int],
+    num_stages: int,
+    schedule: str,
+    microbatches: int,
+    loss_fn: Callable,
+    device: torch.device,
+    pp_group,
+):
     # imported here, not at the top: torch.distributed.pipelining loads TorchDynamo (about 1 s of CPU
     # per process), which every worker, supervisor and driver would pay on runs without pipelining
     from torch.distributed.pipelining import PipelineStage
     from torch.distributed.pipelining import schedules as torch_schedules
 
-    stages = [PipelineStage(chunk, stage_index=s, num_stages=num_stages, device=device, group=pp_group)
-              for chunk, s in zip(chunks, ids)]
+    stages = [
+        PipelineStage(chunk, stage_index=s, num_stages=num_stages, device=device, group=pp_group)
+        for chunk, s in zip(chunks, ids)
+    ]
     cls = getattr(torch_schedules, PP_SCHEDULES[schedule].torch_class)
     if schedule in MULTI_STAGE:
         return cls(stages, n_microbatches=microbatches, loss_fn=loss_fn)

@@ -50,13 +50,21 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> 
         if block.attn.q_norm is not None:
             # Qwen3's q/k norms see the local heads (dim 2 of (batch, seq, heads, head_dim)): sharding their
             # input over the heads makes DTensor sum the replicated weights' gradients over the TP group
-            plan.update({"attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
-                         "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True)})
+            plan.update(
+                {
+                    "attn.q_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                    "attn.k_norm": SequenceParallel(sequence_dim=2, use_local_output=True),
+                }
+            )
         if sequence_parallel:
-            plan.update({
-                "attn_norm": SequenceParallel(),
-                "attn": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
-                "mlp_norm": SequenceParallel(),
-                "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
-            })
+            plan.update(
+                {
+                    "attn_norm": SequenceParallel(),
+                    "attn": PrepareModuleInput(
+                        input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)
+                    ),
+                    "mlp_norm": SequenceParallel(),
+                    "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                }
+            )
         parallelize_module(block, tp_mesh, plan)

@@ -33,15 +33,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="run the top candidates for a few steps and compare")
     p.add_argument("--profile-top", type=int, default=3, help="candidates to profile")
     p.add_argument("--profile-steps", type=int, default=6, help="steps per profiled candidate")
-    p.add_argument("--serve", action="store_true", help="only the serving memory per vLLM replica (weights at "
-                   "serve.dtype + KV cache for serve.max_num_seqs x max_model_len); needs no --gpus")
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="only the serving memory per vLLM replica (weights at "
+        "serve.dtype + KV cache for serve.max_num_seqs x max_model_len); needs no --gpus",
+    )
 
 
 def cluster_from_args(args: argparse.Namespace, cfg: Config) -> Cluster:
     cpu = cfg.parallel.device == "cpu"
     kw = {}
-    for name in ("gpus_per_node", "gpu_mem_gb", "intra_gbps", "inter_gbps", "peak_tflops", "efficiency",
-                 "headroom", "overhead_gb"):
+    for name in (
+        "gpus_per_node",
+        "gpu_mem_gb",
+        "intra_gbps",
+        "inter_gbps",
+        "peak_tflops",
+        "efficiency",
+        "headroom",
+        "overhead_gb",
+    ):
         value = getattr(args, name)
         if value is not None:
             kw[name] = value
@@ -76,19 +88,29 @@ def run(args: argparse.Namespace) -> int:
     dtype = "fp32" if cluster.device == "cpu" or cfg.train.dtype == "fp32" else "bf16"
     gb = cfg.train.global_batch_sequences
     result = plan(cfg, cluster, dtype)
-    print(f"plan: {cfg.model.n_layers} layers × {cfg.model.dim}, seq {cfg.train.seq_len}, global batch {gb} on "
-          f"{cluster.gpus} × {cluster.gpu_mem_gb:.0f} GB ({cluster.gpus_per_node} per node), {dtype}", flush=True)
+    print(
+        f"plan: {cfg.model.n_layers} layers × {cfg.model.dim}, seq {cfg.train.seq_len}, global batch {gb} on "
+        f"{cluster.gpus} × {cluster.gpu_mem_gb:.0f} GB ({cluster.gpus_per_node} per node), {dtype}",
+        flush=True,
+    )
     print(format_table(result, args.top), flush=True)
     heur = heuristic_layout(cfg, cluster, dtype)
     h_mem = estimate_memory(cfg.model, cfg.train.seq_len, gb, heur, dtype)["total"]
     h_est = estimate_step(cfg.model, cfg.train.seq_len, gb, heur, cluster, dtype)
-    print(f"heuristic (tp=min(8, per node) if it does not fit, then pp, dp with the rest): {heur.describe()}: "
-          f"{format_size(h_mem)}/GPU{' (does not fit)' if h_mem > cluster.usable_bytes else ''}, "
-          f"{h_est['tokens_per_s']:,.0f} tokens/s", flush=True)
-    out: dict = {"cluster": cluster.__dict__, "dtype": dtype, "considered": result["considered"],
-                 "rejected": result["rejected"],
-                 "ranked": [_row(r) for r in result["ranked"][:args.top]],
-                 "heuristic": {"layout": heur.describe(), "memory_gb": h_mem / 1e9, **h_est}}
+    print(
+        f"heuristic (tp=min(8, per node) if it does not fit, then pp, dp with the rest): {heur.describe()}: "
+        f"{format_size(h_mem)}/GPU{' (does not fit)' if h_mem > cluster.usable_bytes else ''}, "
+        f"{h_est['tokens_per_s']:,.0f} tokens/s",
+        flush=True,
+    )
+    out: dict = {
+        "cluster": cluster.__dict__,
+        "dtype": dtype,
+        "considered": result["considered"],
+        "rejected": result["rejected"],
+        "ranked": [_row(r) for r in result["ranked"][: args.top]],
+        "heuristic": {"layout": heur.describe(), "memory_gb": h_mem / 1e9, **h_est},
+    }
     if not result["ranked"]:
         print("no valid layout: see the rejections above (more GPUs, more memory, or a smaller batch/model)")
         if args.json:
@@ -98,8 +120,9 @@ def run(args: argparse.Namespace) -> int:
     print(format_startup(result["ranked"][0]["memory"]["startup"], cluster.device), flush=True)
     path = Path(args.out or f"{cfg.run_dir}/plan.toml")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(f"# raysc plan: best of {result['considered']} layouts for {cluster.gpus} devices\n"
-                    + best.fragment(gb))
+    path.write_text(
+        f"# raysc plan: best of {result['considered']} layouts for {cluster.gpus} devices\n" + best.fragment(gb)
+    )
     print(f"best layout -> {path} (use it with --set or paste it into the config)", flush=True)
     out["best"] = {"layout": best.describe(), "fragment": str(path)}
     if args.profile:
@@ -107,20 +130,28 @@ def run(args: argparse.Namespace) -> int:
         from raysc.plan.profile import calibrate, profile_layouts
 
         ensure_ray()
-        picks = [r["layout"] for r in result["ranked"][:args.profile_top]]
+        picks = [r["layout"] for r in result["ranked"][: args.profile_top]]
         measured = profile_layouts(cfg, picks, cluster, args.profile_steps, dtype)
         calibrated, mem_factor = calibrate(cluster, measured)
         print(f"{'layout':<58} {'mem est':>9} {'mem meas':>9} {'step est':>10} {'step meas':>10}")
         for r in measured:
-            print(f"{r['layout']:<58} {r['memory_estimate_gb'] * 1e3:>7.1f}MB {r['memory_measured_gb'] * 1e3:>7.1f}MB "
-                  f"{r['step_estimate_s'] * 1e3:>8.1f}ms {r['step_measured_s'] * 1e3:>8.1f}ms")
-        print(f"calibrated: efficiency {cluster.efficiency:.2f} -> {calibrated.efficiency:.3f}, memory estimates "
-              f"× {mem_factor:.2f}", flush=True)
+            print(
+                f"{r['layout']:<58} {r['memory_estimate_gb'] * 1e3:>7.1f}MB {r['memory_measured_gb'] * 1e3:>7.1f}MB "
+                f"{r['step_estimate_s'] * 1e3:>8.1f}ms {r['step_measured_s'] * 1e3:>8.1f}ms"
+            )
+        print(
+            f"calibrated: efficiency {cluster.efficiency:.2f} -> {calibrated.efficiency:.3f}, memory estimates "
+            f"× {mem_factor:.2f}",
+            flush=True,
+        )
         recal = plan(cfg, calibrated, dtype)
         print(format_table(recal, args.top), flush=True)
         out["profile"] = [{k: v for k, v in r.items() if k != "layout_obj"} for r in measured]
-        out["calibrated"] = {"efficiency": calibrated.efficiency, "memory_factor": mem_factor,
-                             "best": recal["ranked"][0]["layout"].describe() if recal["ranked"] else None}
+        out["calibrated"] = {
+            "efficiency": calibrated.efficiency,
+            "memory_factor": mem_factor,
+            "best": recal["ranked"][0]["layout"].describe() if recal["ranked"] else None,
+        }
     if args.json:
         print(json.dumps(out, default=str))
     return 0
@@ -129,13 +160,20 @@ def run(args: argparse.Namespace) -> int:
 def format_startup(startup: dict, device: str) -> str:
     """One line: what the best layout's rank holds while it materialises its shard."""
     host = f"; the init block, {format_size(startup['host_block'])}, in host memory" if startup["host_block"] else ""
-    return (f"start-up peak of the best layout: {format_size(startup['total'])}/{'rank' if device == 'cpu' else 'GPU'}"
-            f" while materialising (shards {format_size(startup['shards'])}, rotary tables "
-            f"{format_size(startup['buffers'])}, init block {format_size(startup['init_block'])}{host})")
+    return (
+        f"start-up peak of the best layout: {format_size(startup['total'])}/{'rank' if device == 'cpu' else 'GPU'}"
+        f" while materialising (shards {format_size(startup['shards'])}, rotary tables "
+        f"{format_size(startup['buffers'])}, init block {format_size(startup['init_block'])}{host})"
+    )
 
 
 def _row(r: dict) -> dict:
-    return {"layout": r["layout"].describe(), "memory_gb": r["memory"]["total"] / 1e9,
-            "startup_gb": r["memory"]["startup"]["total"] / 1e9,
-            "tokens_per_s": r["estimate"]["tokens_per_s"], "mfu": r["estimate"]["mfu"],
-            "bubble": r["estimate"]["bubble"], "why_not_higher": r["why"]}
+    return {
+        "layout": r["layout"].describe(),
+        "memory_gb": r["memory"]["total"] / 1e9,
+        "startup_gb": r["memory"]["startup"]["total"] / 1e9,
+        "tokens_per_s": r["estimate"]["tokens_per_s"],
+        "mfu": r["estimate"]["mfu"],
+        "bubble": r["estimate"]["bubble"],
+        "why_not_higher": r["why"],
+    }

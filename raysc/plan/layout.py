@@ -31,8 +31,9 @@ class Cluster:
         if self.gpus < 1 or self.gpus_per_node < 1:
             raise ValueError(f"--gpus {self.gpus} and --gpus-per-node {self.gpus_per_node} must be >= 1")
         if self.gpus > self.gpus_per_node and self.gpus % self.gpus_per_node:
-            raise ValueError(f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node "
-                             f"{self.gpus_per_node}")
+            raise ValueError(
+                f"--gpus {self.gpus} is not a whole number of nodes of --gpus-per-node {self.gpus_per_node}"
+            )
 
     @property
     def usable_bytes(self) -> float:
@@ -57,8 +58,14 @@ class Layout:
         """The layout a config runs (its micro-batch: train.micro_batch, or the pipeline's)."""
         par, t = cfg.parallel, cfg.train
         micro = par.micro_batch(t.global_batch_sequences, t.micro_batch)
-        return cls(**par.dims.as_dict(), sequence_parallel=par.sequence_parallel, pp_schedule=par.pp_schedule,
-                   pp_virtual_stages=par.pp_virtual_stages, micro_batch=micro, recompute=par.recompute)
+        return cls(
+            **par.dims.as_dict(),
+            sequence_parallel=par.sequence_parallel,
+            pp_schedule=par.pp_schedule,
+            pp_virtual_stages=par.pp_virtual_stages,
+            micro_batch=micro,
+            recompute=par.recompute,
+        )
 
     @property
     def dims(self) -> ParallelDims:
@@ -79,8 +86,9 @@ class Layout:
 
     def overrides(self, global_batch: int) -> list[str]:
         """``--set`` overrides that run this layout (with ``train.global_batch`` sequences)."""
-        out = [f"parallel.{f.name}={_value(getattr(self, f.name))}" for f in fields(self)
-               if f.name not in ("micro_batch",)]
+        out = [
+            f"parallel.{f.name}={_value(getattr(self, f.name))}" for f in fields(self) if f.name not in ("micro_batch",)
+        ]
         if self.pp > 1:
             out.append(f"parallel.pp_microbatches={self.microbatches(global_batch)}")
             out.append("train.micro_batch=0")
@@ -98,8 +106,11 @@ class Layout:
         return "[parallel]\n" + "\n".join(par) + "\n\n[train]\n" + "\n".join(train) + "\n"
 
     def describe(self) -> str:
-        parts = [f"{f.name}={getattr(self, f.name)}" for f in fields(self)
-                 if f.name in DIM_NAMES and getattr(self, f.name) > 1]  # in field order
+        parts = [
+            f"{f.name}={getattr(self, f.name)}"
+            for f in fields(self)
+            if f.name in DIM_NAMES and getattr(self, f.name) > 1
+        ]  # in field order
         if self.sequence_parallel:
             parts.append("sp")
         if self.pp > 1:

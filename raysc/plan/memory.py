@@ -58,15 +58,21 @@ def startup_memory(m: ModelConfig, seq_len: int, lay: Layout, device: str = "cud
     p, fs = lay.pp, lay.dp_shard * lay.cp
     head = pc["total"] - pc["embedding"] - m.n_layers * pc["per_layer"]  # final norm + output
     per_stage = m.n_layers / p * pc["per_layer"]
-    worst = max(per_stage + (pc["embedding"] if s == 0 else 0) + (head if s == p - 1 else 0)
-                for s in sorted({0, p - 1}))
+    worst = max(
+        per_stage + (pc["embedding"] if s == 0 else 0) + (head if s == p - 1 else 0) for s in sorted({0, p - 1})
+    )
     shards = 4 * worst / lay.tp / fs
     chunks = lay.pp_virtual_stages if p > 1 else 1
     buffers = chunks * 2 * (m.max_seq_len or seq_len) * m.head_dim * 4
     block = 4 * INIT_BLOCK_VALUES
     on_device = block if device == "cpu" else 0
-    return {"shards": shards, "buffers": buffers, "init_block": on_device, "host_block": block - on_device,
-            "total": shards + buffers + on_device}
+    return {
+        "shards": shards,
+        "buffers": buffers,
+        "init_block": on_device,
+        "host_block": block - on_device,
+        "total": shards + buffers + on_device,
+    }
 
 
 def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_bytes: int) -> float:
@@ -97,8 +103,9 @@ def inflight(lay: Layout, microbatches: int, stage: int) -> float:
     return held
 
 
-def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, dtype: str = "bf16",
-                    device: str = "cuda") -> dict:
+def estimate_memory(
+    m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, dtype: str = "bf16", device: str = "cuda"
+) -> dict:
     """Peak bytes per GPU of a training step (the worst pipeline stage) and their breakdown, with the
     start-up peak (``startup_memory``) under ``startup`` and the larger of the two as ``peak``."""
     pc = param_count(m)
@@ -114,8 +121,11 @@ def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout
     best: dict | None = None
     for stage in sorted({0, p - 1}):
         first, last = stage == 0, stage == p - 1
-        params = layers_per_stage * pc["per_layer"] + (pc["embedding"] if first else 0) + \
-            ((pc["total"] - pc["embedding"] - m.n_layers * pc["per_layer"]) if last else 0)
+        params = (
+            layers_per_stage * pc["per_layer"]
+            + (pc["embedding"] if first else 0)
+            + ((pc["total"] - pc["embedding"] - m.n_layers * pc["per_layer"]) if last else 0)
+        )
         local = params / t
         state = {"weights": 4 * local / fs, "grads": 4 * local / fs, "optimizer": 8 * local / fs}
         root = ((vocab_head if first else 0) + (0 if m.tie_embeddings or not last else vocab_head)) / t
@@ -137,8 +147,15 @@ def estimate_memory(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout
             activations = layers_per_stage * per_layer * n_held
             transient = head  # backward starts with every block's activations and the head's
         total = sum(state.values()) + unsharded + activations + transient
-        row = {**state, "unsharded": unsharded, "activations": activations, "loss_head": head,
-               "total": total, "stage": stage, "inflight": n_held}
+        row = {
+            **state,
+            "unsharded": unsharded,
+            "activations": activations,
+            "loss_head": head,
+            "total": total,
+            "stage": stage,
+            "inflight": n_held,
+        }
         if best is None or total > best["total"]:
             best = row
     startup = startup_memory(m, seq_len, lay, device)

@@ -42,8 +42,9 @@ def _bw(group_span: int, cluster: Cluster) -> float:
     return (cluster.intra_gbps if inside else cluster.inter_gbps) * 1e9
 
 
-def estimate_step(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, cluster: Cluster,
-                  dtype: str = "bf16") -> dict:
+def estimate_step(
+    m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, cluster: Cluster, dtype: str = "bf16"
+) -> dict:
     """Seconds per optimizer step and its parts; tokens/s and MFU of the whole cluster."""
     act = 2 if dtype == "bf16" else 4
     n = lay.world_size
@@ -79,13 +80,23 @@ def estimate_step(m: ModelConfig, seq_len: int, global_batch: int, lay: Layout, 
     exposed_dp = max(0.0, dp_comm - 2 / 3 * compute)
     pp_comm = 0.0
     if lay.pp > 1:
-        pp_comm = 2 * micro * sbh_bytes / (lay.tp if lay.sequence_parallel else 1) / \
-            _bw(n, cluster)  # stages sit in different nodes once the cluster has several
+        pp_comm = (
+            2 * micro * sbh_bytes / (lay.tp if lay.sequence_parallel else 1) / _bw(n, cluster)
+        )  # stages sit in different nodes once the cluster has several
     bubble = bubble_fraction(lay, micro)
     busy = compute + tp_comm + cp_comm + pp_comm
     step = busy / (1 - bubble) + exposed_dp
     tps = tokens / step
     mfu = model_flops / step / (n * cluster.peak_tflops * 1e12)
-    return {"step_s": step, "compute_s": compute, "tp_comm_s": tp_comm, "cp_comm_s": cp_comm,
-            "dp_comm_s": dp_comm, "dp_exposed_s": exposed_dp, "pp_comm_s": pp_comm, "bubble": bubble,
-            "tokens_per_s": tps, "mfu": mfu}
+    return {
+        "step_s": step,
+        "compute_s": compute,
+        "tp_comm_s": tp_comm,
+        "cp_comm_s": cp_comm,
+        "dp_comm_s": dp_comm,
+        "dp_exposed_s": exposed_dp,
+        "pp_comm_s": pp_comm,
+        "bubble": bubble,
+        "tokens_per_s": tps,
+        "mfu": mfu,
+    }

@@ -26,8 +26,9 @@ from raysc.plan.perf import estimate_step
 from raysc.plan.search import layout_config
 
 
-def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps: int = 6, dtype: str = "fp32",
-                    log=print) -> list[dict]:
+def profile_layouts(
+    cfg: Config, layouts: list[Layout], cluster: Cluster, steps: int = 6, dtype: str = "fp32", log=print
+) -> list[dict]:
     """Run each layout for ``steps`` steps; estimated vs measured memory and step time per layout."""
     gb = cfg.train.global_batch_sequences
     out = []
@@ -40,14 +41,23 @@ def profile_layouts(cfg: Config, layouts: list[Layout], cluster: Cluster, steps:
         step_est = estimate_step(cfg.model, cfg.train.seq_len, gb, lay, cluster, dtype)["step_s"]
         measured = max(summary["peak_memory_gb"] or [0.0]) * 1e9
         step = statistics.median(times) if times else float("nan")
-        out.append({"layout": lay.describe(), "layout_obj": lay,
-                    "memory_estimate_gb": round(mem_est / 1e9, 4), "memory_measured_gb": round(measured / 1e9, 4),
-                    "memory_ratio": round(measured / mem_est, 3) if mem_est else None,
-                    "per_rank_gb": summary["peak_memory_gb"],
-                    "step_estimate_s": round(step_est, 5), "step_measured_s": round(step, 5),
-                    "step_ratio": round(step / step_est, 3) if step_est else None})
-        log(f"  memory/rank: estimated {mem_est / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB; "
-            f"step: estimated {step_est * 1e3:.1f} ms, measured {step * 1e3:.1f} ms")
+        out.append(
+            {
+                "layout": lay.describe(),
+                "layout_obj": lay,
+                "memory_estimate_gb": round(mem_est / 1e9, 4),
+                "memory_measured_gb": round(measured / 1e9, 4),
+                "memory_ratio": round(measured / mem_est, 3) if mem_est else None,
+                "per_rank_gb": summary["peak_memory_gb"],
+                "step_estimate_s": round(step_est, 5),
+                "step_measured_s": round(step, 5),
+                "step_ratio": round(step / step_est, 3) if step_est else None,
+            }
+        )
+        log(
+            f"  memory/rank: estimated {mem_est / 1e6:.1f} MB, measured {measured / 1e6:.1f} MB; "
+            f"step: estimated {step_est * 1e3:.1f} ms, measured {step * 1e3:.1f} ms"
+        )
     return out
 
 

@@ -34,10 +34,15 @@ def divisors(n: int) -> list[int]:
 def layout_config(cfg: Config, lay: Layout) -> Config:
     """``cfg`` with ``lay`` applied (the config a run of this layout would use)."""
     gb = cfg.train.global_batch_sequences
-    par = dataclasses.replace(cfg.parallel, **lay.dims.as_dict(), sequence_parallel=lay.sequence_parallel,
-                              pp_schedule=lay.pp_schedule, pp_virtual_stages=lay.pp_virtual_stages,
-                              pp_microbatches=lay.microbatches(gb) if lay.pp > 1 else 0,
-                              recompute=lay.recompute)
+    par = dataclasses.replace(
+        cfg.parallel,
+        **lay.dims.as_dict(),
+        sequence_parallel=lay.sequence_parallel,
+        pp_schedule=lay.pp_schedule,
+        pp_virtual_stages=lay.pp_virtual_stages,
+        pp_microbatches=lay.microbatches(gb) if lay.pp > 1 else 0,
+        recompute=lay.recompute,
+    )
     train = dataclasses.replace(cfg.train, micro_batch=0 if lay.pp > 1 else lay.micro_batch)
     return dataclasses.replace(cfg, parallel=par, train=train)
 
@@ -71,20 +76,36 @@ def candidates(cfg: Config, cluster: Cluster):
         for dp_shard in divisors(dp):
             local = gb // dp if gb % dp == 0 else 0
             micros = [b for b in (1, 2, 4, 8, 16, 32) if local and local % b == 0] or [1]
-            schedules = [("1f1b", 1)] if pp == 1 else [(name, 2 if s.multi_stage else 1)
-                                                       for name, s in PP_SCHEDULES.items()]
-            for mb, (sched, v), sp, rc in itertools.product(micros, schedules, (False, True) if tp > 1 else (False,),
-                                                           ("none", "full")):
-                yield Layout(dp_replicate=dp // dp_shard, dp_shard=dp_shard, tp=tp, pp=pp, cp=cp,
-                             sequence_parallel=sp, pp_schedule=sched, pp_virtual_stages=v, micro_batch=mb,
-                             recompute=rc)
+            schedules = (
+                [("1f1b", 1)] if pp == 1 else [(name, 2 if s.multi_stage else 1) for name, s in PP_SCHEDULES.items()]
+            )
+            for mb, (sched, v), sp, rc in itertools.product(
+                micros, schedules, (False, True) if tp > 1 else (False,), ("none", "full")
+            ):
+                yield Layout(
+                    dp_replicate=dp // dp_shard,
+                    dp_shard=dp_shard,
+                    tp=tp,
+                    pp=pp,
+                    cp=cp,
+                    sequence_parallel=sp,
+                    pp_schedule=sched,
+                    pp_virtual_stages=v,
+                    micro_batch=mb,
+                    recompute=rc,
+                )
 
 
 def why_not_higher(est: dict, lay: Layout) -> str:
     """The largest losses of this layout, as shares of its step time."""
     step = est["step_s"]
-    parts = {"bubble": est["bubble"], "TP comm": est["tp_comm_s"] / step, "CP comm": est["cp_comm_s"] / step,
-             "DP exposed": est["dp_exposed_s"] / step, "PP send": est["pp_comm_s"] / step}
+    parts = {
+        "bubble": est["bubble"],
+        "TP comm": est["tp_comm_s"] / step,
+        "CP comm": est["cp_comm_s"] / step,
+        "DP exposed": est["dp_exposed_s"] / step,
+        "PP send": est["pp_comm_s"] / step,
+    }
     if lay.recompute == "full":
         parts["recompute"] = 0.25  # one extra forward: a quarter of the work done
     top = [f"{k} {v:.0%}" for k, v in sorted(parts.items(), key=lambda kv: -kv[1]) if v >= 0.01][:3]
@@ -119,8 +140,11 @@ def heuristic_layout(cfg: Config, cluster: Cluster, dtype: str = "bf16") -> Layo
     options = [p for p in divisors(cfg.model.n_layers) if n % (tp * p) == 0] or [1]
     for pp in options:
         lay = Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1)
-        if gb % lay.dp == 0 and estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype,
-                                                cluster.device)["peak"] <= cluster.usable_bytes:
+        if (
+            gb % lay.dp == 0
+            and estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype, cluster.device)["peak"]
+            <= cluster.usable_bytes
+        ):
             return lay
     pp = options[-1]
     return Layout(dp_replicate=n // (tp * pp), tp=tp, pp=pp, micro_batch=1)
@@ -134,8 +158,12 @@ def format_table(result: dict, top: int = 10) -> str:
     rows = [f"{'#':>3}  {'layout':<66} {'mem/GPU':>9} {'tokens/s':>12} {'MFU':>6} {'bubble':>7}  why not higher"]
     for i, r in enumerate(result["ranked"][:top], 1):
         est = r["estimate"]
-        rows.append(f"{i:>3}  {r['layout'].describe():<66} {format_size(r['memory']['total']):>9} "
-                    f"{est['tokens_per_s']:>12,.0f} {est['mfu']:>6.1%} {est['bubble']:>7.1%}  {r['why']}")
-    rows.append(f"{len(result['ranked'])} valid of {result['considered']} layouts considered; rejected: " +
-                ("; ".join(f"{k} ({v})" for k, v in result["rejected"].items()) or "none"))
+        rows.append(
+            f"{i:>3}  {r['layout'].describe():<66} {format_size(r['memory']['total']):>9} "
+            f"{est['tokens_per_s']:>12,.0f} {est['mfu']:>6.1%} {est['bubble']:>7.1%}  {r['why']}"
+        )
+    rows.append(
+        f"{len(result['ranked'])} valid of {result['considered']} layouts considered; rejected: "
+        + ("; ".join(f"{k} ({v})" for k, v in result["rejected"].items()) or "none")
+    )
     return "\n".join(rows)

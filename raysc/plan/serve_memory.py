@@ -30,11 +30,20 @@ def _estimate(params: int, per_token: int, dtype: str, serve: ServeConfig, max_l
     needed = per_token * serve.max_num_seqs * max_len
     # the CPU build reserves VLLM_CPU_KVCACHE_SPACE whole GiB; on GPU kv_cache_memory_bytes as given
     reserved = (math.ceil(serve.kv_cache_gb) if serve.gpus_per_replica == 0 else serve.kv_cache_gb) * (1 << 30)
-    return {"dtype": dtype, "params": params, "weights_bytes": weights, "max_model_len": max_len,
-            "max_num_seqs": serve.max_num_seqs, "kv_bytes_per_token": per_token, "kv_cache_needed_bytes": needed,
-            "kv_cache_reserved_bytes": int(reserved), "kv_cache_tokens_reserved": int(reserved // per_token),
-            "needed_bytes": weights + needed, "replica_bytes": weights + max(needed, int(reserved)),
-            "kv_cache_fits": needed <= reserved}
+    return {
+        "dtype": dtype,
+        "params": params,
+        "weights_bytes": weights,
+        "max_model_len": max_len,
+        "max_num_seqs": serve.max_num_seqs,
+        "kv_bytes_per_token": per_token,
+        "kv_cache_needed_bytes": needed,
+        "kv_cache_reserved_bytes": int(reserved),
+        "kv_cache_tokens_reserved": int(reserved // per_token),
+        "needed_bytes": weights + needed,
+        "replica_bytes": weights + max(needed, int(reserved)),
+        "kv_cache_fits": needed <= reserved,
+    }
 
 
 def serving_dtype(serve: ServeConfig, exported: str = EXPORT_DTYPE) -> str:
@@ -55,7 +64,12 @@ def serve_memory_from_hf(hf: dict, serve: ServeConfig) -> dict:
     exported = hf.get("torch_dtype") or hf.get("dtype") or EXPORT_DTYPE
     dtype = serving_dtype(serve, exported if exported in DTYPE_BYTES else EXPORT_DTYPE)
     d, layers, heads = hf["hidden_size"], hf["num_hidden_layers"], hf["num_attention_heads"]
-    kv, hd, f, v = hf["num_key_value_heads"], hf.get("head_dim") or d // heads, hf["intermediate_size"], hf["vocab_size"]
+    kv, hd, f, v = (
+        hf["num_key_value_heads"],
+        hf.get("head_dim") or d // heads,
+        hf["intermediate_size"],
+        hf["vocab_size"],
+    )
     per_layer = d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * f + 2 * d
     params = v * d + layers * per_layer + d + (0 if hf.get("tie_word_embeddings") else v * d)
     max_len = serve.max_model_len or int(hf["max_position_embeddings"])
@@ -64,10 +78,18 @@ def serve_memory_from_hf(hf: dict, serve: ServeConfig) -> dict:
 
 def format_serve_memory(est: dict) -> str:
     mib = 1 << 20
-    fit = "" if est["kv_cache_fits"] else (f" (does not fit: {est['max_num_seqs']} full sequences need more than "
-                                           f"serve.kv_cache_gb; vLLM queues the rest; raise serve.kv_cache_gb)")
-    return (f"serving per replica ({est['dtype']}, {est['max_num_seqs']} sequences x {est['max_model_len']} tokens): "
-            f"weights {est['weights_bytes'] / mib:.1f} MiB + KV cache {est['kv_cache_needed_bytes'] / mib:.1f} MiB "
-            f"({est['kv_bytes_per_token']} B/token) = {est['needed_bytes'] / mib:.1f} MiB; reserved KV cache "
-            f"{est['kv_cache_reserved_bytes'] / mib:.0f} MiB ({est['kv_cache_tokens_reserved']:,} tokens) -> "
-            f"{est['replica_bytes'] / mib:.1f} MiB{fit}")
+    fit = (
+        ""
+        if est["kv_cache_fits"]
+        else (
+            f" (does not fit: {est['max_num_seqs']} full sequences need more than "
+            f"serve.kv_cache_gb; vLLM queues the rest; raise serve.kv_cache_gb)"
+        )
+    )
+    return (
+        f"serving per replica ({est['dtype']}, {est['max_num_seqs']} sequences x {est['max_model_len']} tokens): "
+        f"weights {est['weights_bytes'] / mib:.1f} MiB + KV cache {est['kv_cache_needed_bytes'] / mib:.1f} MiB "
+        f"({est['kv_bytes_per_token']} B/token) = {est['needed_bytes'] / mib:.1f} MiB; reserved KV cache "
+        f"{est['kv_cache_reserved_bytes'] / mib:.0f} MiB ({est['kv_cache_tokens_reserved']:,} tokens) -> "
+        f"{est['replica_bytes'] / mib:.1f} MiB{fit}"
+    )

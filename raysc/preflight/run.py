@@ -33,9 +33,19 @@ from raysc.fleet.driver import train
 from raysc.fleet.records import read_jsonl
 from raysc.plan.layout import Layout
 from raysc.plan.memory import estimate_memory
-from raysc.preflight.checklist import (FAIL, Evidence, Item, check_checkpoint, check_consistency, check_data,
-                                       check_hyperparameters, check_profile, check_serving, check_timeouts,
-                                       check_topology)
+from raysc.preflight.checklist import (
+    FAIL,
+    Evidence,
+    Item,
+    check_checkpoint,
+    check_consistency,
+    check_data,
+    check_hyperparameters,
+    check_profile,
+    check_serving,
+    check_timeouts,
+    check_topology,
+)
 from raysc.preflight.quantized import measure_quantization
 from raysc.fleet.preflight_gate import preflight_hash
 
@@ -52,8 +62,11 @@ def _store_speed(cfg: Config, nbytes: int) -> dict:
         storage.delete("speed.bin")
         if len(back) != nbytes:
             return {"error": f"read back {len(back)} of {nbytes} bytes"}
-        return {"bytes": nbytes, "write_mb_s": round(nbytes / (t1 - t0) / 1e6, 1),
-                "read_mb_s": round(nbytes / (t2 - t1) / 1e6, 1)}
+        return {
+            "bytes": nbytes,
+            "write_mb_s": round(nbytes / (t1 - t0) / 1e6, 1),
+            "read_mb_s": round(nbytes / (t2 - t1) / 1e6, 1),
+        }
     except (StorageError, OSError) as e:
         return {"error": str(e).splitlines()[0]}
 
@@ -61,10 +74,16 @@ def _store_speed(cfg: Config, nbytes: int) -> dict:
 def probe_config(cfg: Config, steps: int) -> Config:
     sup = cfg.supervisor
     return measurement_config(
-        cfg, steps, Path(cfg.run_dir) / "preflight" / "probe",
+        cfg,
+        steps,
+        Path(cfg.run_dir) / "preflight" / "probe",
         checkpoint={"uri": f"{cfg.checkpoint_uri.rstrip('/')}/_preflight", "every_steps": max(1, steps // 2)},
-        supervisor={"stress_s": max(sup.stress_s, 2.0), "calibrate_steps": min(max(sup.calibrate_steps, 2), steps - 2),
-                    "sdc_every_steps": 2})  # a few replica checks, to measure their overhead
+        supervisor={
+            "stress_s": max(sup.stress_s, 2.0),
+            "calibrate_steps": min(max(sup.calibrate_steps, 2), steps - 2),
+            "sdc_every_steps": 2,
+        },
+    )  # a few replica checks, to measure their overhead
 
 
 def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
@@ -75,28 +94,46 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
     log(f"preflight: probing the fleet for {steps} steps ({cfg.parallel.world_size} worker(s))")
     store = _store_speed(cfg, (8 if cpu else 32) << 20)
     probe_cfg = probe_config(cfg, steps)
-    summary = train(probe_cfg, progress=False, probe_bytes=(4 if cpu else 64) << 20,
-                    overwrite=True)  # a probe left by an interrupted pre-flight is scratch
+    summary = train(
+        probe_cfg, progress=False, probe_bytes=(4 if cpu else 64) << 20, overwrite=True
+    )  # a probe left by an interrupted pre-flight is scratch
     events = read_jsonl(Path(probe_cfg.run_dir) / "events.jsonl")
     times = [m["step_time"] for m in read_jsonl(Path(probe_cfg.run_dir) / "metrics.jsonl") if m["step"] > 1]
     t = cfg.train
     lay = Layout.from_config(cfg)
     dtype = cfg.compute_dtype
     est = estimate_memory(cfg.model, t.seq_len, t.global_batch_sequences, lay, dtype, cfg.parallel.device)
-    ev = Evidence(summary=summary, events=events, step_s=statistics.median(times) if times else 0.0, store=store,
-                  estimate_bytes=est["total"], startup_bytes=est["startup"]["total"])
+    ev = Evidence(
+        summary=summary,
+        events=events,
+        step_s=statistics.median(times) if times else 0.0,
+        store=store,
+        estimate_bytes=est["total"],
+        startup_bytes=est["startup"]["total"],
+    )
     try:  # item 7: quantize the probe checkpoint before it is deleted
         measured = measure_quantization(cfg, probe_cfg.run_dir)
     except (ValueError, FileNotFoundError, RuntimeError) as e:
         measured = {"error": str(e).splitlines()[0]}
     Storage(probe_cfg.checkpoint_uri, dict(cfg.checkpoint.storage_options)).delete_prefix("")
-    items: list[Item] = [check_profile(cfg, ev), check_topology(cfg, ev), check_checkpoint(cfg, ev),
-                         check_consistency(cfg, ev), check_data(cfg), check_hyperparameters(cfg),
-                         check_serving(cfg, measured), check_timeouts(cfg, ev)]
-    report = {"config_hash": preflight_hash(cfg), "time": time.time(), "run_dir": cfg.run_dir,
-              "passed": all(i.status != FAIL for i in items),
-              "counts": {s: sum(i.status == s for i in items) for s in ("pass", "warn", "fail")},
-              "items": [dataclasses.asdict(i) for i in items]}
+    items: list[Item] = [
+        check_profile(cfg, ev),
+        check_topology(cfg, ev),
+        check_checkpoint(cfg, ev),
+        check_consistency(cfg, ev),
+        check_data(cfg),
+        check_hyperparameters(cfg),
+        check_serving(cfg, measured),
+        check_timeouts(cfg, ev),
+    ]
+    report = {
+        "config_hash": preflight_hash(cfg),
+        "time": time.time(),
+        "run_dir": cfg.run_dir,
+        "passed": all(i.status != FAIL for i in items),
+        "counts": {s: sum(i.status == s for i in items) for s in ("pass", "warn", "fail")},
+        "items": [dataclasses.asdict(i) for i in items],
+    }
     out = Path(cfg.run_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "preflight.json").write_text(json.dumps(report, indent=1, default=str))
@@ -107,9 +144,13 @@ def run_preflight(cfg: Config, steps: int = 8, log=print) -> dict:
 
 def format_report(report: dict) -> str:
     mark = {"pass": "PASS", "warn": "WARN", "fail": "FAIL"}
-    lines = [f"# Pre-flight report ({'passed' if report['passed'] else 'FAILED'}: "
-             f"{report['counts']['pass']} pass, {report['counts']['warn']} warn, {report['counts']['fail']} fail)",
-             "", f"config hash {report['config_hash']}", ""]
+    lines = [
+        f"# Pre-flight report ({'passed' if report['passed'] else 'FAILED'}: "
+        f"{report['counts']['pass']} pass, {report['counts']['warn']} warn, {report['counts']['fail']} fail)",
+        "",
+        f"config hash {report['config_hash']}",
+        "",
+    ]
     for item in report["items"]:
         lines.append(f"{item['number']}. [{mark[item['status']]}] {item['name']}: {item['summary']}")
     return "\n".join(lines) + "\n"

@@ -55,8 +55,9 @@ def channel_magnitude(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]).abs().float().mean(dim=0)
 
 
-def search_scales(x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec,
-                  tie: tuple[int, int] | None = None) -> AwqScales:
+def search_scales(
+    x: torch.Tensor, weights: list[torch.Tensor], spec: QuantSpec, tie: tuple[int, int] | None = None
+) -> AwqScales:
     """The best scales for ``weights`` (each (out_i, in)) on their shared input ``x`` (tokens, in).
     ``tie = (kv_heads, head_dim)``: channels ``(h, d)`` of the ``h // (heads / kv_heads)``-th kv head
     share one scale (o after v under grouped-query attention)."""
@@ -100,7 +101,7 @@ def search_clip(w: torch.Tensor, g: torch.Tensor, spec: QuantSpec) -> tuple[torc
     rows, cols = w.shape
     n, width = spec.groups(cols), spec.width(cols)
     wg = w.view(rows, n, width)
-    blocks = torch.stack([g[i * width:(i + 1) * width, i * width:(i + 1) * width] for i in range(n)])
+    blocks = torch.stack([g[i * width : (i + 1) * width, i * width : (i + 1) * width] for i in range(n)])
     peak = wg.abs().amax(dim=2, keepdim=True)
     best_err = torch.full((rows, n), float("inf"), dtype=torch.float64)
     best = torch.ones(rows, n)

@@ -43,8 +43,10 @@ def calibration(packed: PackedData, n_tokens: int, seed: int) -> Calibration:
     seq = packed.seq_len
     want = max(1, -(-n_tokens // seq))
     if want > len(rows):
-        raise ValueError(f"--calib-tokens {n_tokens} needs {want} rows of {seq} tokens but the training split "
-                         f"has {len(rows)}; pass --calib-tokens {len(rows) * seq} or less")
+        raise ValueError(
+            f"--calib-tokens {n_tokens} needs {want} rows of {seq} tokens but the training split "
+            f"has {len(rows)}; pass --calib-tokens {len(rows) * seq} or less"
+        )
     idx = np.sort(np.random.default_rng(seed).choice(len(rows), size=want, replace=False))
     tokens = torch.from_numpy(rows[idx, :seq].astype(np.int64))
     return Calibration(tokens, tokens_sha256(tokens), seed, [int(i) for i in idx])
@@ -53,8 +55,10 @@ def calibration(packed: PackedData, n_tokens: int, seed: int) -> Calibration:
 def heldout_rows(packed: PackedData, max_rows: int) -> torch.Tensor:
     """Up to ``max_rows`` validation rows (seq_len + 1 tokens each), from the start of the split."""
     if len(packed.val) == 0:
-        raise ValueError("the run's data has no validation rows (data.val_fraction = 0): quality cannot be "
-                         "measured on held-out text; set data.val_fraction > 0")
+        raise ValueError(
+            "the run's data has no validation rows (data.val_fraction = 0): quality cannot be "
+            "measured on held-out text; set data.val_fraction > 0"
+        )
     return torch.from_numpy(packed.val[:max_rows].astype(np.int64))
 
 

@@ -55,15 +55,18 @@ def gptq_blocks(model: Llama, calib: torch.Tensor, act_order: bool = True) -> di
     return {f"{name}.weight": q4_0_blocks(ql) for name, ql in q.linears.items()}
 
 
-def export_gguf_gptq(run: RunModel, out_file: str | Path, calib_tokens: int = 16384, seed: int | None = None,
-                     name: str = "raysc") -> Path:
+def export_gguf_gptq(
+    run: RunModel, out_file: str | Path, calib_tokens: int = 16384, seed: int | None = None, name: str = "raysc"
+) -> Path:
     """The run's model as a Q4_0 GGUF file whose linears GPTQ rounded, calibrated on ``calib_tokens``
     tokens of its training split drawn with ``seed`` (default the run's seed)."""
     model = plain_model(run.model)
     for n, p in model.named_parameters():
         if n.startswith("layers.") and p.dim() == 2 and p.shape[1] % Q4_0_BLOCK:
-            raise ValueError(f"{n} has {p.shape[1]} input features, not a multiple of Q4_0's {Q4_0_BLOCK}; "
-                             f"export --type q4_0 without --method gptq (it stores such matrices as F16)")
+            raise ValueError(
+                f"{n} has {p.shape[1]} input features, not a multiple of Q4_0's {Q4_0_BLOCK}; "
+                f"export --type q4_0 without --method gptq (it stores such matrices as F16)"
+            )
     packed, _, _ = prepare_data(run.cfg)
     calib = calibration(packed, calib_tokens, run.cfg.train.seed if seed is None else seed)
     return export_gguf(model, run.tokenizer_path, out_file, "q4_0", name, gptq_blocks(model, calib.tokens))

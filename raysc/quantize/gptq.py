@@ -46,8 +46,15 @@ class Hessian:
         return self.h.float()
 
 
-def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, block_size: int = 128, damp: float = 0.01,
-         act_order: bool = True) -> QLinear:
+def gptq(
+    w: torch.Tensor,
+    h: torch.Tensor,
+    spec: QuantSpec,
+    *,
+    block_size: int = 128,
+    damp: float = 0.01,
+    act_order: bool = True,
+) -> QLinear:
     """Quantize ``w`` (out, in) against Hessian ``h`` (in, in); returns codes, grids and, with
     ``act_order``, the column order used."""
     w = w.detach().float().clone()
@@ -64,7 +71,7 @@ def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, block_size: int =
     static = act_order or spec.group_size == -1
     if static:  # every group's grid from the weights as they are now
         for g in range(n_groups):
-            scales[:, g], zeros[:, g] = grid_params(w[:, g * width:(g + 1) * width], spec)
+            scales[:, g], zeros[:, g] = grid_params(w[:, g * width : (g + 1) * width], spec)
 
     perm = torch.argsort(torch.diag(h), descending=True) if act_order else torch.arange(cols)
     w, h = w[:, perm], h[perm][:, perm]
@@ -81,9 +88,9 @@ def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, block_size: int =
             j = i1 + i  # position in quantization order; perm[j] is the original column
             g = int(perm[j]) // width
             if not static and j % width == 0:  # a group starts: its grid from the current weights
-                ahead = w1[:, i:i + width]
+                ahead = w1[:, i : i + width]
                 if j + width > i2:  # the group runs past this block: those columns lack this block's updates
-                    rest = w[:, i2:j + width] - err1[:, :i] @ hinv[i1:j, i2:j + width]
+                    rest = w[:, i2 : j + width] - err1[:, :i] @ hinv[i1:j, i2 : j + width]
                     ahead = torch.cat([ahead, rest], dim=1)
                 scales[:, g], zeros[:, g] = grid_params(ahead, spec)
             col = w1[:, i]
@@ -95,5 +102,10 @@ def gptq(w: torch.Tensor, h: torch.Tensor, spec: QuantSpec, *, block_size: int =
         w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
 
     codes = codes[:, torch.argsort(perm)].to(torch.int8)
-    return QLinear(codes, scales, None if spec.symmetric else zeros.to(torch.int8), spec,
-                   perm.to(torch.int32) if act_order else None)
+    return QLinear(
+        codes,
+        scales,
+        None if spec.symmetric else zeros.to(torch.int8),
+        spec,
+        perm.to(torch.int32) if act_order else None,
+    )

@@ -30,8 +30,11 @@ def write_manifest(out_dir: str | Path, manifest: dict, perms: dict[str, torch.T
         path = out / ACT_ORDER
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file({k: v.to(torch.int32).contiguous() for k, v in perms.items()}, str(path))
-        manifest["act_order_permutations"] = {"file": ACT_ORDER, "sha256": file_sha256(path),
-                                 "meaning": "per layer, input columns in the order GPTQ quantized them"}
+        manifest["act_order_permutations"] = {
+            "file": ACT_ORDER,
+            "sha256": file_sha256(path),
+            "meaning": "per layer, input columns in the order GPTQ quantized them",
+        }
     (out / MANIFEST).write_text(json.dumps(manifest, indent=2))
     return out / MANIFEST
 

@@ -32,8 +32,10 @@ def open_destination(uri: str, options: dict) -> Storage:
     except StorageError as e:
         raise ValueError(str(e).replace("checkpoint.uri", "--out", 1)) from None
     if storage.exists(MANIFEST):
-        raise ValueError(f"--out {uri} already holds a quantized checkpoint ({MANIFEST}); nothing is "
-                              f"overwritten: choose another prefix")
+        raise ValueError(
+            f"--out {uri} already holds a quantized checkpoint ({MANIFEST}); nothing is "
+            f"overwritten: choose another prefix"
+        )
     return storage
 
 

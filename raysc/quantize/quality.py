@@ -18,10 +18,11 @@ def perplexity(model: nn.Module, rows: torch.Tensor, batch: int = 8) -> float:
     model.eval()
     total, count = 0.0, 0
     for i in range(0, rows.shape[0], batch):
-        r = rows[i:i + batch]
+        r = rows[i : i + batch]
         logits = model(r[:, :-1])
-        total += F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), r[:, 1:].reshape(-1),
-                                 reduction="sum").item()
+        total += F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), r[:, 1:].reshape(-1), reduction="sum"
+        ).item()
         count += r[:, 1:].numel()
     return math.exp(total / count)
 
@@ -36,8 +37,10 @@ def fake_quant_per_token(x: torch.Tensor, bits: int = 8) -> torch.Tensor:
 @contextmanager
 def int8_activations(model: nn.Module, names: list[str]) -> Iterator[None]:
     """While inside, the inputs of the linears ``names`` are quantized per token to int8."""
-    hooks = [model.get_submodule(n).register_forward_pre_hook(lambda _m, args: (fake_quant_per_token(args[0]),))
-             for n in names]
+    hooks = [
+        model.get_submodule(n).register_forward_pre_hook(lambda _m, args: (fake_quant_per_token(args[0]),))
+        for n in names
+    ]
     try:
         yield
     finally:

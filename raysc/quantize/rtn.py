@@ -42,9 +42,11 @@ class QuantSpec:
             return 1
         if in_features % self.group_size:
             fits = [g for g in (256, 128, 64, 32, 16) if in_features % g == 0]
-            raise ValueError(f"group size {self.group_size} does not divide a layer's {in_features} input "
-                             f"features; pass --group-size {fits[0] if fits else -1}"
-                             + (f" (sizes that fit: {fits})" if fits else " (per channel)"))
+            raise ValueError(
+                f"group size {self.group_size} does not divide a layer's {in_features} input "
+                f"features; pass --group-size {fits[0] if fits else -1}"
+                + (f" (sizes that fit: {fits})" if fits else " (per channel)")
+            )
         return in_features // self.group_size
 
     def width(self, in_features: int) -> int:
@@ -91,8 +93,7 @@ def quantize(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, spec: Qua
     return torch.clamp(torch.round(w / scale) + zero, spec.qmin, spec.qmax)
 
 
-def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec
-               ) -> torch.Tensor:
+def dequantize(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, spec: QuantSpec) -> torch.Tensor:
     """The float weight (out, in) that ``codes`` with per-(row, group) ``scale``/``zero`` stand for."""
     width = spec.width(codes.shape[1])
     s = scale.repeat_interleave(width, dim=1)

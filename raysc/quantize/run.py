@@ -67,9 +67,19 @@ def linear_names(model: Llama) -> list[str]:
     return [f"layers.{i}.{n}" for i in model.layers for g in GROUPS for n in g]
 
 
-def quantize_run(run_dir: str | Path, method: str, *, bits: int | None = None, group_size: int = 128,
-                 calib_tokens: int = 16384, eval_tokens: int = 16384, out: str | Path | None = None,
-                 seed: int | None = None, step: int | None = None, act_order: bool = True) -> dict:
+def quantize_run(
+    run_dir: str | Path,
+    method: str,
+    *,
+    bits: int | None = None,
+    group_size: int = 128,
+    calib_tokens: int = 16384,
+    eval_tokens: int = 16384,
+    out: str | Path | None = None,
+    seed: int | None = None,
+    step: int | None = None,
+    act_order: bool = True,
+) -> dict:
     """Quantize the run in ``run_dir``; returns the manifest (also written to ``out``, a local folder
     or an object-store URI)."""
     spec = method_spec(method, bits, group_size)
@@ -82,15 +92,23 @@ def quantize_run(run_dir: str | Path, method: str, *, bits: int | None = None, g
     options = {k: v for k, v in run.cfg.checkpoint.storage_options.items() if v != REDACTED}
     storage = open_destination(str(out), options)  # before the work: a bad --out fails in seconds
     with tempfile.TemporaryDirectory(prefix="raysc-quantize-") as tmp:
-        manifest = _quantize(run, run_dir, method, spec, calib_tokens, eval_tokens, Path(tmp) / "out", seed,
-                             act_order)
+        manifest = _quantize(run, run_dir, method, spec, calib_tokens, eval_tokens, Path(tmp) / "out", seed, act_order)
         upload_folder(manifest["out"], storage)
     manifest["out"] = str(out)
     return manifest
 
 
-def _quantize(run: RunModel, run_dir: str | Path, method: str, spec: QuantSpec, calib_tokens: int,
-              eval_tokens: int, out: str | Path | None, seed: int | None, act_order: bool) -> dict:
+def _quantize(
+    run: RunModel,
+    run_dir: str | Path,
+    method: str,
+    spec: QuantSpec,
+    calib_tokens: int,
+    eval_tokens: int,
+    out: str | Path | None,
+    seed: int | None,
+    act_order: bool,
+) -> dict:
     t0 = time.perf_counter()
     cfg = run.cfg
     seed = cfg.train.seed if seed is None else seed
@@ -114,29 +132,59 @@ def _quantize(run: RunModel, run_dir: str | Path, method: str, spec: QuantSpec, 
     layers = {}
     for name, r in q.reports.items():
         layers[hf_name(f"{name}.weight").removesuffix(".weight")] = {
-            "error": r.error, "rtn_error": r.rtn_error, **r.extra}
-    perms = {hf_name(f"{n}.weight").removesuffix(".weight"): ql.perm for n, ql in q.linears.items()
-             if ql.perm is not None}
+            "error": r.error,
+            "rtn_error": r.rtn_error,
+            **r.extra,
+        }
+    perms = {
+        hf_name(f"{n}.weight").removesuffix(".weight"): ql.perm for n, ql in q.linears.items() if ql.perm is not None
+    }
     fmt = scheme(spec, act_order)
     manifest = {
-        "method": method, "bits": spec.bits, "group_size": spec.group_size, "symmetric": spec.symmetric,
-        "act_order": act_order, "format": {"name": "compressed-tensors", "format": fmt["format"],
-                                           "scheme": "W8A8 (dynamic per-token int8 activations)" if spec.bits == 8
-                                           else f"W{spec.bits}A16"},
+        "method": method,
+        "bits": spec.bits,
+        "group_size": spec.group_size,
+        "symmetric": spec.symmetric,
+        "act_order": act_order,
+        "format": {
+            "name": "compressed-tensors",
+            "format": fmt["format"],
+            "scheme": "W8A8 (dynamic per-token int8 activations)" if spec.bits == 8 else f"W{spec.bits}A16",
+        },
         "source": {"run_dir": str(run_dir), "checkpoint": run.checkpoint, "step": run.step},
-        "calibration": {"split": "train", "data_source": cfg.data.source, "seed": seed, "rows": len(calib.rows),
-                        "seq_len": packed.seq_len, "tokens": calib.n_tokens, "sha256": calib.sha256},
-        "quality": {"split": "val", "rows": int(heldout.shape[0]), "tokens": int(heldout[:, 1:].numel()),
-                    "perplexity_before": ppl_before, "perplexity_after": ppl_after,
-                    "relative_increase": ppl_after / ppl_before - 1.0,
-                    "max_quality_loss": cfg.serve.max_quality_loss,
-                    "within_max_quality_loss": ppl_after / ppl_before - 1.0 <= cfg.serve.max_quality_loss},
+        "calibration": {
+            "split": "train",
+            "data_source": cfg.data.source,
+            "seed": seed,
+            "rows": len(calib.rows),
+            "seq_len": packed.seq_len,
+            "tokens": calib.n_tokens,
+            "sha256": calib.sha256,
+        },
+        "quality": {
+            "split": "val",
+            "rows": int(heldout.shape[0]),
+            "tokens": int(heldout[:, 1:].numel()),
+            "perplexity_before": ppl_before,
+            "perplexity_after": ppl_after,
+            "relative_increase": ppl_after / ppl_before - 1.0,
+            "max_quality_loss": cfg.serve.max_quality_loss,
+            "within_max_quality_loss": ppl_after / ppl_before - 1.0 <= cfg.serve.max_quality_loss,
+        },
         "layers": layers,
-        **({"awq_clip": {"grid": CLIP_GRID, "max_shrink": MAX_SHRINK,
-                         "not_clipped": [hf_name(f"layers.0.{n}.weight").split(".")[-2] for n in NO_CLIP],
-                         "meaning": "per (output channel, group) range ±r·max|w|, r searched on the calibration "
-                                    "inputs after AWQ's scaling; layers[...].clip says what it did"}}
-           if method == "awq" else {}),
+        **(
+            {
+                "awq_clip": {
+                    "grid": CLIP_GRID,
+                    "max_shrink": MAX_SHRINK,
+                    "not_clipped": [hf_name(f"layers.0.{n}.weight").split(".")[-2] for n in NO_CLIP],
+                    "meaning": "per (output channel, group) range ±r·max|w|, r searched on the calibration "
+                    "inputs after AWQ's scaling; layers[...].clip says what it did",
+                }
+            }
+            if method == "awq"
+            else {}
+        ),
         "bytes": file_bytes(out),
         "full_precision_bytes": 4 * sum(p.numel() for p in reference.parameters()),  # the fp32 export's weights
         "seconds": round(time.perf_counter() - t0, 2),

@@ -56,12 +56,15 @@ def _block_inputs(block: Block, h: torch.Tensor, rope: Rope, names: list[str], c
     """The inputs each linear in ``names`` sees when ``block`` runs on ``h`` (rows, seq, dim),
     flattened to (tokens, in)."""
     seen: dict[str, list[torch.Tensor]] = {n: [] for n in names}
-    hooks = [_module(block, n).register_forward_pre_hook(
-        lambda _m, args, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1]).detach()))
-        for n in names]
+    hooks = [
+        _module(block, n).register_forward_pre_hook(
+            lambda _m, args, n=n: seen[n].append(args[0].reshape(-1, args[0].shape[-1]).detach())
+        )
+        for n in names
+    ]
     try:
         for i in range(0, h.shape[0], chunk):
-            block(h[i:i + chunk], rope)
+            block(h[i : i + chunk], rope)
     finally:
         for hk in hooks:
             hk.remove()
@@ -70,19 +73,20 @@ def _block_inputs(block: Block, h: torch.Tensor, rope: Rope, names: list[str], c
 
 @torch.no_grad()
 def _run_block(block: Block, h: torch.Tensor, rope: Rope, chunk: int) -> torch.Tensor:
-    return torch.cat([block(h[i:i + chunk], rope) for i in range(0, h.shape[0], chunk)])
+    return torch.cat([block(h[i : i + chunk], rope) for i in range(0, h.shape[0], chunk)])
 
 
 @torch.no_grad()
-def quantize_model(model: Llama, calib: torch.Tensor, method: str, spec: QuantSpec, *, chunk: int = 8,
-                   act_order: bool = True) -> Quantized:
+def quantize_model(
+    model: Llama, calib: torch.Tensor, method: str, spec: QuantSpec, *, chunk: int = 8, act_order: bool = True
+) -> Quantized:
     """Quantize every linear of ``model``'s blocks on calibration token rows ``calib`` (rows, seq).
     The embedding, final norm and output projection stay in full precision."""
     if method not in METHODS:
         raise ValueError(f"unknown quantization method {method!r}; choose one of {', '.join(METHODS)}")
     model.eval()
     rope = Rope(model.rope_cos, model.rope_sin, None)
-    h = torch.cat([model.embed(calib[i:i + chunk]) for i in range(0, calib.shape[0], chunk)])
+    h = torch.cat([model.embed(calib[i : i + chunk]) for i in range(0, calib.shape[0], chunk)])
     out = Quantized({}, {})
     for idx, block in model.layers.items():
         prefix = f"layers.{idx}."
@@ -109,8 +113,9 @@ def quantize_model(model: Llama, calib: torch.Tensor, method: str, spec: QuantSp
     return out
 
 
-def _awq_block(model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: QuantSpec, chunk: int,
-               prefix: str, out: Quantized) -> None:
+def _awq_block(
+    model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: QuantSpec, chunk: int, prefix: str, out: Quantized
+) -> None:
     names = [g[0] for g in GROUPS]
     xs = _block_inputs(block, h, rope, names, chunk)
     weights = {n: _module(block, n).weight.detach().float().clone() for g in GROUPS for n in g}
@@ -141,15 +146,24 @@ def _awq_block(model: Llama, block: Block, h: torch.Tensor, rope: Rope, spec: Qu
             q, error, extra = _awq_round(scaled, w, g, r, s, spec, clip=n not in NO_CLIP)
             _module(block, n).weight.copy_(q.dequantize().to(_module(block, n).weight.dtype))
             out.linears[prefix + n] = q
-            out.reports[prefix + n] = LayerReport(error, output_error(g, w, rtn(w, spec).dequantize()),
-                                                  {"alpha": alphas[n], **extra})
+            out.reports[prefix + n] = LayerReport(
+                error, output_error(g, w, rtn(w, spec).dequantize()), {"alpha": alphas[n], **extra}
+            )
 
 
-def _awq_round(scaled: torch.Tensor, w: torch.Tensor, g: torch.Tensor, r: torch.Tensor, s: torch.Tensor,
-               spec: QuantSpec, clip: bool) -> tuple[QLinear, float, dict]:
+def _awq_round(
+    scaled: torch.Tensor,
+    w: torch.Tensor,
+    g: torch.Tensor,
+    r: torch.Tensor,
+    s: torch.Tensor,
+    spec: QuantSpec,
+    clip: bool,
+) -> tuple[QLinear, float, dict]:
     """Round AWQ's ``scaled`` weight (``w`` with rows / ``r``, columns · ``s``), clipped by
     ``search_clip`` when ``clip`` and when that lowers the layer's whole error (the search weighs
     each group alone); returns the codes, the error in ``w``'s coordinates and what clipping did."""
+
     def error(q: QLinear) -> float:
         return output_error(g, w, q.dequantize() * r[:, None] / s[None, :])
 
@@ -161,6 +175,12 @@ def _awq_round(scaled: torch.Tensor, w: torch.Tensor, g: torch.Tensor, r: torch.
     qc = rtn(clipped, spec)
     err_c = error(qc)
     kept = err_c < err
-    extra = {"clip": {"kept": kept, "mean_ratio": float(ratios.mean()),
-                      "clipped_groups": float((ratios < 1).float().mean()), "error_unclipped": err}}
+    extra = {
+        "clip": {
+            "kept": kept,
+            "mean_ratio": float(ratios.mean()),
+            "clipped_groups": float((ratios < 1).float().mean()),
+            "error_unclipped": err,
+        }
+    }
     return (qc, err_c, extra) if kept else (q, err, extra)

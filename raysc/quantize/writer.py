@@ -41,7 +41,7 @@ COMPRESSED_TENSORS_VERSION = "0.17.0"  # the version vLLM 0.32 pins
 
 def pack_int32(codes: torch.Tensor, bits: int, dim: int = 1) -> torch.Tensor:
     """Pack signed ``codes`` (2-D, int8) ``32/bits`` to an int32 along ``dim``, lowest bits first."""
-    u = (codes.to(torch.int64) + (1 << (bits - 1)))
+    u = codes.to(torch.int64) + (1 << (bits - 1))
     if dim == 0:
         u = u.T
     per = 32 // bits
@@ -70,35 +70,72 @@ def scheme(spec: QuantSpec, act_order: bool) -> dict:
     """The ``quantization_config`` of ``config.json``: 8-bit is W8A8 (``int-quantized``, per channel,
     int8 activations per token), fewer bits W4A16 (``pack-quantized``)."""
     channel = spec.group_size == -1
-    weights = {"num_bits": spec.bits, "type": "int", "symmetric": spec.symmetric,
-               "group_size": None if channel else spec.group_size, "strategy": "channel" if channel else "group",
-               "dynamic": False, "actorder": "weight" if act_order else None, "observer": "minmax"}
+    weights = {
+        "num_bits": spec.bits,
+        "type": "int",
+        "symmetric": spec.symmetric,
+        "group_size": None if channel else spec.group_size,
+        "strategy": "channel" if channel else "group",
+        "dynamic": False,
+        "actorder": "weight" if act_order else None,
+        "observer": "minmax",
+    }
     if spec.bits == 8:
         fmt = "int-quantized"
-        acts = {"num_bits": 8, "type": "int", "symmetric": True, "group_size": None, "strategy": "token",
-                "dynamic": True, "actorder": None, "observer": None}
+        acts = {
+            "num_bits": 8,
+            "type": "int",
+            "symmetric": True,
+            "group_size": None,
+            "strategy": "token",
+            "dynamic": True,
+            "actorder": None,
+            "observer": None,
+        }
     else:
         fmt, acts = "pack-quantized", None
-    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
-            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
-                                          "output_activations": None, "format": fmt}},
-            "ignore": ["lm_head"], "kv_cache_scheme": None, "version": COMPRESSED_TENSORS_VERSION}
+    return {
+        "quant_method": "compressed-tensors",
+        "format": fmt,
+        "quantization_status": "compressed",
+        "config_groups": {
+            "group_0": {
+                "targets": ["Linear"],
+                "weights": weights,
+                "input_activations": acts,
+                "output_activations": None,
+                "format": fmt,
+            }
+        },
+        "ignore": ["lm_head"],
+        "kv_cache_scheme": None,
+        "version": COMPRESSED_TENSORS_VERSION,
+    }
 
 
 def linear_tensors(prefix: str, q: QLinear, packed: bool, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The tensors that stand for one quantized linear named ``prefix`` (``model.layers.0.mlp.up_proj``)."""
     if not packed:
         return {f"{prefix}.weight": q.codes.contiguous(), f"{prefix}.weight_scale": q.scale.float().contiguous()}
-    out = {f"{prefix}.weight_packed": pack_int32(q.codes, q.spec.bits),
-           f"{prefix}.weight_scale": q.scale.to(dtype).contiguous(),
-           f"{prefix}.weight_shape": torch.tensor(list(q.codes.shape), dtype=torch.int64)}
+    out = {
+        f"{prefix}.weight_packed": pack_int32(q.codes, q.spec.bits),
+        f"{prefix}.weight_scale": q.scale.to(dtype).contiguous(),
+        f"{prefix}.weight_shape": torch.tensor(list(q.codes.shape), dtype=torch.int64),
+    }
     if q.zero is not None:
         out[f"{prefix}.weight_zero_point"] = pack_int32(q.zero, q.spec.bits, dim=0)
     return out
 
 
-def write_checkpoint(model: Llama, linears: dict[str, QLinear], tokenizer_json: str | Path, out_dir: str | Path,
-                     spec: QuantSpec, act_order: bool, dtype: torch.dtype = torch.float32) -> Path:
+def write_checkpoint(
+    model: Llama,
+    linears: dict[str, QLinear],
+    tokenizer_json: str | Path,
+    out_dir: str | Path,
+    spec: QuantSpec,
+    act_order: bool,
+    dtype: torch.dtype = torch.float32,
+) -> Path:
     """The Hugging Face folder (``raysc.export.hf``) of ``model`` with ``linears`` (raysc prefixes,
     ``layers.0.attn.wq``) replaced by their quantized tensors, and ``quantization_config``."""
     out = export_hf(model, tokenizer_json, out_dir, dtype)

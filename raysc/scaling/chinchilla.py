@@ -37,14 +37,28 @@ class LossFit:
     beta: float
 
     def loss(self, n_params: float, n_tokens: float) -> float:
-        return self.E + self.A / n_params ** self.alpha + self.B / n_tokens ** self.beta
+        return self.E + self.A / n_params**self.alpha + self.B / n_tokens**self.beta
 
 
 FITS: tuple[LossFit, ...] = (
-    LossFit("hoffmann2022", "Hoffmann et al. 2022, approach 3 (eq. 10), MassiveText + SentencePiece",
-            E=1.69, A=406.4, B=410.7, alpha=0.34, beta=0.28),
-    LossFit("besiroglu2024", "Besiroglu et al. 2024 replication of approach 3 on the same data points",
-            E=1.82, A=482.0, B=2085.4, alpha=0.3478, beta=0.3658),
+    LossFit(
+        "hoffmann2022",
+        "Hoffmann et al. 2022, approach 3 (eq. 10), MassiveText + SentencePiece",
+        E=1.69,
+        A=406.4,
+        B=410.7,
+        alpha=0.34,
+        beta=0.28,
+    ),
+    LossFit(
+        "besiroglu2024",
+        "Besiroglu et al. 2024 replication of approach 3 on the same data points",
+        E=1.82,
+        A=482.0,
+        B=2085.4,
+        alpha=0.3478,
+        beta=0.3658,
+    ),
 )
 
 _SUFFIX = {"": 1.0, "K": 1e3, "M": 1e6, "B": 1e9, "G": 1e9, "T": 1e12, "P": 1e15}
@@ -65,25 +79,39 @@ def parse_count(text: str | float | int, what: str = "value") -> float:
     return value
 
 
-def compute_optimal(params: float | None = None, compute: float | None = None, tokens: float | None = None
-                    ) -> dict:
+def compute_optimal(params: float | None = None, compute: float | None = None, tokens: float | None = None) -> dict:
     """The Chinchilla split from exactly one of N (parameters), C (FLOPs) or D (tokens)."""
     given = {k: v for k, v in (("params", params), ("compute", compute), ("tokens", tokens)) if v is not None}
     if len(given) != 1:
         raise ValueError(f"give exactly one of params, compute or tokens (got {sorted(given) or 'none'})")
-    (what, value), = given.items()
+    ((what, value),) = given.items()
     value = parse_count(value, what)
     ratio = TOKENS_PER_PARAM * FLOPS_PER_PARAM_TOKEN  # C = 6·N·(20·N) = 120·N²
     n = {"params": value, "compute": math.sqrt(value / ratio), "tokens": value / TOKENS_PER_PARAM}[what]
     d = TOKENS_PER_PARAM * n
-    return {"given": what, "params": n, "tokens": d, "compute": FLOPS_PER_PARAM_TOKEN * n * d,
-            "tokens_per_param": TOKENS_PER_PARAM}
+    return {
+        "given": what,
+        "params": n,
+        "tokens": d,
+        "compute": FLOPS_PER_PARAM_TOKEN * n * d,
+        "tokens_per_param": TOKENS_PER_PARAM,
+    }
 
 
 def loss_estimates(n_params: float, n_tokens: float) -> dict[str, dict]:
     """L(N, D) under each published fit (approximate: other data and tokenizers shift the constants)."""
-    return {f.name: {"loss": f.loss(n_params, n_tokens), "source": f.source, "E": f.E, "A": f.A, "B": f.B,
-                     "alpha": f.alpha, "beta": f.beta} for f in FITS}
+    return {
+        f.name: {
+            "loss": f.loss(n_params, n_tokens),
+            "source": f.source,
+            "E": f.E,
+            "A": f.A,
+            "B": f.B,
+            "alpha": f.alpha,
+            "beta": f.beta,
+        }
+        for f in FITS
+    }
 
 
 def shape_config(base: ModelConfig, n_layers: int, dim: int, head_dim: int) -> ModelConfig:
@@ -94,9 +122,14 @@ def shape_config(base: ModelConfig, n_layers: int, dim: int, head_dim: int) -> M
     return dataclasses.replace(base, dim=dim, n_layers=n_layers, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=0)
 
 
-def suggest_shapes(n_params: float, base: ModelConfig | None = None, k: int = 5,
-                   aspect: tuple[float, float] = ASPECT_BAND, tolerance: float = 0.02,
-                   max_diff: float = 0.10) -> list[dict]:
+def suggest_shapes(
+    n_params: float,
+    base: ModelConfig | None = None,
+    k: int = 5,
+    aspect: tuple[float, float] = ASPECT_BAND,
+    tolerance: float = 0.02,
+    max_diff: float = 0.10,
+) -> list[dict]:
     """Up to ``k`` Llama shapes with exact parameter counts near ``n_params``, spread over the aspect band.
 
     Grid: dim a multiple of 128 (64 below 100M parameters), head_dim 128 from
@@ -131,10 +164,17 @@ def suggest_shapes(n_params: float, base: ModelConfig | None = None, k: int = 5,
             cfg = shape_config(base, n_layers, dim, head_dim)
             counts = param_count(cfg)
             cands[(n_layers, dim)] = {
-                "n_layers": n_layers, "dim": dim, "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads,
-                "head_dim": head_dim, "ffn_dim": cfg.hidden_ffn_dim, "aspect": dim / n_layers,
-                "params": counts["total"], "non_embedding": counts["non_embedding"],
-                "rel_diff": counts["total"] / n_params - 1.0}
+                "n_layers": n_layers,
+                "dim": dim,
+                "n_heads": cfg.n_heads,
+                "n_kv_heads": cfg.n_kv_heads,
+                "head_dim": head_dim,
+                "ffn_dim": cfg.hidden_ffn_dim,
+                "aspect": dim / n_layers,
+                "params": counts["total"],
+                "non_embedding": counts["non_embedding"],
+                "rel_diff": counts["total"] / n_params - 1.0,
+            }
 
     keep_gqa = [s for s in cands.values() if s["n_heads"] % groups == 0]
     pool = keep_gqa or list(cands.values())
@@ -157,9 +197,15 @@ def suggest_shapes(n_params: float, base: ModelConfig | None = None, k: int = 5,
     return near_n if len(near_n) >= 3 else picks[:3]
 
 
-def plan(params: float | None = None, compute: float | None = None, tokens: float | None = None,
-         model: ModelConfig | None = None, global_batch_tokens: float | None = None, seq_len: int = 0,
-         n_shapes: int = 5) -> dict:
+def plan(
+    params: float | None = None,
+    compute: float | None = None,
+    tokens: float | None = None,
+    model: ModelConfig | None = None,
+    global_batch_tokens: float | None = None,
+    seq_len: int = 0,
+    n_shapes: int = 5,
+) -> dict:
     """Compute-optimal N, D, C; L(N, D) under both fits; shapes near N; steps for a global batch.
 
     Each shape also gets its own 20·N token budget, its steps and its exact
@@ -215,29 +261,33 @@ def format_plan(p: dict) -> str:
     lines.append("")
     lines.append("Loss L(N, D) = E + A/N^α + B/D^β (approximate; nats/token on the fit's data):")
     for name, f in p["loss"].items():
-        lines.append(f"  {f['loss']:.3f}  {name}: E={f['E']} A={f['A']} B={f['B']} α={f['alpha']} "
-                     f"β={f['beta']}  ({f['source']})")
+        lines.append(
+            f"  {f['loss']:.3f}  {name}: E={f['E']} A={f['A']} B={f['B']} α={f['alpha']} β={f['beta']}  ({f['source']})"
+        )
     lines.append("")
     lines.append(f"Shapes near N (vocab {p['vocab_size']}, ffn 8/3·dim):")
-    head = f"  {'layers':>6} {'dim':>6} {'heads':>5} {'kv':>4} {'hd':>4} {'ffn':>6} {'dim/L':>6} " \
-           f"{'params':>8} {'diff':>7} {'tokens':>8}"
+    head = (
+        f"  {'layers':>6} {'dim':>6} {'heads':>5} {'kv':>4} {'hd':>4} {'ffn':>6} {'dim/L':>6} "
+        f"{'params':>8} {'diff':>7} {'tokens':>8}"
+    )
     if p["steps"]:
         head += f" {'steps':>10}"
     if p["seq_len"]:
         head += f" {'C exact':>9}"
     lines.append(head)
     for s in p["shapes"]:
-        row = (f"  {s['n_layers']:>6} {s['dim']:>6} {s['n_heads']:>5} {s['n_kv_heads']:>4} {s['head_dim']:>4} "
-               f"{s['ffn_dim']:>6} {s['aspect']:>6.1f} {_si(s['params']):>8} {s['rel_diff']:>+7.1%} "
-               f"{_si(s['tokens']):>8}")
+        row = (
+            f"  {s['n_layers']:>6} {s['dim']:>6} {s['n_heads']:>5} {s['n_kv_heads']:>4} {s['head_dim']:>4} "
+            f"{s['ffn_dim']:>6} {s['aspect']:>6.1f} {_si(s['params']):>8} {s['rel_diff']:>+7.1%} "
+            f"{_si(s['tokens']):>8}"
+        )
         if p["steps"]:
             row += f" {s['steps']:>10,}"
         if p["seq_len"]:
             row += f" {s['compute_exact']:>9.3g}"
         lines.append(row)
     if p["seq_len"]:
-        lines.append(f"  (C exact = (6N + 12·L·H·Q·T)·20N FLOPs at T = {p['seq_len']}, "
-                     f"without the embedding lookup)")
+        lines.append(f"  (C exact = (6N + 12·L·H·Q·T)·20N FLOPs at T = {p['seq_len']}, without the embedding lookup)")
     lines.append("")
     lines.extend(f"note: {n}" for n in p["notes"])
     return "\n".join(lines)

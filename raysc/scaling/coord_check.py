@@ -38,8 +38,9 @@ def slope(widths: list[int], values: list[float]) -> float:
     return float(np.polyfit(x, y, 1)[0])
 
 
-def coord_data(cfg: Config, rows: np.ndarray, widths: list[int], steps: int, mup: bool, seeds: int = 1
-               ) -> dict[int, list[dict[str, float]]]:
+def coord_data(
+    cfg: Config, rows: np.ndarray, widths: list[int], steps: int, mup: bool, seeds: int = 1
+) -> dict[int, list[dict[str, float]]]:
     """{width: [ {layer: mean |act|} at step 0..steps ]}, averaged over ``seeds`` seeds."""
     base = cfg.model.mup_base_width or cfg.model.dim
     out: dict[int, list[dict[str, float]]] = {}
@@ -52,8 +53,9 @@ def coord_data(cfg: Config, rows: np.ndarray, widths: list[int], steps: int, mup
                 per_step[step].setdefault(name, []).append(v)
 
         for s in range(seeds):
-            train(model_cfg, cfg.optim, rows, steps, cfg.train.global_batch_sequences, cfg.train.seed + s,
-                  on_forward=keep)
+            train(
+                model_cfg, cfg.optim, rows, steps, cfg.train.global_batch_sequences, cfg.train.seed + s, on_forward=keep
+            )
         out[w] = [{k: float(np.mean(v)) for k, v in step.items()} for step in per_step]
     return out
 
@@ -82,36 +84,59 @@ def check_args(cfg: Config, widths: list[int], steps: int) -> list[int]:
     return widths
 
 
-def coord_check(cfg: Config, rows: np.ndarray, widths: list[int] = DEFAULT_WIDTHS, steps: int = 5,
-                seeds: int = 1, bound: float = 0.25) -> dict:
+def coord_check(
+    cfg: Config,
+    rows: np.ndarray,
+    widths: list[int] = DEFAULT_WIDTHS,
+    steps: int = 5,
+    seeds: int = 1,
+    bound: float = 0.25,
+) -> dict:
     """SP and μP coordinate data, per-layer slopes at the last step and the verdict."""
     widths = check_args(cfg, widths, steps)
-    report: dict = {"widths": widths, "steps": steps, "seeds": seeds, "bound": bound, "lr": cfg.optim.lr,
-                    "base_width": cfg.model.mup_base_width or cfg.model.dim,
-                    "head_dim": cfg.model.head_dim, "n_layers": cfg.model.n_layers}
+    report: dict = {
+        "widths": widths,
+        "steps": steps,
+        "seeds": seeds,
+        "bound": bound,
+        "lr": cfg.optim.lr,
+        "base_width": cfg.model.mup_base_width or cfg.model.dim,
+        "head_dim": cfg.model.head_dim,
+        "n_layers": cfg.model.n_layers,
+    }
     for name, on in (("sp", False), ("mup", True)):
         data = coord_data(cfg, rows, widths, steps, on, seeds)
         s = slopes_at(data, steps)
         worst, least = max(s, key=s.get), min(s, key=s.get)
-        report[name] = {"activations": {str(w): d for w, d in data.items()}, "slopes": s,
-                        "max_slope": s[worst], "max_layer": worst, "min_slope": s[least], "min_layer": least}
+        report[name] = {
+            "activations": {str(w): d for w, d in data.items()},
+            "slopes": s,
+            "max_slope": s[worst],
+            "max_layer": worst,
+            "min_slope": s[least],
+            "min_layer": least,
+        }
     report["passed"] = report["mup"]["max_slope"] <= bound
     return report
 
 
 def verdict(report: dict) -> str:
     mu, sp, b = report["mup"], report["sp"], report["bound"]
-    return (f"μP {'PASSES' if report['passed'] else 'FAILS'}: largest slope of log|activation| vs log width at "
-            f"step {report['steps']} is {mu['max_slope']:+.3f} ({mu['max_layer']}), bound {b} (smallest "
-            f"{mu['min_slope']:+.3f}, {mu['min_layer']}); "
-            f"SP: {sp['max_slope']:+.3f} ({sp['max_layer']}), logits {sp['slopes'].get('logits', math.nan):+.3f} "
-            f"vs μP {mu['slopes'].get('logits', math.nan):+.3f}")
+    return (
+        f"μP {'PASSES' if report['passed'] else 'FAILS'}: largest slope of log|activation| vs log width at "
+        f"step {report['steps']} is {mu['max_slope']:+.3f} ({mu['max_layer']}), bound {b} (smallest "
+        f"{mu['min_slope']:+.3f}, {mu['min_layer']}); "
+        f"SP: {sp['max_slope']:+.3f} ({sp['max_layer']}), logits {sp['slopes'].get('logits', math.nan):+.3f} "
+        f"vs μP {mu['slopes'].get('logits', math.nan):+.3f}"
+    )
 
 
 def format_report(report: dict) -> str:
-    lines = [f"coordinate check: widths {report['widths']}, {report['steps']} steps, lr {report['lr']:g}, "
-             f"base width {report['base_width']}, head_dim {report['head_dim']}",
-             f"  {'layer':18} {'SP slope':>9} {'μP slope':>9}"]
+    lines = [
+        f"coordinate check: widths {report['widths']}, {report['steps']} steps, lr {report['lr']:g}, "
+        f"base width {report['base_width']}, head_dim {report['head_dim']}",
+        f"  {'layer':18} {'SP slope':>9} {'μP slope':>9}",
+    ]
     for name in report["sp"]["slopes"]:
         lines.append(f"  {name:18} {report['sp']['slopes'][name]:>+9.3f} {report['mup']['slopes'][name]:>+9.3f}")
     lines.append(verdict(report))
@@ -134,8 +159,13 @@ def plot(report: dict, path: Path) -> Path:
         acts = report[key]["activations"]
         for name, colour in zip(names, colours):
             ys = [acts[str(w)][step][name] if step < len(acts[str(w)]) else math.nan for w in widths]
-            ax.plot(widths, ys, color=colour, marker=marker.get(name.rsplit(".", 1)[-1], "o"),
-                    label=f"{name} (SP {report['sp']['slopes'][name]:+.2f}, μP {report['mup']['slopes'][name]:+.2f})")
+            ax.plot(
+                widths,
+                ys,
+                color=colour,
+                marker=marker.get(name.rsplit(".", 1)[-1], "o"),
+                label=f"{name} (SP {report['sp']['slopes'][name]:+.2f}, μP {report['mup']['slopes'][name]:+.2f})",
+            )
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("width (model.dim)")

@@ -26,14 +26,17 @@ def at_width(model: ModelConfig, width: int, mup: bool, base_width: int) -> Mode
     ratio kept where it divides, ffn_dim scaled with the width (or automatic), μP on or off."""
     hd = model.head_dim
     if width <= 0 or width % hd:
-        raise ValueError(f"width {width} is not a positive multiple of the config's head_dim "
-                         f"(model.dim/model.n_heads = {hd}); pick widths that are")
+        raise ValueError(
+            f"width {width} is not a positive multiple of the config's head_dim "
+            f"(model.dim/model.n_heads = {hd}); pick widths that are"
+        )
     n_heads = width // hd
     groups = max(1, model.n_heads // model.n_kv_heads)
     n_kv = n_heads // groups if n_heads % groups == 0 else n_heads
     ffn = math.ceil(model.ffn_dim * width / model.dim) if model.ffn_dim else 0
-    return dataclasses.replace(model, dim=width, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn, mup=mup,
-                               mup_base_width=base_width)
+    return dataclasses.replace(
+        model, dim=width, n_heads=n_heads, n_kv_heads=n_kv, ffn_dim=ffn, mup=mup, mup_base_width=base_width
+    )
 
 
 def batches(rows: np.ndarray, batch: int, steps: int, seed: int) -> list[torch.Tensor]:
@@ -42,7 +45,7 @@ def batches(rows: np.ndarray, batch: int, steps: int, seed: int) -> list[torch.T
         raise ValueError("no training rows")
     order = np.random.default_rng(seed).permutation(len(rows))
     need = np.resize(order, batch * steps)
-    return [torch.from_numpy(rows[need[i * batch:(i + 1) * batch]].astype(np.int64)) for i in range(steps)]
+    return [torch.from_numpy(rows[need[i * batch : (i + 1) * batch]].astype(np.int64)) for i in range(steps)]
 
 
 def record_activations(model: Llama, sink: dict[str, float]) -> list:
@@ -62,9 +65,16 @@ def record_activations(model: Llama, sink: dict[str, float]) -> list:
     return handles
 
 
-def train(model_cfg: ModelConfig, optim: OptimConfig, rows: np.ndarray, steps: int, batch: int, seed: int,
-          schedule: ScheduleConfig | None = None, on_forward: Callable[[int, dict], None] | None = None
-          ) -> list[float]:
+def train(
+    model_cfg: ModelConfig,
+    optim: OptimConfig,
+    rows: np.ndarray,
+    steps: int,
+    batch: int,
+    seed: int,
+    schedule: ScheduleConfig | None = None,
+    on_forward: Callable[[int, dict], None] | None = None,
+) -> list[float]:
     """Train ``steps`` AdamW steps; returns the per-step training losses (inf once non-finite).
 
     ``on_forward(step, activations)`` sees the hooked mean |activations| of the

@@ -26,9 +26,20 @@ def final_loss(losses: list[float], tail: int) -> float:
     return float(np.mean(last)) if last and all(math.isfinite(x) for x in last) else math.inf
 
 
-def lr_sweep(model: ModelConfig, optim: OptimConfig, schedule: ScheduleConfig | None, rows: np.ndarray,
-             widths: list[int], lrs: list[float], steps: int, batch: int, seeds: list[int], mup: bool,
-             base_width: int = 0, tail: int = 5) -> dict:
+def lr_sweep(
+    model: ModelConfig,
+    optim: OptimConfig,
+    schedule: ScheduleConfig | None,
+    rows: np.ndarray,
+    widths: list[int],
+    lrs: list[float],
+    steps: int,
+    batch: int,
+    seeds: list[int],
+    mup: bool,
+    base_width: int = 0,
+    tail: int = 5,
+) -> dict:
     """Final loss for every (width, lr); best LR and its grid index per width; the shift in grid steps.
 
     Each seed sets the init and the batch order; the final losses are averaged
@@ -49,24 +60,38 @@ def lr_sweep(model: ModelConfig, optim: OptimConfig, schedule: ScheduleConfig | 
         loss[w] = {}
         for lr in lrs:
             o = dataclasses.replace(optim, lr=lr)
-            loss[w][lr] = float(np.mean([final_loss(train(cfg, o, rows, steps, batch, s, schedule), tail)
-                                         for s in seeds]))
+            loss[w][lr] = float(
+                np.mean([final_loss(train(cfg, o, rows, steps, batch, s, schedule), tail) for s in seeds])
+            )
         best[w] = min(lrs, key=lambda lr: (loss[w][lr], lr))
     index = {w: lrs.index(best[w]) for w in widths}
-    return {"mup": mup, "widths": widths, "lrs": lrs, "steps": steps, "batch": batch, "tail": tail,
-            "seeds": list(seeds),
-            "base_width": base, "loss": loss, "best_lr": best, "best_index": index,
-            "shift": index[widths[-1]] - index[widths[0]]}
+    return {
+        "mup": mup,
+        "widths": widths,
+        "lrs": lrs,
+        "steps": steps,
+        "batch": batch,
+        "tail": tail,
+        "seeds": list(seeds),
+        "base_width": base,
+        "loss": loss,
+        "best_lr": best,
+        "best_index": index,
+        "shift": index[widths[-1]] - index[widths[0]],
+    }
 
 
 def format_sweep(result: dict) -> str:
     name = "μP" if result["mup"] else "SP"
-    lines = [f"{name}: final train loss (mean of last {result['tail']} of {result['steps']} steps, "
-             f"{len(result['seeds'])} seeds)",
-             "  width " + " ".join(f"{lr:>9.2e}" for lr in result["lrs"]) + "   best"]
+    lines = [
+        f"{name}: final train loss (mean of last {result['tail']} of {result['steps']} steps, "
+        f"{len(result['seeds'])} seeds)",
+        "  width " + " ".join(f"{lr:>9.2e}" for lr in result["lrs"]) + "   best",
+    ]
     for w in result["widths"]:
         row = " ".join(f"{result['loss'][w][lr]:>9.4f}" for lr in result["lrs"])
         lines.append(f"  {w:>5} {row}   {result['best_lr'][w]:.2e}")
-    lines.append(f"  best LR moves {result['shift']:+d} grid steps from width {result['widths'][0]} to "
-                 f"{result['widths'][-1]}")
+    lines.append(
+        f"  best LR moves {result['shift']:+d} grid steps from width {result['widths'][0]} to {result['widths'][-1]}"
+    )
     return "\n".join(lines)

@@ -31,8 +31,13 @@ def key_digest(key: str) -> str:
 
 async def _reply(send: Send, status: int, message: str, kind: str) -> None:
     body = json.dumps({"error": {"message": message, "type": kind, "code": status}}).encode()
-    await send({"type": "http.response.start", "status": status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+    await send(
+        {
+            "type": "http.response.start",
+            "status": status,
+            "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())],
+        }
+    )
     await send({"type": "http.response.body", "body": body})
 
 
@@ -48,9 +53,14 @@ class BearerAuth:
             auth = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
             token = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
             if not token or not hmac.compare_digest(key_digest(token), self.digest):
-                await _reply(send, 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
-                                        "with the key the server was started with (serve.api_key / "
-                                        f"{API_KEY_ENV})", "authentication_error")
+                await _reply(
+                    send,
+                    401,
+                    "missing or wrong API key: send the header 'Authorization: Bearer <key>' "
+                    "with the key the server was started with (serve.api_key / "
+                    f"{API_KEY_ENV})",
+                    "authentication_error",
+                )
                 return
         await self.app(scope, receive, send)
 
@@ -87,8 +97,9 @@ class RequestChecks:
 
     PATHS = ("/v1/completions", "/v1/chat/completions")
 
-    def __init__(self, app: ASGIApp, model_ids: list[str] = (), max_model_len: int = 0,
-                 max_body_bytes: int = 8 << 20) -> None:
+    def __init__(
+        self, app: ASGIApp, model_ids: list[str] = (), max_model_len: int = 0, max_body_bytes: int = 8 << 20
+    ) -> None:
         self.app, self.model_ids, self.max_model_len = app, list(model_ids), max_model_len
         self.max_body_bytes = max_body_bytes
 
@@ -111,8 +122,9 @@ class RequestChecks:
         try:
             body = json.loads(raw)
         except ValueError as e:
-            await _reply(send, 400, f"the request body is not valid JSON ({e}); send a JSON object",
-                         "invalid_request_error")
+            await _reply(
+                send, 400, f"the request body is not valid JSON ({e}); send a JSON object", "invalid_request_error"
+            )
             return
         problem = check_request(body, self.model_ids, self.max_model_len)
         if problem:

@@ -104,8 +104,14 @@ def cluster_fit(serve_cfg: ServeConfig) -> ServeFit:
     return fit(serve_cfg, total.get("CPU", 0.0), total.get("GPU", 0.0), largest)
 
 
-def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None = None,
-           model: ServedModel | None = None, log=print) -> Deployment:
+def deploy(
+    source: str,
+    cfg: Config,
+    step: int | None = None,
+    draft: str | None = None,
+    model: ServedModel | None = None,
+    log=print,
+) -> Deployment:
     """Deploy (or roll) the application serving ``source`` on the connected Ray cluster, sized to fit
     it (``raysc.serve.fit``); returns when the new version answers, or raises ``ServeNotReady`` after
     ``serve.ready_timeout_s`` and removes it (a roll onto a new checkpoint waits as Serve does, with
@@ -119,8 +125,7 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
     serve_cfg = _resolved(cfg.serve, hf)
     sizes = cluster_fit(serve_cfg)  # ServeDoesNotFit before anything is deployed
     if sizes.shrunk:
-        log(f"[raysc] serve: the cluster has too few CPUs for Serve's defaults; fitted: {sizes.describe()}",
-            flush=True)
+        log(f"[raysc] serve: the cluster has too few CPUs for Serve's defaults; fitted: {sizes.describe()}", flush=True)
     share = sizes.share if sizes.shrunk else None
     # a run's store settings (its config.toml: secrets redacted, so credentials come from the environment)
     options = cfg.checkpoint.storage_options if model.run_dir is not None else None
@@ -133,8 +138,11 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
     if name in serve.status().applications:  # a roll: Serve's own wait sees the new version come up
         serve.run(app, name=name, route_prefix="/", blocking=False)
     else:
-        serve.run_many([serve.RunTarget(app, name=name, route_prefix="/")],
-                       wait_for_ingress_deployment_creation=False, wait_for_applications_running=False)
+        serve.run_many(
+            [serve.RunTarget(app, name=name, route_prefix="/")],
+            wait_for_ingress_deployment_creation=False,
+            wait_for_applications_running=False,
+        )
         wait_ready(name, serve_cfg.ready_timeout_s, sizes, log=log)
     host = "127.0.0.1" if cfg.serve.host in ("0.0.0.0", "::") else cfg.serve.host
     dep = Deployment(name, f"http://{host}:{cfg.serve.port}/v1", model_id, model, serve_cfg, spec)
@@ -145,8 +153,11 @@ def deploy(source: str, cfg: Config, step: int | None = None, draft: str | None 
 
 def _waiting_for(app) -> str:
     """What an application that is not running yet waits for, from its deployments' statuses."""
-    parts = [f"{name}: {d.status}" + (f" ({d.message.strip()[:300]})" if d.message else "")
-             for name, d in app.deployments.items() if d.status != "HEALTHY"]
+    parts = [
+        f"{name}: {d.status}" + (f" ({d.message.strip()[:300]})" if d.message else "")
+        for name, d in app.deployments.items()
+        if d.status != "HEALTHY"
+    ]
     return "; ".join(parts) or str(app.status)
 
 
@@ -171,11 +182,17 @@ def wait_ready(name: str, timeout_s: float, sizes: ServeFit, log=print, every_s:
             serve.delete(name, _blocking=False)
             avail, total = ray.available_resources(), ray.cluster_resources()
             free = {k: round(avail.get(k, 0.0), 2) for k in ("CPU", "GPU") if k == "CPU" or total.get(k)}
-            why = "Serve could not deploy it" if failed else f"not answering after {timeout_s:g} s (serve.ready_timeout_s)"
-            raise ServeNotReady(f"{name}: {why}; waiting for: {waiting}. It needs {sizes.describe()}; the "
-                                f"cluster has {free} free. Removed what was deployed. Free resources (another run "
-                                f"or deployment), add nodes, or raise serve.ready_timeout_s when the engine is "
-                                f"only slow to start.")
+            why = (
+                "Serve could not deploy it"
+                if failed
+                else f"not answering after {timeout_s:g} s (serve.ready_timeout_s)"
+            )
+            raise ServeNotReady(
+                f"{name}: {why}; waiting for: {waiting}. It needs {sizes.describe()}; the "
+                f"cluster has {free} free. Removed what was deployed. Free resources (another run "
+                f"or deployment), add nodes, or raise serve.ready_timeout_s when the engine is "
+                f"only slow to start."
+            )
         if now >= last_t + every_s and (waiting != last or now >= last_t + 60):
             log(f"[raysc] serve: {now - t0:.0f} s, waiting for {waiting}", flush=True)
             last, last_t = waiting, now
@@ -185,13 +202,25 @@ def wait_ready(name: str, timeout_s: float, sizes: ServeFit, log=print, every_s:
 def _record(dep: Deployment) -> None:
     path = dep.model.run_dir / SERVING_RECORD
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({
-        "app": dep.app_name, "url": dep.url, "model_id": dep.model_id, "step": dep.model.step,
-        "checkpoint": dep.model.checkpoint, "export": dep.model.path, "pid": os.getpid(),
-        "since": time.time(), "speculative": dep.speculative,
-        "replicas": dep.serve.replicas if not dep.serve.autoscale_max
-        else f"{dep.serve.autoscale_min}-{dep.serve.autoscale_max}",
-    }, indent=2))
+    path.write_text(
+        json.dumps(
+            {
+                "app": dep.app_name,
+                "url": dep.url,
+                "model_id": dep.model_id,
+                "step": dep.model.step,
+                "checkpoint": dep.model.checkpoint,
+                "export": dep.model.path,
+                "pid": os.getpid(),
+                "since": time.time(),
+                "speculative": dep.speculative,
+                "replicas": dep.serve.replicas
+                if not dep.serve.autoscale_max
+                else f"{dep.serve.autoscale_min}-{dep.serve.autoscale_max}",
+            },
+            indent=2,
+        )
+    )
 
 
 def undeploy(dep: Deployment) -> None:
@@ -202,8 +231,15 @@ def undeploy(dep: Deployment) -> None:
         (dep.model.run_dir / SERVING_RECORD).unlink(missing_ok=True)
 
 
-def follow(dep: Deployment, source: str, cfg: Config, stop: threading.Event, poll_s: float = 10.0,
-           draft: str | None = None, log=print) -> Deployment:
+def follow(
+    dep: Deployment,
+    source: str,
+    cfg: Config,
+    stop: threading.Event,
+    poll_s: float = 10.0,
+    draft: str | None = None,
+    log=print,
+) -> Deployment:
     """Until ``stop`` is set: roll ``dep`` onto each newly committed, verified checkpoint of the run in
     ``source`` (Ray Serve replaces the replicas; requests in flight finish on the old weights)."""
     run_dir = Path(source)
@@ -214,8 +250,10 @@ def follow(dep: Deployment, source: str, cfg: Config, stop: threading.Event, pol
         t0 = time.perf_counter()
         model = export_run(run_dir, step)
         dep = deploy(source, cfg, draft=draft, model=model, log=log)
-        log(json.dumps({"serving_step": step, "export": model.path, "rolled_s": round(time.perf_counter() - t0, 1)}),
-            flush=True)
+        log(
+            json.dumps({"serving_step": step, "export": model.path, "rolled_s": round(time.perf_counter() - t0, 1)}),
+            flush=True,
+        )
     return dep
 
 
@@ -239,8 +277,9 @@ def cli_settings(args: argparse.Namespace) -> Config:
     return settings(args.source, overrides)
 
 
-def keep_serving(args: argparse.Namespace, cfg: Config, dep: Deployment, stop: threading.Event,
-                 log=print) -> Deployment:
+def keep_serving(
+    args: argparse.Namespace, cfg: Config, dep: Deployment, stop: threading.Event, log=print
+) -> Deployment:
     """After the first deployment: with ``--follow`` roll onto each new checkpoint (with ``--draft``'s
     model), else wait; until ``stop`` is set. Returns the deployment serving at that point."""
     if args.follow:
@@ -254,8 +293,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     cfg = cli_settings(args)
     if cfg.serve.host not in ("127.0.0.1", "localhost", "::1") and not _api_key(cfg.serve):
-        print(f"warning: serving on {cfg.serve.host} without an API key; anyone who can reach the port can use "
-              f"the model (set serve.api_key or {API_KEY_ENV})", flush=True)
+        print(
+            f"warning: serving on {cfg.serve.host} without an API key; anyone who can reach the port can use "
+            f"the model (set serve.api_key or {API_KEY_ENV})",
+            flush=True,
+        )
     if args.follow and newest_verified_step(Path(args.source)) is None:
         print(f"waiting for the first verified checkpoint of {args.source} ...", flush=True)
         while newest_verified_step(Path(args.source)) is None:
@@ -263,9 +305,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
     init_ray(log_to_driver=False, configure_logging=False)  # a wrong RAY_ADDRESS fails within seconds
     t0 = time.perf_counter()
     dep = deploy(args.source, cfg, args.step, args.draft)
-    print(json.dumps({"serving": dep.url, "model": dep.model_id, "step": dep.model.step, "export": dep.model.path,
-                      "reused_export": dep.model.reused, "speculative": dep.speculative,
-                      "ready_s": round(time.perf_counter() - t0, 1)}), flush=True)
+    print(
+        json.dumps(
+            {
+                "serving": dep.url,
+                "model": dep.model_id,
+                "step": dep.model.step,
+                "export": dep.model.path,
+                "reused_export": dep.model.reused,
+                "speculative": dep.speculative,
+                "ready_s": round(time.perf_counter() - t0, 1),
+            }
+        ),
+        flush=True,
+    )
     if args.detach:
         return 0
     stop = threading.Event()
@@ -280,16 +333,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", help="a run directory (its newest verified checkpoint), a Hugging Face export folder, "
-                                  "or an s3:// export")
+    p.add_argument(
+        "source",
+        help="a run directory (its newest verified checkpoint), a Hugging Face export folder, or an s3:// export",
+    )
     p.add_argument("--step", type=int, help="serve this checkpoint step of a run (default: the newest verified)")
     group = p.add_mutually_exclusive_group()
     group.add_argument("--replicas", type=int, help="fixed number of vLLM replicas (serve.replicas)")
     group.add_argument("--autoscale", metavar="MIN,MAX", help="autoscale between MIN and MAX replicas")
     p.add_argument("--host", help="bind address (serve.host, default 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (serve.port, default 8000)")
-    p.add_argument("--draft", metavar="DRAFT_RUN", help="a draft model's run (same tokenizer) for speculative "
-                                                        "decoding; k from `raysc spec tune` or serve.num_speculative_tokens")
+    p.add_argument(
+        "--draft",
+        metavar="DRAFT_RUN",
+        help="a draft model's run (same tokenizer) for speculative "
+        "decoding; k from `raysc spec tune` or serve.num_speculative_tokens",
+    )
     p.add_argument("--follow", action="store_true", help="roll onto each newly committed checkpoint of the run")
     p.add_argument("--poll-s", type=float, default=10.0, help="how often --follow looks for a new checkpoint")
     p.add_argument("--detach", action="store_true", help="deploy and return; the app stays on the cluster")

@@ -32,23 +32,34 @@ def check(cfg: ServeConfig, speculative: dict | None = None) -> None:
     """Raise ``ServeConfigError`` for settings vLLM cannot honour, before anything is deployed."""
     ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
     if on_cpu(cfg) and cfg.pipeline_parallel_size > 1:
-        raise ServeConfigError("serve.pipeline_parallel_size > 1 needs GPUs (serve.gpus_per_replica = 1); "
-                               "the CPU build of vLLM runs one pipeline stage")
+        raise ServeConfigError(
+            "serve.pipeline_parallel_size > 1 needs GPUs (serve.gpus_per_replica = 1); "
+            "the CPU build of vLLM runs one pipeline stage"
+        )
     if on_cpu(cfg) and cfg.block_size % 32:
-        raise ServeConfigError(f"serve.block_size = {cfg.block_size}: vLLM's CPU attention needs a multiple of 32 "
-                               f"(set 32, 64 or 128, or 0 for vLLM's choice)")
+        raise ServeConfigError(
+            f"serve.block_size = {cfg.block_size}: vLLM's CPU attention needs a multiple of 32 "
+            f"(set 32, 64 or 128, or 0 for vLLM's choice)"
+        )
     if cfg.autoscale_max and cfg.autoscale_min > cfg.autoscale_max:
-        raise ServeConfigError(f"serve.autoscale_min ({cfg.autoscale_min}) > serve.autoscale_max "
-                               f"({cfg.autoscale_max}); use --autoscale MIN,MAX with MIN <= MAX")
+        raise ServeConfigError(
+            f"serve.autoscale_min ({cfg.autoscale_min}) > serve.autoscale_max "
+            f"({cfg.autoscale_max}); use --autoscale MIN,MAX with MIN <= MAX"
+        )
     if cfg.max_num_batched_tokens and cfg.max_num_batched_tokens < cfg.max_num_seqs:
-        raise ServeConfigError(f"serve.max_num_batched_tokens ({cfg.max_num_batched_tokens}) < serve.max_num_seqs "
-                               f"({cfg.max_num_seqs}): every running sequence needs a token per step")
+        raise ServeConfigError(
+            f"serve.max_num_batched_tokens ({cfg.max_num_batched_tokens}) < serve.max_num_seqs "
+            f"({cfg.max_num_seqs}): every running sequence needs a token per step"
+        )
     if cfg.gpus_per_replica and cfg.gpus_per_replica < 1 and ranks > 1:
-        raise ServeConfigError("fractional serve.gpus_per_replica with tensor/pipeline parallelism: give each rank "
-                               "a whole GPU")
+        raise ServeConfigError(
+            "fractional serve.gpus_per_replica with tensor/pipeline parallelism: give each rank a whole GPU"
+        )
     if speculative and speculative.get("num_speculative_tokens", 0) < 1:
-        raise ServeConfigError("speculative decoding needs num_speculative_tokens >= 1 "
-                               "(serve.num_speculative_tokens, or `raysc spec tune`)")
+        raise ServeConfigError(
+            "speculative decoding needs num_speculative_tokens >= 1 "
+            "(serve.num_speculative_tokens, or `raysc spec tune`)"
+        )
 
 
 def engine_kwargs(cfg: ServeConfig, speculative: dict | None = None) -> dict[str, Any]:
@@ -79,11 +90,16 @@ def speculative_config(cfg: ServeConfig, draft_path: str | None, tuned: dict | N
     """vLLM's ``speculative_config`` from ``serve.*`` and a ``raysc spec tune`` result (``tuned``, which
     wins for k and the method unless serve.num_speculative_tokens is set)."""
     k = cfg.num_speculative_tokens or int((tuned or {}).get("num_speculative_tokens", 0))
-    method = (tuned or {}).get("method", cfg.speculative_method) if not cfg.num_speculative_tokens \
+    method = (
+        (tuned or {}).get("method", cfg.speculative_method)
+        if not cfg.num_speculative_tokens
         else cfg.speculative_method
+    )
     if draft_path is None and method == "draft_model" and k:
-        raise ServeConfigError("speculative decoding with a draft model needs --draft DRAFT_RUN; or set "
-                               "serve.speculative_method=\"ngram\" (prompt lookup, no draft model)")
+        raise ServeConfigError(
+            "speculative decoding with a draft model needs --draft DRAFT_RUN; or set "
+            'serve.speculative_method="ngram" (prompt lookup, no draft model)'
+        )
     if not k:
         return None
     if method == "ngram":
@@ -91,9 +107,14 @@ def speculative_config(cfg: ServeConfig, draft_path: str | None, tuned: dict | N
     return {"method": "draft_model", "model": draft_path, "num_speculative_tokens": k}
 
 
-def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
-                    speculative: dict | None = None, env: dict[str, str] | None = None,
-                    actor_cpus: float | None = None) -> dict[str, Any]:
+def llm_config_dict(
+    model: ServedModel,
+    cfg: ServeConfig,
+    model_id: str,
+    speculative: dict | None = None,
+    env: dict[str, str] | None = None,
+    actor_cpus: float | None = None,
+) -> dict[str, Any]:
     """The ``LLMConfig`` of one served model, as the dictionary ``ray.serve.llm.LLMConfig`` validates
     (also what ``jobs/serve_config.yaml`` holds for ``serve deploy``); ``env``: environment variables
     for the replicas' model download (``raysc.serve.store_env.replica_env``: how a node reaches an
@@ -108,8 +129,13 @@ def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
     if cfg.gpus_per_replica:
         bundle["GPU"] = cfg.gpus_per_replica
     if cfg.autoscale_max:
-        deployment = {"autoscaling_config": {"min_replicas": cfg.autoscale_min, "max_replicas": cfg.autoscale_max,
-                                             "target_ongoing_requests": max(1, cfg.max_num_seqs // 2)}}
+        deployment = {
+            "autoscaling_config": {
+                "min_replicas": cfg.autoscale_min,
+                "max_replicas": cfg.autoscale_max,
+                "target_ongoing_requests": max(1, cfg.max_num_seqs // 2),
+            }
+        }
     else:
         deployment = {"num_replicas": cfg.replicas}
     if actor_cpus is not None:  # each replica's own actor (merged into its first bundle): raysc.serve.fit
@@ -127,6 +153,8 @@ def llm_config_dict(model: ServedModel, cfg: ServeConfig, model_id: str,
         if ranks == 1:  # the model in vLLM's engine-core process, not a worker process of its own
             out["runtime_env"]["env_vars"].update(ONE_PROCESS)
     if env:  # set in each node's download task (not the runtime_env: Ray logs that, credentials included)
-        out["callback_config"] = {"callback_class": "raysc.serve.replica_setup:StoreSettings",
-                                  "callback_kwargs": {"env": dict(env)}}
+        out["callback_config"] = {
+            "callback_class": "raysc.serve.replica_setup:StoreSettings",
+            "callback_kwargs": {"env": dict(env)},
+        }
     return out

@@ -45,13 +45,16 @@ class ServeFit:
         return self.share < DEFAULT_SHARE
 
     def describe(self) -> str:
-        return (f"{self.replicas} replica(s) × ({self.engine_cpus:g} CPU engine + {self.share:g} CPU replica actor) "
-                f"+ {self.share:g} CPU ingress = {self.cpus:g} CPU"
-                + (f", {self.replicas * self.engine_gpus:g} GPU" if self.engine_gpus else ""))
+        return (
+            f"{self.replicas} replica(s) × ({self.engine_cpus:g} CPU engine + {self.share:g} CPU replica actor) "
+            f"+ {self.share:g} CPU ingress = {self.cpus:g} CPU"
+            + (f", {self.replicas * self.engine_gpus:g} GPU" if self.engine_gpus else "")
+        )
 
 
-def fit(cfg: ServeConfig, cluster_cpus: float, cluster_gpus: float = 0.0, largest_node_cpus: float | None = None
-        ) -> ServeFit:
+def fit(
+    cfg: ServeConfig, cluster_cpus: float, cluster_gpus: float = 0.0, largest_node_cpus: float | None = None
+) -> ServeFit:
     """The shares that fit ``cfg`` onto a cluster of ``cluster_cpus`` (its largest node
     ``largest_node_cpus``: a replica's first bundle, engine rank and replica actor, is on one node)."""
     ranks = cfg.tensor_parallel_size * cfg.pipeline_parallel_size
@@ -68,5 +71,6 @@ def fit(cfg: ServeConfig, cluster_cpus: float, cluster_gpus: float = 0.0, larges
         raise ServeDoesNotFit(
             f"raysc serve needs at least {least.describe()}; the cluster has {has}. Lower serve.cpus_per_replica, "
             f"serve.replicas (or serve.autoscale_min) or serve.tensor_parallel_size, or add nodes "
-            f"(`ray up cluster.yaml`, or RAY_ADDRESS of a bigger cluster).")
+            f"(`ray up cluster.yaml`, or RAY_ADDRESS of a bigger cluster)."
+        )
     return chosen

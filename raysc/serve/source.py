@@ -54,8 +54,10 @@ def resolve(source: str, step: int | None = None) -> ServedModel:
         fs, root = fsspec.core.url_to_fs(source)
         root = root.rstrip("/")
         if not fs.exists(f"{root}/config.json"):
-            raise FileNotFoundError(f"{source} holds no config.json: serve an export folder from the object store "
-                                    f"(written by `raysc serve RUN_DIR` or `raysc export`), or a run directory")
+            raise FileNotFoundError(
+                f"{source} holds no config.json: serve an export folder from the object store "
+                f"(written by `raysc serve RUN_DIR` or `raysc export`), or a run directory"
+            )
         return ServedModel(source.rstrip("/"), *_recorded_step(fs, f"{root}/{EXPORT_RECORD}"))
     path = Path(source)
     if is_run_dir(source):
@@ -66,8 +68,10 @@ def resolve(source: str, step: int | None = None) -> ServedModel:
         from fsspec.implementations.local import LocalFileSystem
 
         return ServedModel(str(path.resolve()), *_recorded_step(LocalFileSystem(), str(path / EXPORT_RECORD)))
-    raise FileNotFoundError(f"{source} is neither a raysc run directory (config.toml) nor a Hugging Face folder "
-                            f"(config.json); pass run.dir of a training run, an export folder or an s3:// export")
+    raise FileNotFoundError(
+        f"{source} is neither a raysc run directory (config.toml) nor a Hugging Face folder "
+        f"(config.json); pass run.dir of a training run, an export folder or an s3:// export"
+    )
 
 
 def newest_verified_step(run_dir: Path) -> int | None:
@@ -87,14 +91,21 @@ def export_run(run_dir: Path, step: int | None = None) -> ServedModel:
     if step is None:
         step = newest_verified(store, mine)
         if step is None:
-            raise FileNotFoundError(f"run {run_dir} has no committed, verified checkpoint yet; train it first "
-                                    f"(or wait for its first checkpoint: `raysc serve --follow` does)")
+            raise FileNotFoundError(
+                f"run {run_dir} has no committed, verified checkpoint yet; train it first "
+                f"(or wait for its first checkpoint: `raysc serve --follow` does)"
+            )
     manifest = store.read_manifest(step)
     if manifest is None:
         raise FileNotFoundError(f"run {run_dir} has no committed checkpoint at step {step} (steps: {mine})")
     digest = hashlib.sha256(json.dumps(manifest, sort_keys=True).encode()).hexdigest()
     out = run_dir / "serve" / step_name(step)
-    record = {"format": EXPORT_FORMAT, "step": step, "checkpoint": f"{store.uri}/{step_name(step)}", "manifest_sha256": digest}
+    record = {
+        "format": EXPORT_FORMAT,
+        "step": step,
+        "checkpoint": f"{store.uri}/{step_name(step)}",
+        "manifest_sha256": digest,
+    }
     remote = None if store.storage.is_local else f"{store.uri.rstrip('/')}/serve/{step_name(step)}"
     reused = _same_export(out, record)
     if not reused:

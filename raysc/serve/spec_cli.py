@@ -35,8 +35,18 @@ def run(args: argparse.Namespace) -> int:
     threads = torch.get_num_threads()
     torch.set_num_threads(args.threads)
     try:
-        report = tune(args.target_run, args.draft_run, args.prompts, args.max_k, args.prompt_len, args.new_tokens,
-                      args.temperature, args.ngram_min, args.ngram_max, args.seed)
+        report = tune(
+            args.target_run,
+            args.draft_run,
+            args.prompts,
+            args.max_k,
+            args.prompt_len,
+            args.new_tokens,
+            args.temperature,
+            args.ngram_min,
+            args.ngram_max,
+            args.seed,
+        )
     finally:
         torch.set_num_threads(threads)
     print(format_table(report))

@@ -40,8 +40,9 @@ def training_rows(target_cfg) -> np.ndarray:
     return train if isinstance(train, np.ndarray) else np.concatenate(list(train.values()))
 
 
-def distill(target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50, loss_kind: str = "kl"
-            ) -> tuple[Llama, list[dict]]:
+def distill(
+    target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50, loss_kind: str = "kl"
+) -> tuple[Llama, list[dict]]:
     """A fresh draft (``draft_cfg``'s model, seed, optimizer, schedule, batch and steps) trained on
     KL(p_target ‖ q_draft) over ``rows`` (``loss_kind="ce"``: on the rows' next tokens instead, the
     same-data control with everything else equal); returns it and its loss log."""
@@ -78,8 +79,15 @@ def distill(target: Llama, draft_cfg, rows: np.ndarray, log_every: int = 50, los
     return draft.eval(), log
 
 
-def compare(target: Llama, drafts: dict[str, Llama], target_cfg, prompts: int = 32, prompt_len: int = 32,
-            new_tokens: int = 64, max_k: int = 8) -> dict:
+def compare(
+    target: Llama,
+    drafts: dict[str, Llama],
+    target_cfg,
+    prompts: int = 32,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    max_k: int = 8,
+) -> dict:
     """α (T = 0 and T = 1) and T = 0 tokens per target pass at each k, per draft, on held-out prompts."""
     x = held_out_prompts(target_cfg, prompts, prompt_len)
     out: dict = {}
@@ -93,7 +101,9 @@ def compare(target: Llama, drafts: dict[str, Llama], target_cfg, prompts: int = 
                 match = (beta > 0.5).numpy()
                 entry["tokens_per_pass_T0"] = {
                     k: sum(sum(greedy_passes(m, k, new_tokens)) for m in match)
-                    / sum(len(greedy_passes(m, k, new_tokens)) for m in match) for k in range(1, max_k + 1)}
+                    / sum(len(greedy_passes(m, k, new_tokens)) for m in match)
+                    for k in range(1, max_k + 1)
+                }
     return out
 
 
@@ -109,8 +119,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the distilled draft here as a Hugging Face folder")
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--loss", choices=["kl", "ce"], default="kl",
-                    help="kl: distil the target's distribution; ce: the data's next tokens (same-loop control)")
+    ap.add_argument(
+        "--loss",
+        choices=["kl", "ce"],
+        default="kl",
+        help="kl: distil the target's distribution; ce: the data's next tokens (same-loop control)",
+    )
     ap.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -129,9 +143,12 @@ def main(argv: list[str] | None = None) -> int:
     if a.out:
         export_hf(distilled, target.tokenizer_path, a.out)
     loss = "KL(p_target || q_draft), T=1" if a.loss == "kl" else "cross-entropy on the data's next tokens"
-    result = {"recipe": f"{loss}, {cfg.train.steps} steps x {cfg.train.global_batch} rows "
-                        f"of the target's training data, model/optim/schedule of {a.draft_config}",
-              "distill_log": log, "compare": compare(target.model, drafts, target.cfg, a.prompts)}
+    result = {
+        "recipe": f"{loss}, {cfg.train.steps} steps x {cfg.train.global_batch} rows "
+        f"of the target's training data, model/optim/schedule of {a.draft_config}",
+        "distill_log": log,
+        "compare": compare(target.model, drafts, target.cfg, a.prompts),
+    }
     print(json.dumps(result))
     return 0
 

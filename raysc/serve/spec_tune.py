@@ -70,8 +70,9 @@ def greedy_passes(match: np.ndarray, k: int, limit: int | None = None) -> list[i
     return out
 
 
-def ngram_passes(prompt: list[int], continuation: list[int], k: int, min_n: int, max_n: int,
-                 limit: int | None = None) -> list[int]:
+def ngram_passes(
+    prompt: list[int], continuation: list[int], k: int, min_n: int, max_n: int, limit: int | None = None
+) -> list[int]:
     """Tokens emitted per target pass when prompt lookup drafts for ``continuation`` (T = 0); passes
     start before ``limit`` as in ``greedy_passes``."""
     out, t, n = [], 0, len(continuation)
@@ -87,8 +88,9 @@ def ngram_passes(prompt: list[int], continuation: list[int], k: int, min_n: int,
 
 
 @torch.no_grad()
-def continue_prompts(target: Llama, prompts: torch.Tensor, new_tokens: int, temperature: float,
-                     seed: int) -> torch.Tensor:
+def continue_prompts(
+    target: Llama, prompts: torch.Tensor, new_tokens: int, temperature: float, seed: int
+) -> torch.Tensor:
     """(n, prompt_len + new_tokens): the prompts and the target's continuations (one batch)."""
     gen = torch.Generator().manual_seed(seed)
     seqs = prompts
@@ -100,8 +102,7 @@ def continue_prompts(target: Llama, prompts: torch.Tensor, new_tokens: int, temp
 
 
 @torch.no_grad()
-def acceptance(target: Llama, draft: Llama, seqs: torch.Tensor, prompt_len: int, temperature: float
-               ) -> torch.Tensor:
+def acceptance(target: Llama, draft: Llama, seqs: torch.Tensor, prompt_len: int, temperature: float) -> torch.Tensor:
     """(n, new_tokens): Σ_x min(p, q) at every continuation position (the draft model's α per token)."""
     sl = slice(prompt_len - 1, seqs.shape[1] - 1)
     p = target_probs(target(seqs)[:, sl], temperature)
@@ -110,15 +111,16 @@ def acceptance(target: Llama, draft: Llama, seqs: torch.Tensor, prompt_len: int,
 
 
 @torch.no_grad()
-def ngram_acceptance(target: Llama, seqs: torch.Tensor, prompt_len: int, temperature: float, min_n: int,
-                     max_n: int) -> torch.Tensor:
+def ngram_acceptance(
+    target: Llama, seqs: torch.Tensor, prompt_len: int, temperature: float, min_n: int, max_n: int
+) -> torch.Tensor:
     """(n, new_tokens): p(x) for the token x prompt lookup proposes at each position, 0 when none."""
-    p = target_probs(target(seqs)[:, prompt_len - 1:seqs.shape[1] - 1], temperature)
+    p = target_probs(target(seqs)[:, prompt_len - 1 : seqs.shape[1] - 1], temperature)
     beta = torch.zeros(p.shape[:2])
     rows = seqs.tolist()
     for i, row in enumerate(rows):
         for t in range(p.shape[1]):
-            proposal = ngram_propose(row[:prompt_len + t], 1, min_n, max_n)
+            proposal = ngram_propose(row[: prompt_len + t], 1, min_n, max_n)
             if proposal:
                 beta[i, t] = p[i, t, proposal[0]]
     return beta
@@ -168,14 +170,21 @@ class MethodReport:
     rows: list[dict]  # k, expected tokens/pass, measured tokens/pass (T = 0), predicted and measured speed-up
 
 
-def method_report(method: str, alpha: float, cost_ratio: float, max_k: int,
-                  measured: dict[int, float] | None) -> MethodReport:
+def method_report(
+    method: str, alpha: float, cost_ratio: float, max_k: int, measured: dict[int, float] | None
+) -> MethodReport:
     rows = []
     for k in range(1, max_k + 1):
         m = measured.get(k) if measured else None
-        rows.append({"k": k, "expected_tokens_per_pass": expected_tokens(alpha, k),
-                     "measured_tokens_per_pass": m, "predicted_speedup": speedup(alpha, cost_ratio, k),
-                     "measured_speedup": m / (k * cost_ratio + 1.0) if m is not None else None})
+        rows.append(
+            {
+                "k": k,
+                "expected_tokens_per_pass": expected_tokens(alpha, k),
+                "measured_tokens_per_pass": m,
+                "predicted_speedup": speedup(alpha, cost_ratio, k),
+                "measured_speedup": m / (k * cost_ratio + 1.0) if m is not None else None,
+            }
+        )
     k, s = best_k(alpha, cost_ratio, max_k)
     return MethodReport(method, alpha, cost_ratio, k, s, rows)
 
@@ -187,8 +196,10 @@ def held_out_prompts(target_cfg, n: int, prompt_len: int) -> torch.Tensor:
     packed, _, _ = prepare_data(target_cfg)
     val = packed.val
     if len(val) < n:
-        raise ValueError(f"the target's data holds {len(val)} validation rows, fewer than --prompts {n}; "
-                         f"ask for fewer prompts or raise data.val_fraction")
+        raise ValueError(
+            f"the target's data holds {len(val)} validation rows, fewer than --prompts {n}; "
+            f"ask for fewer prompts or raise data.val_fraction"
+        )
     if val.shape[1] < prompt_len:
         raise ValueError(f"validation rows have {val.shape[1]} tokens, fewer than --prompt-len {prompt_len}")
     return torch.from_numpy(np.ascontiguousarray(val[:n, :prompt_len])).long()
@@ -198,52 +209,86 @@ def _sha(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def tune(target_dir: str | Path, draft_dir: str | Path | None, prompts: int = 32, max_k: int = 8,
-         prompt_len: int = 32, new_tokens: int = 64, temperature: float = 0.0, ngram_min: int = 2,
-         ngram_max: int = 4, seed: int = 0) -> dict:
+def tune(
+    target_dir: str | Path,
+    draft_dir: str | Path | None,
+    prompts: int = 32,
+    max_k: int = 8,
+    prompt_len: int = 32,
+    new_tokens: int = 64,
+    temperature: float = 0.0,
+    ngram_min: int = 2,
+    ngram_max: int = 4,
+    seed: int = 0,
+) -> dict:
     """Measure both drafters against the target; return the report (``write_spec`` stores the winner)."""
     from raysc.export.restore import load_run
 
     target = load_run(target_dir)
     target.model.eval()
     if prompt_len + new_tokens + max_k + 1 > target.model.max_seq_len:
-        raise ValueError(f"--prompt-len {prompt_len} + --new-tokens {new_tokens} + --max-k {max_k} + 1 exceeds the "
-                         f"target's context of {target.model.max_seq_len} tokens; lower one of them")
+        raise ValueError(
+            f"--prompt-len {prompt_len} + --new-tokens {new_tokens} + --max-k {max_k} + 1 exceeds the "
+            f"target's context of {target.model.max_seq_len} tokens; lower one of them"
+        )
     torch.manual_seed(seed)
     x = held_out_prompts(target.cfg, prompts, prompt_len)
     # max_k + 1 tokens past new_tokens: a pass starting before new_tokens is never cut short
     seqs = continue_prompts(target.model, x, new_tokens + max_k + 1, temperature, seed)
     t_target = step_seconds(target.model)
     methods: list[MethodReport] = []
-    out: dict = {"target_run": str(Path(target_dir).resolve()), "target_step": target.step,
-                 "prompts": prompts, "prompt_len": prompt_len, "new_tokens": new_tokens,
-                 "temperature": temperature, "target_step_s": t_target}
+    out: dict = {
+        "target_run": str(Path(target_dir).resolve()),
+        "target_step": target.step,
+        "prompts": prompts,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "temperature": temperature,
+        "target_step_s": t_target,
+    }
     if draft_dir is not None:
         draft = load_run(draft_dir)
         draft.model.eval()
         if _sha(draft.tokenizer_path) != _sha(target.tokenizer_path):
-            raise ValueError(f"draft run {draft_dir} has a different tokenizer from target run {target_dir}; "
-                             f"train the draft with the target's (--set data.tokenizer=\"{target.tokenizer_path}\", "
-                             f"or the same corpus, model.vocab_size and train.seed)")
+            raise ValueError(
+                f"draft run {draft_dir} has a different tokenizer from target run {target_dir}; "
+                f'train the draft with the target\'s (--set data.tokenizer="{target.tokenizer_path}", '
+                f"or the same corpus, model.vocab_size and train.seed)"
+            )
         beta = acceptance(target.model, draft.model, seqs, prompt_len, temperature)
         t_target, t_draft = paired_step_seconds(target.model, draft.model)
         measured = None
         if temperature == 0:
             match = (beta > 0.5).numpy()
             measured = {k: _per_pass(greedy_passes(m, k, new_tokens) for m in match) for k in range(1, max_k + 1)}
-        methods.append(method_report("draft_model", float(beta[:, :new_tokens].mean()), t_draft / t_target, max_k, measured))
-        out.update(draft_run=str(Path(draft_dir).resolve()), draft_step=draft.step, draft_step_s=t_draft,
-                   target_step_s=t_target)
+        methods.append(
+            method_report("draft_model", float(beta[:, :new_tokens].mean()), t_draft / t_target, max_k, measured)
+        )
+        out.update(
+            draft_run=str(Path(draft_dir).resolve()),
+            draft_step=draft.step,
+            draft_step_s=t_draft,
+            target_step_s=t_target,
+        )
     beta_ng = ngram_acceptance(target.model, seqs, prompt_len, temperature, ngram_min, ngram_max)
     rows = seqs.tolist()
-    t_lookup = lookup_seconds(rows[0][:prompt_len + new_tokens // 2], max_k, ngram_min, ngram_max)
+    t_lookup = lookup_seconds(rows[0][: prompt_len + new_tokens // 2], max_k, ngram_min, ngram_max)
     measured_ng = None
     if temperature == 0:
-        measured_ng = {k: _per_pass(ngram_passes(r[:prompt_len], r[prompt_len:], k, ngram_min, ngram_max, new_tokens)
-                                    for r in rows) for k in range(1, max_k + 1)}
-    methods.append(method_report("ngram", float(beta_ng[:, :new_tokens].mean()), t_lookup / t_target, max_k, measured_ng))
-    out.update(ngram={"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max}, lookup_s=t_lookup,
-               methods=[asdict(m) for m in methods])
+        measured_ng = {
+            k: _per_pass(
+                ngram_passes(r[:prompt_len], r[prompt_len:], k, ngram_min, ngram_max, new_tokens) for r in rows
+            )
+            for k in range(1, max_k + 1)
+        }
+    methods.append(
+        method_report("ngram", float(beta_ng[:, :new_tokens].mean()), t_lookup / t_target, max_k, measured_ng)
+    )
+    out.update(
+        ngram={"prompt_lookup_min": ngram_min, "prompt_lookup_max": ngram_max},
+        lookup_s=t_lookup,
+        methods=[asdict(m) for m in methods],
+    )
     return out
 
 
@@ -259,17 +304,29 @@ def _per_pass(runs) -> float:
 def choose(report: dict) -> dict:
     """The serving fragment: the method with the highest predicted speed-up at its best k."""
     best = max(report["methods"], key=lambda m: m["predicted_speedup"])
-    frag = {"method": best["method"], "num_speculative_tokens": best["k"], "alpha": best["alpha"],
-            "cost_ratio": best["cost_ratio"], "predicted_speedup": best["predicted_speedup"],
-            "pays": best["predicted_speedup"] > 1.0, "temperature": report["temperature"],
-            "target_step": report["target_step"]}
+    frag = {
+        "method": best["method"],
+        "num_speculative_tokens": best["k"],
+        "alpha": best["alpha"],
+        "cost_ratio": best["cost_ratio"],
+        "predicted_speedup": best["predicted_speedup"],
+        "pays": best["predicted_speedup"] > 1.0,
+        "temperature": report["temperature"],
+        "target_step": report["target_step"],
+    }
     if best["method"] == "draft_model":
         frag.update(draft_run=report["draft_run"], draft_step=report["draft_step"])
     else:
         frag.update(report["ngram"])
-    frag["candidates"] = {m["method"]: {"num_speculative_tokens": m["k"], "alpha": m["alpha"],
-                                        "cost_ratio": m["cost_ratio"], "predicted_speedup": m["predicted_speedup"]}
-                          for m in report["methods"]}
+    frag["candidates"] = {
+        m["method"]: {
+            "num_speculative_tokens": m["k"],
+            "alpha": m["alpha"],
+            "cost_ratio": m["cost_ratio"],
+            "predicted_speedup": m["predicted_speedup"],
+        }
+        for m in report["methods"]
+    }
     return frag
 
 
@@ -285,13 +342,19 @@ def format_table(report: dict) -> str:
     """One block per method: k, expected and measured tokens per target pass, predicted speed-up."""
     lines = []
     for m in report["methods"]:
-        lines.append(f"{m['method']}: alpha={m['alpha']:.3f}  cost ratio c={m['cost_ratio']:.3f}  "
-                     f"chosen k={m['k']} (predicted speed-up {m['predicted_speedup']:.2f}x)")
+        lines.append(
+            f"{m['method']}: alpha={m['alpha']:.3f}  cost ratio c={m['cost_ratio']:.3f}  "
+            f"chosen k={m['k']} (predicted speed-up {m['predicted_speedup']:.2f}x)"
+        )
         lines.append(f"  {'k':>2}  {'E[tokens/pass]':>14}  {'measured':>8}  {'speed-up':>8}  {'measured':>8}")
         for r in m["rows"]:
-            meas = f"{r['measured_tokens_per_pass']:8.2f}" if r["measured_tokens_per_pass"] is not None else " " * 7 + "-"
+            meas = (
+                f"{r['measured_tokens_per_pass']:8.2f}" if r["measured_tokens_per_pass"] is not None else " " * 7 + "-"
+            )
             msp = f"{r['measured_speedup']:7.2f}x" if r["measured_speedup"] is not None else " " * 7 + "-"
             mark = " <" if r["k"] == m["k"] else ""
-            lines.append(f"  {r['k']:>2}  {r['expected_tokens_per_pass']:14.2f}  {meas}  "
-                         f"{r['predicted_speedup']:7.2f}x  {msp}{mark}")
+            lines.append(
+                f"  {r['k']:>2}  {r['expected_tokens_per_pass']:14.2f}  {meas}  "
+                f"{r['predicted_speedup']:7.2f}x  {msp}{mark}"
+            )
     return "\n".join(lines)

@@ -48,8 +48,9 @@ class Verdict:
     accepted: int  # drafted tokens accepted (0..k); len(tokens) == accepted + 1
 
 
-def verify(p: torch.Tensor, q: torch.Tensor | None, drafted: Sequence[int],
-           generator: torch.Generator | None = None) -> Verdict:
+def verify(
+    p: torch.Tensor, q: torch.Tensor | None, drafted: Sequence[int], generator: torch.Generator | None = None
+) -> Verdict:
     """The acceptance rule. ``p`` (k+1, vocab): the target's distributions at the k drafted positions
     and one past them; ``q`` (k, vocab): the drafter's, or None for a deterministic drafter (a one-hot
     at each drafted token, as prompt lookup is); ``drafted``: the k proposed tokens."""
@@ -92,13 +93,14 @@ def ngram_propose(context: Sequence[int] | np.ndarray, k: int, min_n: int, max_n
         hits = np.flatnonzero((windows == ctx[-n:]).all(axis=1))
         if len(hits):
             start = int(hits[0]) + n
-            return ctx[start:start + k].tolist()
+            return ctx[start : start + k].tolist()
     return []
 
 
 class Drafter(Protocol):
-    def propose(self, context: list[int], k: int, generator: torch.Generator | None
-                ) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         """Up to k tokens and their distributions (k, vocab), or None for a deterministic drafter."""
         ...
 
@@ -110,14 +112,15 @@ class ModelDrafter:
         self.model, self.temperature = model.eval(), temperature
 
     @torch.no_grad()
-    def propose(self, context: list[int], k: int, generator: torch.Generator | None
-                ) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         ids, rows = list(context), []
         for _ in range(k):
             q = target_probs(self.model(torch.tensor([ids]))[0, -1], self.temperature)
             ids.append(int(torch.multinomial(q, 1, generator=generator)))
             rows.append(q)
-        return ids[len(context):], torch.stack(rows) if rows else None
+        return ids[len(context) :], torch.stack(rows) if rows else None
 
 
 @dataclass
@@ -127,8 +130,9 @@ class NgramDrafter:
     min_n: int = 2
     max_n: int = 4
 
-    def propose(self, context: list[int], k: int, generator: torch.Generator | None
-                ) -> tuple[list[int], torch.Tensor | None]:
+    def propose(
+        self, context: list[int], k: int, generator: torch.Generator | None
+    ) -> tuple[list[int], torch.Tensor | None]:
         return ngram_propose(context, k, self.min_n, self.max_n), None
 
 
@@ -147,23 +151,33 @@ class SpecResult:
 
 
 @torch.no_grad()
-def speculative_generate(target: Llama, drafter: Drafter, prompt_ids: list[int], max_new_tokens: int, k: int,
-                         temperature: float = 0.0, seed: int = 0, stop_id: int | None = None) -> SpecResult:
+def speculative_generate(
+    target: Llama,
+    drafter: Drafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    k: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    stop_id: int | None = None,
+) -> SpecResult:
     """Decode ``max_new_tokens`` with speculation of ``k`` tokens per target pass (the reference loop)."""
     if not prompt_ids:
         raise ValueError("the prompt encodes to no tokens; give a non-empty prompt")
     if k < 1:
         raise ValueError(f"k={k}: speculation needs at least one drafted token per pass")
     if len(prompt_ids) + max_new_tokens + k > target.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + k ({k}) exceeds the "
-                         f"target's context of {target.max_seq_len} tokens; shorten the prompt or the output")
+        raise ValueError(
+            f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) + k ({k}) exceeds the "
+            f"target's context of {target.max_seq_len} tokens; shorten the prompt or the output"
+        )
     gen = torch.Generator().manual_seed(seed)
     was_training = target.training
     target.eval()
     ctx, res = list(prompt_ids), SpecResult([])
     while len(res.tokens) < max_new_tokens:
         drafted, q = drafter.propose(ctx, k, gen)
-        logits = target(torch.tensor([ctx + drafted]))[0, len(ctx) - 1:]
+        logits = target(torch.tensor([ctx + drafted]))[0, len(ctx) - 1 :]
         verdict = verify(target_probs(logits, temperature), q, drafted, gen)
         res.target_passes += 1
         res.drafted += len(drafted)

@@ -29,17 +29,26 @@ from typing import Mapping
 from raysc.config.secrets import REDACTED
 
 # storage option (s3fs's name) -> the environment variable boto3 reads
-_OPTION_ENV = {"endpoint_url": "AWS_ENDPOINT_URL_S3", "region_name": "AWS_DEFAULT_REGION",
-               "key": "AWS_ACCESS_KEY_ID", "secret": "AWS_SECRET_ACCESS_KEY", "token": "AWS_SESSION_TOKEN"}
+_OPTION_ENV = {
+    "endpoint_url": "AWS_ENDPOINT_URL_S3",
+    "region_name": "AWS_DEFAULT_REGION",
+    "key": "AWS_ACCESS_KEY_ID",
+    "secret": "AWS_SECRET_ACCESS_KEY",
+    "token": "AWS_SESSION_TOKEN",
+}
 # the driver's environment variable(s) for each, first found wins
-_DRIVER_ENV = {"AWS_ENDPOINT_URL_S3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
-               "AWS_DEFAULT_REGION": ("AWS_DEFAULT_REGION", "AWS_REGION"),
-               "AWS_ACCESS_KEY_ID": ("AWS_ACCESS_KEY_ID",), "AWS_SECRET_ACCESS_KEY": ("AWS_SECRET_ACCESS_KEY",),
-               "AWS_SESSION_TOKEN": ("AWS_SESSION_TOKEN",)}
+_DRIVER_ENV = {
+    "AWS_ENDPOINT_URL_S3": ("AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL"),
+    "AWS_DEFAULT_REGION": ("AWS_DEFAULT_REGION", "AWS_REGION"),
+    "AWS_ACCESS_KEY_ID": ("AWS_ACCESS_KEY_ID",),
+    "AWS_SECRET_ACCESS_KEY": ("AWS_SECRET_ACCESS_KEY",),
+    "AWS_SESSION_TOKEN": ("AWS_SESSION_TOKEN",),
+}
 
 
-def replica_env(uri: str, storage_options: Mapping | None = None,
-                environ: Mapping[str, str] | None = None) -> dict[str, str]:
+def replica_env(
+    uri: str, storage_options: Mapping | None = None, environ: Mapping[str, str] | None = None
+) -> dict[str, str]:
     """Environment variables a replica needs to read ``uri`` (empty unless it is an ``s3://`` URI):
     from ``storage_options`` (a run's ``checkpoint.storage_options``; redacted values are unset),
     else from ``environ`` (default: this process's environment)."""

@@ -61,11 +61,14 @@ class MlflowSink:
 
         logged = self.client.get_run(self.run_id).data.params
         new = {k: str(v)[:PARAM_VALUE_MAX] for k, v in params.items() if k not in logged}
-        changed = {f"param_changed.{k}": f"{logged[k]} -> {v}"[:TAG_VALUE_MAX] for k, v in params.items()
-                   if k in logged and logged[k] != str(v)[:PARAM_VALUE_MAX]}
+        changed = {
+            f"param_changed.{k}": f"{logged[k]} -> {v}"[:TAG_VALUE_MAX]
+            for k, v in params.items()
+            if k in logged and logged[k] != str(v)[:PARAM_VALUE_MAX]
+        }
         items = sorted(new.items())
         for i in range(0, len(items), BATCH_PARAMS):
-            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i:i + BATCH_PARAMS]])
+            self.client.log_batch(self.run_id, params=[Param(k, v) for k, v in items[i : i + BATCH_PARAMS]])
         all_tags = {**tags, **changed}
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)[:TAG_VALUE_MAX]) for k, v in all_tags.items()])
 
@@ -74,7 +77,7 @@ class MlflowSink:
 
         flat = [Metric(k, float(v), int(t * 1000), step) for step, t, values in rows for k, v in values.items()]
         for i in range(0, len(flat), BATCH_METRICS):
-            self.client.log_batch(self.run_id, metrics=flat[i:i + BATCH_METRICS])
+            self.client.log_batch(self.run_id, metrics=flat[i : i + BATCH_METRICS])
 
     def text(self, step: int, tag: str, text: str) -> None:
         self.client.set_tag(self.run_id, f"event.{step:08d}.{tag}", text[:TAG_VALUE_MAX])

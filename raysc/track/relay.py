@@ -61,14 +61,28 @@ class RelayState:
     extra: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"run_id": self.run_id, "healthy": self.healthy, "last_error": self.last_error, "sent": self.sent,
-                "dropped": self.dropped, "pending": self.pending, "failures": self.failures, **self.extra}
+        return {
+            "run_id": self.run_id,
+            "healthy": self.healthy,
+            "last_error": self.last_error,
+            "sent": self.sent,
+            "dropped": self.dropped,
+            "pending": self.pending,
+            "failures": self.failures,
+            **self.extra,
+        }
 
 
 class Relay:
-    def __init__(self, sink: Sink, buffer: int, retry_max_s: float,
-                 report: Callable[[str, dict[str, Any]], None], run_id: str | None = None,
-                 on_open: Callable[[str, str], None] | None = None) -> None:
+    def __init__(
+        self,
+        sink: Sink,
+        buffer: int,
+        retry_max_s: float,
+        report: Callable[[str, dict[str, Any]], None],
+        run_id: str | None = None,
+        on_open: Callable[[str, str], None] | None = None,
+    ) -> None:
         self.sink = sink
         self.buffer = buffer
         self.retry_max_s = retry_max_s
@@ -188,13 +202,22 @@ class Relay:
         st.last_error = f"{type(e).__name__}: {e}"[:500]
         if st.healthy:
             st.healthy, st.down_since = False, time.monotonic()
-            self.report("tracker_degraded", {"tracker": st.name, "error": st.last_error, "pending": st.pending,
-                                             "note": "training goes on; calls are buffered and retried"})
+            self.report(
+                "tracker_degraded",
+                {
+                    "tracker": st.name,
+                    "error": st.last_error,
+                    "pending": st.pending,
+                    "note": "training goes on; calls are buffered and retried",
+                },
+            )
 
     def _recovered(self) -> None:
         st = self.state
         if not st.healthy:
             down = time.monotonic() - (st.down_since or time.monotonic())
             st.healthy, st.down_since, st.last_error = True, None, ""
-            self.report("tracker_recovered", {"tracker": st.name, "down_s": round(down, 2), "failures": st.failures,
-                                              "dropped": st.dropped})
+            self.report(
+                "tracker_recovered",
+                {"tracker": st.name, "down_s": round(down, 2), "failures": st.failures, "dropped": st.dropped},
+            )

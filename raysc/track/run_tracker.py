@@ -32,12 +32,33 @@ from raysc.track.relay import Relay
 
 TRACK_FILE = "track.json"  # in a run directory: {tracker: its run id}
 # event kinds by name (raysc.fleet.events: this package sits below fleet, whose supervisor imports it)
-NOTABLE = {"fault_injected", "worker_died", "worker_error", "worker_hang", "worker_timeout", "recovered",
-           "node_lost", "node_quarantined", "spike_rollback", "sdc_mismatch", "sdc_repaired", "sdc_rollback",
-           "slow_step", "checkpoint_save_failed", "checkpoint_corrupt", "resumed", "run_failed", "run_stopped",
-           "update_skipped"}
-REWINDS = {"resumed": "step", "recovered": "resumed_step", "spike_rollback": "resumed_step",
-           "sdc_rollback": "resumed_step"}  # events after which steps are re-run: the field naming the step
+NOTABLE = {
+    "fault_injected",
+    "worker_died",
+    "worker_error",
+    "worker_hang",
+    "worker_timeout",
+    "recovered",
+    "node_lost",
+    "node_quarantined",
+    "spike_rollback",
+    "sdc_mismatch",
+    "sdc_repaired",
+    "sdc_rollback",
+    "slow_step",
+    "checkpoint_save_failed",
+    "checkpoint_corrupt",
+    "resumed",
+    "run_failed",
+    "run_stopped",
+    "update_skipped",
+}
+REWINDS = {
+    "resumed": "step",
+    "recovered": "resumed_step",
+    "spike_rollback": "resumed_step",
+    "sdc_rollback": "resumed_step",
+}  # events after which steps are re-run: the field naming the step
 TRAIN_KEYS = ("loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu")
 
 
@@ -86,8 +107,9 @@ def build_sinks(cfg: Config, run_dir: Path) -> list:
 
 
 class RunTracker:
-    def __init__(self, cfg: Config, run_dir: Path, event: Callable[..., dict], ids: dict[str, str],
-                 sinks: list | None = None) -> None:
+    def __init__(
+        self, cfg: Config, run_dir: Path, event: Callable[..., dict], ids: dict[str, str], sinks: list | None = None
+    ) -> None:
         """``ids``: the trackers' run ids to continue (empty for a fresh run); ``event`` records the
         trackers' own events (``tracker_degraded``, ``tracker_recovered``, ``tracking``)."""
         self.cfg, self.run_dir, self._event = cfg, Path(run_dir), event
@@ -96,8 +118,10 @@ class RunTracker:
         self._max_step = 0  # newest step logged in this session
         self._rewound_at: int | None = None
         self._synced = time.monotonic()  # last time the mirrored trackers (tensorboard_uri) were asked to copy
-        self.relays = [Relay(s, cfg.track.buffer, cfg.track.retry_max_s, self._report, ids.get(s.name), self._opened)
-                       for s in (build_sinks(cfg, self.run_dir) if sinks is None else sinks)]
+        self.relays = [
+            Relay(s, cfg.track.buffer, cfg.track.retry_max_s, self._report, ids.get(s.name), self._opened)
+            for s in (build_sinks(cfg, self.run_dir) if sinks is None else sinks)
+        ]
 
     @property
     def active(self) -> bool:
@@ -156,9 +180,20 @@ class RunTracker:
         if kind in REWINDS:
             self._rewind(rec[REWINDS[kind]], kind)
         if kind == "checkpoint_saved":
-            self._call("metrics", [(rec["step"], rec["time"], {"checkpoint/bytes": float(rec["bytes"]),
-                                                               "checkpoint/stall_s": float(rec["stall_s"]),
-                                                               "checkpoint/save_s": float(rec["total_s"])})])
+            self._call(
+                "metrics",
+                [
+                    (
+                        rec["step"],
+                        rec["time"],
+                        {
+                            "checkpoint/bytes": float(rec["bytes"]),
+                            "checkpoint/stall_s": float(rec["stall_s"]),
+                            "checkpoint/save_s": float(rec["total_s"]),
+                        },
+                    )
+                ],
+            )
         elif kind == "data_ready" and rec.get("corpus_sha256"):
             self._call("params", {}, {"raysc.corpus_sha256": str(rec["corpus_sha256"])})
         elif kind == "run_end" and rec.get("val_loss") is not None:
@@ -188,10 +223,16 @@ class RunTracker:
         for name, ok in done.items():
             if not ok:
                 st = next(r.state for r in self.relays if r.sink.name == name)
-                self._report("tracker_undelivered",
-                             {"tracker": name, "pending": st.pending, "error": st.last_error,
-                              "note": "the tracker did not take the run's last records before the run ended; "
-                                      "metrics.jsonl and events.jsonl have them"})
+                self._report(
+                    "tracker_undelivered",
+                    {
+                        "tracker": name,
+                        "pending": st.pending,
+                        "error": st.last_error,
+                        "note": "the tracker did not take the run's last records before the run ended; "
+                        "metrics.jsonl and events.jsonl have them",
+                    },
+                )
         return done
 
     def states(self) -> dict[str, dict]:

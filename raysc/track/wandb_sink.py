@@ -30,9 +30,17 @@ class WandbSink:
 
         self.root.mkdir(parents=True, exist_ok=True)
         run_id = run_id or uuid.uuid4().hex[:12]  # W&B run ids: lower-case letters and digits
-        self.run = wandb.init(project=self.project, entity=self.entity or None, id=run_id, resume="allow",
-                              name=self.run_name, mode=self.mode, dir=str(self.root), reinit="create_new",
-                              settings=wandb.Settings(console="off", x_disable_stats=True, silent=True))
+        self.run = wandb.init(
+            project=self.project,
+            entity=self.entity or None,
+            id=run_id,
+            resume="allow",
+            name=self.run_name,
+            mode=self.mode,
+            dir=str(self.root),
+            reinit="create_new",
+            settings=wandb.Settings(console="off", x_disable_stats=True, silent=True),
+        )
         self.run.define_metric(STEP_KEY)
         self.run.define_metric("*", step_metric=STEP_KEY)
         return run_id

@@ -34,8 +34,21 @@ from torch.distributed.tensor import DTensor
 
 
 class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
+    _fields_ = [
+        (n, ctypes.c_size_t)
+        for n in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def _libc_in_use():
@@ -212,8 +225,12 @@ class PeakMemory:
         """``peak_bytes``: the median of the steps' peaks (a step is the unit that repeats; one window
         caught by a between-step allocation freed late must not stand for the run); ``max_bytes``."""
         peaks = sorted(self.step_peaks) or [0]
-        return {"peak_bytes": int(peaks[len(peaks) // 2]), "max_bytes": int(peaks[-1]), "steps": self.steps,
-                "method": "cuda allocator" if self.device.type == "cuda" else "glibc mallinfo2 minus heap"}
+        return {
+            "peak_bytes": int(peaks[len(peaks) // 2]),
+            "max_bytes": int(peaks[-1]),
+            "steps": self.steps,
+            "method": "cuda allocator" if self.device.type == "cuda" else "glibc mallinfo2 minus heap",
+        }
 
     def close(self) -> None:
         if self._sampler is not None:

@@ -35,8 +35,11 @@ def lr_factor(step: int, total_steps: int, sched: ScheduleConfig) -> float:
     return sched.min_lr_ratio + (1.0 - sched.min_lr_ratio) * shape
 
 
-def build_optimizer(params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]], cfg: OptimConfig,
-                    model: ModelConfig | None = None) -> torch.optim.AdamW:
+def build_optimizer(
+    params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+    cfg: OptimConfig,
+    model: ModelConfig | None = None,
+) -> torch.optim.AdamW:
     """AdamW over ``params``: tensors, or ``(name, tensor)`` pairs from ``named_parameters()``.
 
     Without μP: one group of matrices with weight decay and one of vectors
@@ -46,19 +49,21 @@ def build_optimizer(params: Iterable[torch.Tensor] | Iterable[tuple[str, torch.T
     items = list(params)
     if model is not None and model.mup:
         if not all(isinstance(x, tuple) for x in items):
-            raise ValueError("model.mup needs parameter names to split the optimizer groups: pass "
-                             "(name, parameter) pairs, e.g. list(model.named_parameters())")
+            raise ValueError(
+                "model.mup needs parameter names to split the optimizer groups: pass "
+                "(name, parameter) pairs, e.g. list(model.named_parameters())"
+            )
         groups = mup.param_groups(items, cfg, model)
     else:
         decay, no_decay = [], []
         for p in (x[1] if isinstance(x, tuple) else x for x in items):
             if p.requires_grad:
                 (decay if p.ndim >= 2 else no_decay).append(p)
-        groups = [{"params": decay, "weight_decay": cfg.weight_decay},
-                  {"params": no_decay, "weight_decay": 0.0}]
+        groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
 
 
-def build_scheduler(opt: torch.optim.Optimizer, total_steps: int, sched: ScheduleConfig
-                    ) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    opt: torch.optim.Optimizer, total_steps: int, sched: ScheduleConfig
+) -> torch.optim.lr_scheduler.LambdaLR:
     return torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_factor(s, total_steps, sched))

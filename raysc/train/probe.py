@@ -68,8 +68,9 @@ def group_bandwidth(mesh, sizes: dict[str, int], nbytes: int, device: torch.devi
             recv = torch.empty_like(buf)
 
             def p2p() -> None:
-                for req in dist.batch_isend_irecv([dist.P2POp(dist.isend, buf, nxt, group),
-                                                   dist.P2POp(dist.irecv, recv, prv, group)]):
+                for req in dist.batch_isend_irecv(
+                    [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+                ):
                     req.wait()
 
             t = _timed(p2p, buf, iters)
@@ -94,8 +95,13 @@ def node_topology(device: torch.device) -> dict:
         info["device_name"] = torch.cuda.get_device_name(device)
         info["node_gpus"] = _run(["nvidia-smi", "--query-gpu=index,name", "--format=csv,noheader"])
         info["topo"] = _run(["nvidia-smi", "topo", "-m"])
-        info["ecc"] = _run(["nvidia-smi", "--query-gpu=index,ecc.mode.current,ecc.errors.uncorrected.volatile.total",
-                            "--format=csv,noheader"])
+        info["ecc"] = _run(
+            [
+                "nvidia-smi",
+                "--query-gpu=index,ecc.mode.current,ecc.errors.uncorrected.volatile.total",
+                "--format=csv,noheader",
+            ]
+        )
     else:
         info["topo"] = None
         info["ecc"] = None  # CPUs' ECC state is not visible to an unprivileged process

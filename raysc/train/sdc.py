@@ -30,8 +30,6 @@ from raysc.train.signals import SilentCorruption
 _INT_VIEW = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-
-
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -59,8 +57,13 @@ def vote(prints: list[list[int]]) -> dict:
     ref = prints[best[0]]
     differing = sorted({i for fp in prints for i, v in enumerate(fp) if v != ref[i]})
     if len(best) * 2 > n:  # a strict majority agrees: the rest are the corrupt minority
-        return {"ok": False, "bad": [r for r in range(n) if r not in best], "source": best[0], "replicas": n,
-                "tensors": differing[:8]}
+        return {
+            "ok": False,
+            "bad": [r for r in range(n) if r not in best],
+            "source": best[0],
+            "replicas": n,
+            "tensors": differing[:8],
+        }
     return {"ok": False, "bad": list(range(n)), "source": None, "replicas": n, "tensors": differing[:8]}
 
 
@@ -89,8 +92,12 @@ class ReplicaCheck:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)  # every rank takes the same branch
         self.verdict = verdict
         if flag.item():
-            raise SilentCorruption(step, {} if verdict["ok"] else
-                                   {k: verdict[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")})
+            raise SilentCorruption(
+                step,
+                {}
+                if verdict["ok"]
+                else {k: verdict[k] for k in ("bad", "source", "replicas", "global_ranks", "tensors")},
+            )
         return verdict
 
     @torch.no_grad()

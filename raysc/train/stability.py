@@ -33,10 +33,10 @@ from collections import deque
 class SpikeDetector:
     def __init__(self, window: int = 128, sigma: float = 6.0, min_history: int = 16, patience: int = 3) -> None:
         self.window, self.sigma, self.min_history, self.patience = window, sigma, min_history, patience
-        self.loss: deque[float] = deque(maxlen=window)       # accepted losses
+        self.loss: deque[float] = deque(maxlen=window)  # accepted losses
         self.grad_norm: deque[float] = deque(maxlen=window)  # their log gradient norms (evidence only)
         self.run: list[float] = []  # losses of the current run of spike-flagged steps
-        self.consecutive = 0        # flagged steps in a row (spikes and NaN/Inf)
+        self.consecutive = 0  # flagged steps in a row (spikes and NaN/Inf)
         self.last_z = {"loss": 0.0, "grad_norm": 0.0}
         self.shift: dict | None = None  # set when the last check accepted a new level
 
@@ -61,10 +61,15 @@ class SpikeDetector:
             if len(self.loss) >= self.min_history and self.last_z["loss"] > self.sigma:
                 if len(self.run) < self.patience:
                     self.run.append(loss)
-                    evidence = {"reason": "spike", "loss": loss, "grad_norm": grad_norm,
-                                "z_loss": round(self.last_z["loss"], 2),
-                                "z_grad_norm": round(self.last_z["grad_norm"], 2),
-                                "sigma": self.sigma, "window": len(self.loss)}
+                    evidence = {
+                        "reason": "spike",
+                        "loss": loss,
+                        "grad_norm": grad_norm,
+                        "z_loss": round(self.last_z["loss"], 2),
+                        "z_grad_norm": round(self.last_z["grad_norm"], 2),
+                        "sigma": self.sigma,
+                        "window": len(self.loss),
+                    }
                 else:  # `patience` batches in a row on unchanged weights: a new level, not a bad batch
                     delta = statistics.median(self.run + [loss]) - sum(self.loss) / len(self.loss)
                     self.loss = deque((v + delta for v in self.loss), maxlen=self.window)
@@ -79,8 +84,12 @@ class SpikeDetector:
         return evidence
 
     def state_dict(self) -> dict:
-        return {"loss": list(self.loss), "grad_norm": list(self.grad_norm), "run": list(self.run),
-                "consecutive": self.consecutive}
+        return {
+            "loss": list(self.loss),
+            "grad_norm": list(self.grad_norm),
+            "run": list(self.run),
+            "consecutive": self.consecutive,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.loss = deque((float(v) for v in state["loss"]), maxlen=self.window)

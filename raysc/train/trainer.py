@@ -43,8 +43,10 @@ from raysc.train.throughput import device_peak_flops
 def resolve_device(cfg: Config) -> torch.device:
     if cfg.parallel.device == "cuda":
         if not torch.cuda.is_available():
-            raise RuntimeError("parallel.device='cuda' but this worker sees no CUDA device; "
-                               "use parallel.device='cpu' or request GPUs for the workers")
+            raise RuntimeError(
+                "parallel.device='cuda' but this worker sees no CUDA device; "
+                "use parallel.device='cpu' or request GPUs for the workers"
+            )
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 
@@ -58,8 +60,16 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 class Trainer:
-    def __init__(self, cfg: Config, rows: np.ndarray | dict[str, np.ndarray], val_rows: np.ndarray | None = None,
-                 rank: int = 0, mesh=None, measure_peak: bool = True, eos_id: int | None = None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        rows: np.ndarray | dict[str, np.ndarray],
+        val_rows: np.ndarray | None = None,
+        rank: int = 0,
+        mesh=None,
+        measure_peak: bool = True,
+        eos_id: int | None = None,
+    ) -> None:
         """``eos_id``: the token that ends every packed document (needed with ``train.document_mask``)."""
         self.cfg = cfg
         if cfg.train.document_mask and eos_id is None:
@@ -96,17 +106,27 @@ class Trainer:
         if self.dims.pp > 1:
             self.n_micro = cfg.parallel.pp_microbatches or self.dims.pp
             self.micro = local // self.n_micro
-            self.schedule = build_schedule(self.model_parts, self.shard.stage_ids, self.shard.num_stages,
-                                           cfg.parallel.pp_schedule, self.n_micro, self._loss, self.device,
-                                           self.pp_group)
+            self.schedule = build_schedule(
+                self.model_parts,
+                self.shard.stage_ids,
+                self.shard.num_stages,
+                cfg.parallel.pp_schedule,
+                self.n_micro,
+                self._loss,
+                self.device,
+                self.pp_group,
+            )
         else:
             self.micro = cfg.train.micro_batch or local
             self.n_micro = local // self.micro
             self.schedule = None
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
-        self.peak_flops = device_peak_flops(self.device, cfg.train.peak_flops,
-                                            Path(cfg.data.cache_dir) / "cpu_peak.json") if measure_peak else 0.0
+        self.peak_flops = (
+            device_peak_flops(self.device, cfg.train.peak_flops, Path(cfg.data.cache_dir) / "cpu_peak.json")
+            if measure_peak
+            else 0.0
+        )
         self.world_size = self.dims.world_size
         self.step = 0
         self.tokens = 0
@@ -119,8 +139,9 @@ class Trainer:
         # this process, not in checkpoints (a restore must not forget it).
         self.rolled_back_at = 0
         # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
-        self.replicas = ReplicaCheck(self.params, mesh["dp_replicate"].get_group()
-                                     if mesh is not None and self.dims.dp_replicate > 1 else None)
+        self.replicas = ReplicaCheck(
+            self.params, mesh["dp_replicate"].get_group() if mesh is not None and self.dims.dp_replicate > 1 else None
+        )
 
     # ---- pieces of a step ----
     def _autocast(self) -> contextlib.AbstractContextManager:
@@ -143,7 +164,10 @@ class Trainer:
         x, y = batch[:, :-1], batch[:, 1:]
         docs = document_ids(x, self.eos_id) if self.eos_id is not None else None
         if self.dims.cp > 1:
-            x, y = shard_sequence(x, self.coords["cp"], self.dims.cp), shard_sequence(y, self.coords["cp"], self.dims.cp)
+            x, y = (
+                shard_sequence(x, self.coords["cp"], self.dims.cp),
+                shard_sequence(y, self.coords["cp"], self.dims.cp),
+            )
         return x, y, docs
 
     @staticmethod
@@ -170,9 +194,14 @@ class Trainer:
         the same rows, so the sum counts each slice world/dp times."""
         if self.world_size == 1:
             return local_loss.item(), fingerprint
-        loss = local_loss.detach().double() if self.shard.has_last_stage else torch.zeros((), dtype=torch.float64,
-                                                                                           device=self.device)
-        both = torch.stack([loss.reshape(()), torch.tensor(float(fingerprint), dtype=torch.float64, device=self.device)])
+        loss = (
+            local_loss.detach().double()
+            if self.shard.has_last_stage
+            else torch.zeros((), dtype=torch.float64, device=self.device)
+        )
+        both = torch.stack(
+            [loss.reshape(()), torch.tensor(float(fingerprint), dtype=torch.float64, device=self.device)]
+        )
         dist.all_reduce(both)
         copies = self.world_size // self.dims.dp
         mean, total = both.tolist()
@@ -183,8 +212,7 @@ class Trainer:
             losses: list[torch.Tensor] = []
             last = self.shard.has_last_stage
             args = (x,) if self.shard.has_first_stage else ()
-            self.schedule.step(*args, target=y if last else None, losses=losses if last else None,
-                               **self._kwargs(docs))
+            self.schedule.step(*args, target=y if last else None, losses=losses if last else None, **self._kwargs(docs))
             if not last:
                 return torch.zeros((), device=self.device)
             return torch.stack([_local(l.detach()) for l in losses]).mean()
@@ -231,10 +259,21 @@ class Trainer:
             if first > self.rolled_back_at:  # at most one rollback for the same window
                 self.rolled_back_at = self.step
                 raise SpikeRollback(self.step, first, spike)
-        metrics = {"step": self.step, "loss": loss_value, "grad_norm": float(grad_norm), "lr": lr,
-                   "tokens": self.tokens, "step_time": dt, "tokens_per_s": tps, "mfu": mfu,
-                   "epoch": self.loader.epoch, "time": time.time(), "skipped": spike,
-                   "dp": self.dims.dp, "data_fp": fingerprint}
+        metrics = {
+            "step": self.step,
+            "loss": loss_value,
+            "grad_norm": float(grad_norm),
+            "lr": lr,
+            "tokens": self.tokens,
+            "step_time": dt,
+            "tokens_per_s": tps,
+            "mfu": mfu,
+            "epoch": self.loader.epoch,
+            "time": time.time(),
+            "skipped": spike,
+            "dp": self.dims.dp,
+            "data_fp": fingerprint,
+        }
         if self.detector.shift is not None:
             metrics["level_shift"] = self.detector.shift  # a persistent loss level was accepted
         if self._domain_epochs is not None and self.loader.epochs != self._domain_epochs:
@@ -272,23 +311,34 @@ class Trainer:
         first, last, n = self.shard.has_first_stage, self.shard.has_last_stage, self.n_micro
         for start in range(0, len(x), n):
             real = min(n, len(x) - start)
-            xb, yb, db = (t[start:start + n] if t is not None else None for t in (x, y, docs))
+            xb, yb, db = (t[start : start + n] if t is not None else None for t in (x, y, docs))
             if real < n:
-                xb, yb, db = (torch.cat([t, t[-1:].expand(n - real, -1)]) if t is not None else None
-                              for t in (xb, yb, db))
+                xb, yb, db = (
+                    torch.cat([t, t[-1:].expand(n - real, -1)]) if t is not None else None for t in (xb, yb, db)
+                )
             losses: list[torch.Tensor] = []
             with self._autocast():
-                self.schedule.eval(*((xb,) if first else ()), target=yb if last else None,
-                                   losses=losses if last else None, **self._kwargs(db))
+                self.schedule.eval(
+                    *((xb,) if first else ()),
+                    target=yb if last else None,
+                    losses=losses if last else None,
+                    **self._kwargs(db),
+                )
             total += sum((_local(l) for l in losses[:real]), torch.zeros((), device=self.device))
         return total
 
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
     def extra_state(self) -> dict:
-        return {"step": self.step, "tokens": self.tokens, "loader": self.loader.state_dict(),
-                "detector": self.detector.state_dict(), "skipped_steps": self.skipped_steps,
-                "scheduler": self.scheduler.state_dict(), "torch_rng": torch.get_rng_state(),
-                "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None}
+        return {
+            "step": self.step,
+            "tokens": self.tokens,
+            "loader": self.loader.state_dict(),
+            "detector": self.detector.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "scheduler": self.scheduler.state_dict(),
+            "torch_rng": torch.get_rng_state(),
+            "cuda_rng": torch.cuda.get_rng_state_all() if self.device.type == "cuda" else None,
+        }
 
     def load_extra_state(self, state: dict) -> None:
         self.step = int(state["step"])
