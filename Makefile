@@ -5,7 +5,7 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 
-.PHONY: run test test-gpu install dev bench clean
+.PHONY: run test test-gpu lint fmt install dev bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -55,9 +55,23 @@ dev: $(VENV)/.dev-installed $(VOCAB)/.extracted $(VOCAB)/hf/.built $(VENV)/.prom
 run: install
 	$(BIN)/raysc demo
 
+# the house style and the import rule, before the suite: ruff's lint ([tool.ruff] in pyproject.toml; each
+# finding names the file, the line and the rule), its formatter, and no import cycle between raysc's
+# packages (tools/import_graph.py; tests/test_imports.py also checks that config imports nothing above it)
+lint: $(VENV)/.dev-installed
+	@$(BIN)/ruff check --output-format concise . || { echo "make lint: ruff check failed; 'make fmt' fixes what it can"; exit 1; }
+	@$(BIN)/ruff format --check . || { echo "make lint: files not formatted (listed above); run 'make fmt'"; exit 1; }
+	@$(BIN)/python tools/import_graph.py --cycles >/dev/null || { $(BIN)/python tools/import_graph.py --cycles; \
+		echo "make lint: import cycles between raysc packages"; exit 1; }
+
+# formats the tree and applies ruff's safe fixes (what is left, 'make lint' lists)
+fmt: $(VENV)/.dev-installed
+	$(BIN)/ruff check --fix --output-format concise . || true
+	$(BIN)/ruff format .
+
 # tests marked gpu are deselected here (tests/conftest.py prints one line saying how many); the 25
 # slowest tests and the suite's wall time (after the install) are printed at the end
-test: dev
+test: dev lint
 	@start=$$(date +%s); $(BIN)/python -m pytest -q -n 2 --durations=25; rc=$$?; \
 		echo "make test: the suite took $$(( $$(date +%s) - start )) s (exit $$rc)"; exit $$rc
 

@@ -131,11 +131,10 @@ def params_equal(a: Path, b: Path) -> bool:
 
 
 def main() -> None:
-    from s3_fault_proxy import FaultProxy
-
     from raysc.cluster import local
     from raysc.fleet import chaos
     from raysc.fleet.records import read_jsonl
+    from s3_fault_proxy import FaultProxy
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seed", type=int, default=2026)

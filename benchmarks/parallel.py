@@ -83,8 +83,8 @@ def layout_throughput() -> dict:
 
     from raysc.config import load_config
     from raysc.fleet.driver import train
-    from raysc.fleet.records import read_jsonl
     from raysc.fleet.parity import layout_overrides
+    from raysc.fleet.records import read_jsonl
 
     ray.init(num_cpus=8, include_dashboard=False, configure_logging=False, log_to_driver=False)
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-par-"))
@@ -256,7 +256,7 @@ def _gradnorm_worker(rank: int, port: int, results) -> None:
         with trainer._loss_ctx():  # one set of gradients, normed both ways
             trainer._forward_backward(*trainer._inputs(trainer.loader.next_batch()))
         for way, fn in ways.items():
-            times[f"{way}_norm_s"].append(_seconds_per_call(lambda: fn(trainer.params, trainer.pp_group), steps))
+            times[f"{way}_norm_s"].append(_seconds_per_call(lambda fn=fn: fn(trainer.params, trainer.pp_group), steps))
             norms[way] = float(fn(trainer.params, trainer.pp_group))
         trainer.optimizer.zero_grad(set_to_none=True)
     clip.global_grad_norm = grouped

@@ -22,9 +22,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from raysc.curate import quality as q  # noqa: E402
-from raysc.curate.words import words  # noqa: E402
 from raysc.curate.ngrams import ngram_repetition, ngram_repetition_reference  # noqa: E402
 from raysc.curate.synth import Synth, SynthSpec  # noqa: E402
+from raysc.curate.words import words  # noqa: E402
 
 
 def per_document(rules: q.QualityRules, texts: list[str], domains: list[str]) -> list[dict]:

@@ -89,9 +89,8 @@ def trained_run() -> Path:
 
 def vllm_decode(folder: str, reps: int) -> dict:
     """(in a child process) vLLM's decode tokens/s on ``folder``: median of ``reps`` single-sequence runs."""
-    from vllm import LLM, SamplingParams
-
     from common import exported_dtype
+    from vllm import LLM, SamplingParams
 
     llm = LLM(model=folder, enforce_eager=True, dtype=exported_dtype(folder), max_model_len=256, seed=0)
     params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
@@ -183,8 +182,8 @@ def main() -> None:
     import torch
 
     from raysc.data.prepare import prepare_data
-    from raysc.export.hf import export_hf
     from raysc.export.gguf import export_gguf
+    from raysc.export.hf import export_hf
     from raysc.export.restore import load_run
     from raysc.quantize.calibration import heldout_rows, train_rows
     from raysc.quantize.gguf_gptq import export_gguf_gptq
@@ -276,7 +275,7 @@ def main() -> None:
 
 def report(table: dict, gguf: dict, params: int, unigram: float, curve: dict, rows) -> None:
     fp32 = table["fp32"]["perplexity"]
-    print(f"\n| format | perplexity | vs fp32 | bytes/param | file bytes | decode tok/s |\n|---|---|---|---|---|---|")
+    print("\n| format | perplexity | vs fp32 | bytes/param | file bytes | decode tok/s |\n|---|---|---|---|---|---|")
     for name, r in [*table.items(), *((f"GGUF {k}", v) for k, v in gguf.items())]:
         speed = f"{r['decode_tok_s']:.0f}" if "decode_tok_s" in r else r.get("decode_error", "")
         print(

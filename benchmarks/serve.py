@@ -43,7 +43,6 @@ import json
 import os
 import re
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -277,9 +276,8 @@ def speculative(port: int, batches: list[int], n_new: int, spec_json: dict) -> d
     """none / n-gram / draft model on the demo run, held-out prompts, at each batch size."""
     from raysc.config import load_config
     from raysc.serve.command import deploy, settings, undeploy
-    from raysc.serve.spec_tune import held_out_prompts
-
     from raysc.serve.source import resolve
+    from raysc.serve.spec_tune import held_out_prompts
 
     demo = str(ROOT / "runs/demo")
     # the run's export folder, not the run: a run with serve_speculative.json always speculates

@@ -44,10 +44,9 @@ sys.path.insert(0, str(ROOT))
 
 def vllm_child(job: dict) -> dict:
     """(in a child process) vLLM's outputs and speculative-decoding counters for one case."""
+    from common import exported_dtype
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from common import exported_dtype
 
     llm = LLM(
         model=job["folder"],

@@ -140,7 +140,7 @@ class OldDetector:
 
 def old_rule(loss: list[float], grad: list[float]) -> list[int]:
     d = OldDetector()
-    return [i for i, (l, g) in enumerate(zip(loss, grad), 1) if d.check(l, g) is not None]
+    return [i for i, (lv, g) in enumerate(zip(loss, grad), 1) if d.check(lv, g) is not None]
 
 
 def grad_only_outliers(loss: list[float], grad: list[float], horizon: int = 10) -> list[dict]:
@@ -192,11 +192,11 @@ def old_rule_online(steps: int = 45) -> dict:
 def olmo_rule(loss: list[float], grad: list[float]) -> list[int]:
     """OLMo-core SkipStepOptimizer.get_step_factor (window 128, sigma 6, every value enters)."""
     hl, hg, flagged = [], [], []
-    for i, (l, g) in enumerate(zip(loss, grad), 1):
-        hl, hg = (hl + [l])[-129:], (hg + [g])[-129:]
+    for i, (lv, g) in enumerate(zip(loss, grad), 1):
+        hl, hg = (hl + [lv])[-129:], (hg + [g])[-129:]
         if len(hl) < max(20, 128 // 2):
             continue
-        zl = abs(l - statistics.fmean(hl[:-1])) / statistics.stdev(hl[:-1])
+        zl = abs(lv - statistics.fmean(hl[:-1])) / statistics.stdev(hl[:-1])
         zg = abs(g - statistics.fmean(hg[:-1])) / statistics.stdev(hg[:-1])
         if zl > 6 or zg > 6:
             flagged.append(i)
@@ -209,9 +209,9 @@ def new_rule(loss: list[float], grad: list[float], cfg) -> tuple[list[int], floa
     sup = cfg.supervisor
     d = SpikeDetector(sup.spike_window, sup.spike_sigma, sup.spike_min_history, sup.spike_patience)
     flagged, zl, zg = [], -math.inf, -math.inf
-    for i, (l, g) in enumerate(zip(loss, grad), 1):
+    for i, (lv, g) in enumerate(zip(loss, grad), 1):
         judged = len(d.loss) >= d.min_history
-        if d.check(l, g) is not None or d.shift is not None:
+        if d.check(lv, g) is not None or d.shift is not None:
             flagged.append(i)
         if judged:
             zl, zg = max(zl, d.last_z["loss"]), max(zg, d.last_z["grad_norm"])

@@ -28,15 +28,14 @@ import shlex
 import sys
 from pathlib import Path
 
-from raysc.fleet.command import CKPT
-from raysc.cluster.command import CLUSTER
-from raysc.curate.command import CURATE, PACK
-from raysc.mix.command import MIX
-from raysc.quantize.command import QUANTIZE
 from raysc.cli_table import JSON, RUN_DIR, SET, STEP, Command, OneOf, arg
+from raysc.cluster.command import CLUSTER
 from raysc.config.faults import KINDS as FAULT_KINDS
 from raysc.config.load import ConfigError, load_config
-
+from raysc.curate.command import CURATE, PACK
+from raysc.fleet.command import CKPT
+from raysc.mix.command import MIX
+from raysc.quantize.command import QUANTIZE
 
 EXIT_CHECKPOINT_LAG = 3  # `raysc train` finished every step, but its last checkpoint(s) failed to save
 
@@ -214,7 +213,7 @@ def cmd_mup_coord_check(args: argparse.Namespace) -> int:
     try:
         widths = [int(w) for w in args.widths.split(",") if w.strip()]
     except ValueError:
-        raise ValueError(f"--widths {args.widths!r}: expected comma-separated integers, e.g. 64,128,256,512")
+        raise ValueError(f"--widths {args.widths!r}: expected comma-separated integers, e.g. 64,128,256,512") from None
     report = run(cfg, widths, args.steps, args.seeds, args.bound, args.out)
     print(format_report(report))
     print(f"wrote {report['files']['json']} and {report['files']['png']}")
@@ -466,9 +465,9 @@ def main(argv: list[str] | None = None, restart_command: list[str] | None = None
     stopped run prints); default ``raysc train CONFIG --set ...``."""
     args = build_parser().parse_args(argv)
     args.restart_command = restart_command
-    from raysc.fleet.command import StoreUnreadable
     from raysc.cluster.connect import ClusterAddressError
     from raysc.cluster.fit import ClusterTooSmall
+    from raysc.fleet.command import StoreUnreadable
     from raysc.fleet.errors import RunFailed
     from raysc.fleet.preflight_gate import PreflightRequired
     from raysc.serve.fit import ServeNotReady

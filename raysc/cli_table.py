@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import argparse
 import copy
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -20,7 +21,7 @@ class Arg:
         # copied: every parser gets its own mutable default (``--set``'s list), as a literal would
         p.add_argument(*self.flags, **{k: copy.copy(v) for k, v in self.options.items()})
 
-    def but(self, **options: Any) -> "Arg":
+    def but(self, **options: Any) -> Arg:
         """The same argument with some options changed (a command's own help text)."""
         return Arg(self.flags, {**self.options, **options})
 
@@ -52,7 +53,7 @@ class Command:
     help: str
     func: Callable[[argparse.Namespace], int] | None = None
     args: tuple[Arg | OneOf | Callable[[argparse.ArgumentParser], None], ...] = ()
-    sub: tuple["Command", ...] = ()
+    sub: tuple[Command, ...] = ()
     dest: str | None = None
 
     def add_to(self, commands: argparse._SubParsersAction) -> None:

@@ -19,9 +19,9 @@ PROMPTS = ["def read_config(path):\n", "The built-in function"]
 
 def run_demo(overrides: list[str] = ()) -> dict:
     from raysc.data.corpus import build_bundled_corpus, corpus_meta
-    from raysc.fleet.driver import train
     from raysc.export.hf import export_hf
     from raysc.export.restore import load_run, sample_text
+    from raysc.fleet.driver import train
 
     t0 = time.time()
     cfg = load_config(DEMO_CONFIG, overrides)

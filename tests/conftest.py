@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from lanes import GPU_DESELECTED as _GPU_DESELECTED, GPU_NOTICE, Lanes
+from lanes import GPU_DESELECTED as _GPU_DESELECTED
+from lanes import GPU_NOTICE, Lanes
 from raysc.config import Config, load_config
 
 TINY = [
@@ -298,7 +299,6 @@ def _ray_head_cluster(request, tmp_path_factory):
     import subprocess
     import sys
     import tempfile
-    import time
 
     from raysc.cluster.ports import free_ports
 

@@ -4,8 +4,8 @@ tests/test_families.py)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from raysc.data.tokenizer import load_tokenizer
 from raysc.export.restore import load_run

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from conftest import s3_options
-from raysc.export.restore import load_run
 from raysc.checkpoint.store import CheckpointStore
+from raysc.export.restore import load_run
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import read_jsonl
 
@@ -100,8 +100,8 @@ def test_wrong_credentials_fail_before_step_one(ray_session, make_cfg, tmp_path)
 
     import boto3
 
-    from raysc.fleet.driver import train
     from raysc.cluster.ports import free_port
+    from raysc.fleet.driver import train
 
     port = free_port()
     env = {**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "1"}  # only the create_bucket below is unauthenticated
@@ -164,8 +164,8 @@ def test_large_files_download_as_parallel_ranges(s3_server, tmp_path):
 
 
 def test_unreachable_store_fails_before_step_one(ray_session, make_cfg):
-    from raysc.fleet.driver import train
     from raysc.cluster.ports import free_port
+    from raysc.fleet.driver import train
 
     # one try per request: botocore's default retries of a refused connection, with backoff, take
     # 8-11 s on 2 cores and are not what this asserts
@@ -260,7 +260,6 @@ def test_store_down_during_a_save_is_retried_then_skipped(ray_session, s3_server
     finally:
         wsgi.app = original
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
-    kinds = [e["kind"] for e in events]
     retries = [e["detail"].split(" try ")[0] for e in events if e["kind"] == "checkpoint_upload_retry"]
     assert retries and all(retries.count(f) == 2 for f in set(retries))  # upload_retries=2 per file
     failed = [e for e in events if e["kind"] == "checkpoint_save_failed"]

@@ -116,9 +116,9 @@ def test_ckpt_cli_takes_a_run_directory_and_says_in_one_line_when_the_store_cann
     """`raysc ckpt list RUN_DIR` lists the run's own checkpoint.uri (a README walk passed the run directory
     and got "no committed checkpoints"); an unreachable endpoint is one line and exit 2, not a traceback."""
     from raysc.cli import main
+    from raysc.cluster.ports import free_port
     from raysc.config import load_config
     from raysc.config.load import dump_config
-    from raysc.cluster.ports import free_port
 
     run = tmp_path / "run"
     run.mkdir()

@@ -18,8 +18,8 @@ import pytest
 
 from raysc.cluster.connect import ClusterAddressError, check_address
 from raysc.cluster.fit import ClusterTooSmall, require_fleet_fit, shortfall
-from raysc.config import load_config
 from raysc.cluster.ports import free_port
+from raysc.config import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")

@@ -211,9 +211,9 @@ def test_curated_documents_pack_into_per_domain_token_shards(packed_corpus):
     import pyarrow.parquet as pq
     from tokenizers import Tokenizer
 
-    from raysc.data.shards import load_domains
     from raysc.config.syntax import parse_schedule
     from raysc.data.mixture import MixtureLoader
+    from raysc.data.shards import load_domains
     from raysc.data.tokenizer import EOS_ID
 
     root, index = packed_corpus["root"], packed_corpus["index"]

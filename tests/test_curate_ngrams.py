@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from raysc.curate.words import words
 from raysc.curate.ngrams import ngram_repetition, ngram_repetition_reference
+from raysc.curate.words import words
 
 TOP, DUP = [2, 3, 4], [5, 6, 7, 8, 9, 10]
 

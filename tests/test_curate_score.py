@@ -11,11 +11,10 @@ import random
 import numpy as np
 import pytest
 
+from conftest import TINY
 from raysc.config import load_config
 from raysc.config.checks import ConfigError
 from raysc.curate.perplexity import document_perplexities, judge_perplexity
-
-from conftest import TINY
 
 
 def test_document_perplexity_is_the_models_mean_next_token_loss():
@@ -82,14 +81,14 @@ def test_curate_scores_with_a_pool_of_reference_models_and_filters_by_percentile
     per-domain percentiles. A missing reference run, or scorers on GPUs the cluster has none of, fail
     before any work."""
     import pyarrow.parquet as pq
+    from tokenizers import Tokenizer
 
     from raysc.cluster.fit import ClusterTooSmall
     from raysc.curate.perplexity import load_reference
     from raysc.curate.pipeline import curate
     from raysc.data.corpus import iter_documents
-    from raysc.fleet.driver import train
     from raysc.export.restore import load_run
-    from tokenizers import Tokenizer
+    from raysc.fleet.driver import train
 
     ref_cfg = make_cfg("train.steps=200", "checkpoint.every_steps=200", run="reference")
     train(ref_cfg, progress=False)

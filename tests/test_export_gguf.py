@@ -11,6 +11,7 @@ import math
 import time
 from contextlib import closing
 
+import llama_cpp
 import numpy as np
 import pytest
 import torch
@@ -23,8 +24,6 @@ from raysc.data.tokenizer import load_tokenizer
 from raysc.export.restore import RunModel
 from raysc.model.generate import generate
 from raysc.train.trainer import Trainer
-
-import llama_cpp
 
 TYPES = ("f32", "f16", "q8_0", "q4_0")
 STEPS = 150

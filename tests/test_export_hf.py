@@ -4,12 +4,11 @@ import json
 
 import pytest
 import torch
+import transformers
 
 from raysc.data.prepare import prepare_data
 from raysc.export.hf import export_hf
 from raysc.train.trainer import Trainer
-
-import transformers
 
 
 @pytest.mark.parametrize("tie,mup", [(False, False), (True, False), (False, True)])

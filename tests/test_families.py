@@ -25,16 +25,15 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from forked import run_forked
+from greedy_check import forced_mismatches
+from raysc.cluster.ports import free_port
 from raysc.config import load_config
 from raysc.data.special_tokens import read_special_tokens
 from raysc.export.hf import export_hf
-from raysc.parallel.dims import build_mesh
 from raysc.fleet.parity import layout_overrides
-from raysc.cluster.ports import free_port
+from raysc.parallel.dims import build_mesh
 from raysc.train.trainer import Trainer
-
-from greedy_check import forced_mismatches
-from forked import run_forked
 
 HERE = Path(__file__).resolve().parent
 SHAPE = dict(
@@ -219,7 +218,7 @@ def test_the_export_loads_in_transformers_and_llama_cpp_with_raysc_outputs(famil
             out.append(int(np.argmax(llm.scores[llm.n_tokens - 1])))
             llm.eval([out[-1]])
         generated.append(out)
-    assert not forced_mismatches(lambda x: back(x).logits[0], prompts, generated)
+    assert not forced_mismatches(lambda x, back=back: back(x).logits[0], prompts, generated)
 
 
 def test_vllm_serves_each_family_export_with_transformers_greedy_tokens(families):
@@ -245,4 +244,4 @@ def test_vllm_serves_each_family_export_with_transformers_greedy_tokens(families
         assert got["prompt_ids"] == [tok(p).input_ids for p in PROMPTS], name
         back = transformers.AutoModelForCausalLM.from_pretrained(export, dtype=torch.float32).eval()
         assert all(len(ids) == NEW for ids in got["ids"]), name
-        assert not forced_mismatches(lambda x: back(x).logits[0], got["prompt_ids"], got["ids"]), name
+        assert not forced_mismatches(lambda x, back=back: back(x).logits[0], got["prompt_ids"], got["ids"]), name

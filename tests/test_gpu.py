@@ -113,8 +113,8 @@ def test_supervised_nccl_run_checkpoints_and_resumes_bit_exactly(ray_cuda, make_
     """The supervisor and one TrainWorker on one GPU: an NCCL process group of world size 1, bf16,
     checkpoints; a second run resumed from the first one's step-10 checkpoint reproduces its steps
     11-20 and its final parameters bit for bit."""
-    from raysc.export.restore import load_run
     from raysc.checkpoint.store import CheckpointStore
+    from raysc.export.restore import load_run
     from raysc.fleet.driver import train
 
     common = [*CUDA_BF16, "train.steps=20", "checkpoint.every_steps=10"]

@@ -17,19 +17,18 @@ import torch.distributed as dist
 from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from conftest import TINY
+from forked import run_forked
+from raysc.cluster.ports import free_port
 from raysc.config import load_config
 from raysc.data.tokenizer import train_tokenizer
 from raysc.export.hf import export_hf
+from raysc.fleet.parity import layout_overrides
 from raysc.model import hf_checkpoint
 from raysc.model.hf_checkpoint import CheckpointMismatch, content_sha256
 from raysc.model.llama import Llama
 from raysc.parallel.dims import build_mesh
-from raysc.fleet.parity import layout_overrides
-from raysc.cluster.ports import free_port
 from raysc.train.trainer import Trainer
-
-from conftest import TINY
-from forked import run_forked
 
 MODEL = [o for o in TINY if o.startswith("model.")] + ["train.seq_len=32", "train.global_batch=8", "train.seed=3"]
 MUP = ["model.mup=true", "model.mup_base_width=32"]  # m = 2, sqrt(head_dim 16) = 4: unfolding is exact

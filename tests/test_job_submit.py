@@ -8,7 +8,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -175,7 +174,10 @@ def test_a_job_whose_head_side_driver_dies_is_resubmitted_with_resume(ray_head, 
         _submit(ray_head, sets), env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
     )
     try:
-        saved = lambda: [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "checkpoint_saved"]
+
+        def saved() -> list[int]:
+            return [e["step"] for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "checkpoint_saved"]
+
         _wait_for(saved, 240, "a committed checkpoint", job)
         listed = subprocess.run(
             ["pgrep", "-af", f"jobs/pretrain.py .*{run_dir}"], capture_output=True, text=True

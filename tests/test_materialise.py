@@ -12,16 +12,15 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from forked import run_forked
+from raysc.cluster.ports import free_port
 from raysc.config import load_config
+from raysc.fleet.parity import layout_overrides
 from raysc.model.llama import build_model
 from raysc.parallel import materialise as mat
 from raysc.parallel.dims import build_mesh
 from raysc.parallel.parallelize import build_model_shard
-from raysc.fleet.parity import layout_overrides
-from raysc.cluster.ports import free_port
 from raysc.train.trainer import Trainer
-
-from forked import run_forked
 
 # vocabulary 270: uneven FSDP shards (68/67 over 2 ranks of a TP half, 68,68,68,66 over 4)
 MODEL = [

@@ -65,7 +65,7 @@ def test_domain_epochs_are_seeded_permutations():
 
 
 def _global(loaders) -> list[torch.Tensor]:
-    return torch.cat([l.next_batch() for l in loaders])
+    return torch.cat([loader.next_batch() for loader in loaders])
 
 
 def test_same_global_stream_at_any_dp_size_and_across_resume():
@@ -79,8 +79,8 @@ def test_same_global_stream_at_any_dp_size_and_across_resume():
     got = [_global(two) for _ in range(10)]
     state = two[0].state_dict()
     four = [_loader(r, 4) for r in range(4)]
-    for l in four:
-        l.load_state_dict(state)
+    for loader in four:
+        loader.load_state_dict(state)
     got += [_global(four) for _ in range(10)]
     one = _loader()
     one.load_state_dict(four[0].state_dict())

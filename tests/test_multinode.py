@@ -126,8 +126,8 @@ def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypat
 
     import ray
 
-    from raysc.fleet.healing import raylet_answers
     from raysc.cluster.ports import free_port
+    from raysc.fleet.healing import raylet_answers
 
     listening = socket.create_server(("127.0.0.1", 0))
     nodes = [
@@ -210,9 +210,8 @@ def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_di
     (503 from a proxy in front of moto). Every fault fires (its own event), is detected and healed; no
     committed checkpoint is lost; the final parameters equal those of the uninterrupted run with the
     same number-changing faults (nan, bitflip), bit for bit."""
-    from s3_fault_proxy import FaultProxy
-
     from raysc.checkpoint.store import CheckpointStore
+    from s3_fault_proxy import FaultProxy
 
     while len(_alive_nodes(cluster)) < 3:  # node_loss needs room for the fleet on the others
         local.add_node(cluster["state"])

@@ -17,13 +17,12 @@ import numpy as np
 import pytest
 import torch
 
-from raysc.parallel.cp import local_positions
-from raysc.config.dims import ParallelDims
-from raysc.parallel.dims import rank_table
-from raysc.fleet.records import read_jsonl
-from raysc.fleet.parity import ensure_reference, layout_overrides, run_parity
-
 from forked import run_forked
+from raysc.config.dims import ParallelDims
+from raysc.fleet.parity import ensure_reference, layout_overrides, run_parity
+from raysc.fleet.records import read_jsonl
+from raysc.parallel.cp import local_positions
+from raysc.parallel.dims import rank_table
 
 # a 4-layer model so that pp=2 with 2 virtual stages has a layer per stage
 PARITY = [
@@ -221,9 +220,9 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     within 1e-4 of one process's, and rank 0 built what the layout implies."""
     import json
 
+    from raysc.cluster.ports import free_port
     from raysc.config import load_config
     from raysc.data.prepare import prepare_data
-    from raysc.cluster.ports import free_port
 
     overrides = [*PARITY, f'data.cache_dir="{cache_dir}"']
     cases = [(lay, []) for lay in LAYOUTS if _world(lay) == world]

@@ -9,13 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from forked import run_forked
 from raysc.config import load_config
 from raysc.plan.layout import Cluster, Layout
 from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import bubble_fraction, estimate_step
 from raysc.plan.search import heuristic_layout, plan
-
-from forked import run_forked
 
 # published shapes; GPU counts: GPT-3 175B as Narayanan et al. 2021 (Megatron-LM, SC21) size its
 # end-to-end estimate (1,024 A100 80 GB), Llama 3 405B as Meta did (16,384 H100, 16M-token batches of
@@ -99,8 +98,8 @@ def test_estimate_of_megatrons_published_gpt3_layout_matches_its_throughput():
     overrides, cluster_kw = PUBLISHED["gpt3-175b"]
     cfg = load_config(None, overrides)
     cluster = Cluster(**cluster_kw)
-    l, h, s, v, batch = 96, 12288, 2048, 51200, 1536
-    published_tps = 140e12 * 1024 / (96 * l * h * h * (1 + s / (6 * h) + v / (16 * l * h)))
+    layers, h, s, v, batch = 96, 12288, 2048, 51200, 1536
+    published_tps = 140e12 * 1024 / (96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h)))
     assert published_tps == pytest.approx(1.0e5, rel=0.01) and 300e9 / published_tps / 86400 == pytest.approx(34, abs=1)
     lay = Layout(dp_replicate=16, tp=8, pp=8, micro_batch=1, recompute="full")
     assert lay.world_size == cluster.gpus
@@ -249,9 +248,9 @@ def test_memory_estimate_within_25_percent_of_measured_peak_on_cpu(make_cfg, tmp
     (``PeakMemory``: glibc heap minus the process's own, see raysc.train.memory); each rank's measured
     peak is within 25% of the estimate. (The same measurement through the fleet, ``raysc plan --profile``
     running the layout with Ray: test_cli_plan_ranks_writes_the_fragment_and_profiles.)"""
+    from raysc.cluster.ports import free_port
     from raysc.data.prepare import prepare_data
     from raysc.plan.profile import calibrate
-    from raysc.cluster.ports import free_port
 
     cfg = make_cfg(*CPU_MODEL)
     rows = prepare_data(cfg)[0].train

@@ -7,11 +7,10 @@ document): so a corpus tokenized for Megatron trains in raysc and resumes exactl
 
 from __future__ import annotations
 
-
 import pytest
 
-from raysc.fleet.records import read_jsonl
 from raysc.fleet.parity import layout_overrides
+from raysc.fleet.records import read_jsonl
 from test_parallel import PARITY
 
 STEPS = 12

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from forked import run_forked
 from raysc.cli import main
 from raysc.config.schema import ModelConfig, OptimConfig
 from raysc.data.prepare import prepare_data
@@ -25,8 +26,6 @@ from raysc.scaling.coord_check import coord_check, write
 from raysc.scaling.probe import at_width
 from raysc.scaling.transfer import format_sweep, lr_sweep
 from raysc.train.optim import build_optimizer
-
-from forked import run_forked
 
 SMALL = ModelConfig(vocab_size=512, dim=64, n_layers=2, n_heads=4, n_kv_heads=2)
 

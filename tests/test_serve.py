@@ -13,24 +13,21 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import signal
 import threading
 import time
 from pathlib import Path
 
+import openai
 import pytest
-
-from raysc.cli import build_parser
-from raysc.config import load_config
-from raysc.export.restore import load_run
-from raysc.model.generate import generate
-from raysc.data.tokenizer import load_tokenizer
+import requests
 
 from conftest import TINY
 from greedy_check import greedy_mismatches
-
-import openai
-import requests
+from raysc.cli import build_parser
+from raysc.config import load_config
+from raysc.data.tokenizer import load_tokenizer
+from raysc.export.restore import load_run
+from raysc.model.generate import generate
 
 KEY = "test-serving-key-0123456789"
 S3_SECRET = "serve-s3-secret-5f0c1d"  # the object store's secret key (moto accepts any)
@@ -256,7 +253,7 @@ def test_a_client_that_disconnects_mid_stream_does_not_leak(served):
             json={"model": dep.model_id, "prompt": "def ", "max_tokens": 40, "stream": True, "ignore_eos": True},
         ) as r:
             lines = r.iter_lines()
-            assert next(l for l in lines if l.startswith(b"data:"))  # the first token arrived; hang up
+            assert next(line for line in lines if line.startswith(b"data:"))  # the first token arrived; hang up
     results = asyncio.run(_streams(dep, n=dep.serve.max_num_seqs, max_tokens=30))
     assert all(n == 30 for n, _ in results)
 

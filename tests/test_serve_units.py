@@ -16,7 +16,7 @@ from raysc.config import load_config
 from raysc.config.schema import ServeConfig
 from raysc.serve.app import BearerAuth, RequestChecks, check_request, key_digest
 from raysc.serve.engine import ServeConfigError, check, engine_kwargs, llm_config_dict, speculative_config
-from raysc.serve.source import EXPORT_RECORD, ServedModel, export_run, resolve
+from raysc.serve.source import EXPORT_RECORD, ServedModel, resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,6 +11,7 @@ import torch
 from raysc.config.schema import ModelConfig
 from raysc.model.generate import generate
 from raysc.model.llama import build_model
+from raysc.serve.spec_tune import best_k, expected_tokens, greedy_passes, speedup
 from raysc.serve.speculative import (
     ModelDrafter,
     NgramDrafter,
@@ -19,7 +20,6 @@ from raysc.serve.speculative import (
     target_probs,
     verify,
 )
-from raysc.serve.spec_tune import best_k, expected_tokens, greedy_passes, speedup
 
 V, K, TRIALS = 8, 3, 12_000
 # Pearson's chi-square of the emitted counts against the target's p, 7 degrees of freedom: 24.3 is the

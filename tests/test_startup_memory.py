@@ -23,17 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from forked import run_forked
+from raysc.cluster.ports import free_port
 from raysc.config import load_config
+from raysc.fleet.parity import layout_overrides
 from raysc.model.flops import param_count
 from raysc.parallel.dims import build_mesh
-from raysc.fleet.parity import layout_overrides
 from raysc.plan.layout import Layout
 from raysc.plan.memory import estimate_memory
-from raysc.cluster.ports import free_port
 from raysc.train.memory import StartupPeak
 from raysc.train.trainer import Trainer
-
-from forked import run_forked
 
 # 30 blocks of 3.2M parameters (dim 512) and a 4096-token vocabulary: 99.1M parameters, no block or
 # root module big enough that FSDP's gathered copies matter; 16 tokens × 4 sequences keep the step short

@@ -19,7 +19,6 @@ import pytest
 from tokenizers import Tokenizer, models
 
 from llama_vocab import BYTE_LEVEL, FOLDERS, expected_ids, gguf_file, metadata
-
 from raysc.data.special_tokens import SpecialTokenError, read_special_tokens
 
 # (BOS id or None, EOS id, adds BOS, PAD id or None) as the GGUF files' metadata and the repositories say
@@ -196,8 +195,8 @@ def test_a_run_trains_on_llama_3s_tokenizer_and_its_export_keeps_the_ids(ray_ses
     from raysc.cli import main
     from raysc.data.prepare import prepare_data
     from raysc.data.special_tokens import run_special_tokens
-    from raysc.fleet.driver import train
     from raysc.export.restore import sample_text
+    from raysc.fleet.driver import train
 
     src = hf_folders["llama-bpe"]
     cfg = make_cfg(
@@ -244,7 +243,7 @@ def test_raysc_pack_with_llama_3s_tokenizer_begins_and_ends_every_document(
     )
     assert index["eos"] == "<|end_of_text|>" and index["special_tokens"]["bos_id"] == 128000
     checked = 0
-    for domain, meta in index["domains"].items():
+    for meta in index["domains"].values():
         for shard in meta["shards"]:
             rows = np.load(tmp_path / "packed" / shard).astype(np.int64)
             stream = np.concatenate([rows[0], *[r[1:] for r in rows[1:]]])  # rows share their boundary token

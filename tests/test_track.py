@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from raysc.fleet.records import read_jsonl
 from raysc.cluster.ports import free_port
+from raysc.fleet.records import read_jsonl
 from raysc.track.run_tracker import read_track_ids
 
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from raysc.checkpoint.store import CheckpointStore
-from raysc.export.restore import load_run
 from raysc.data.prepare import prepare_data
+from raysc.export.restore import load_run
 from raysc.fleet.errors import RunFailed
 from raysc.fleet.records import read_jsonl
 from raysc.train.optim import lr_factor

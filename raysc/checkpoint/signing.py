@@ -53,7 +53,7 @@ class Signer:
     previous: tuple[str, ...] = field(default=(), repr=False)
 
     @classmethod
-    def resolve(cls, configured: str = "") -> "Signer":
+    def resolve(cls, configured: str = "") -> Signer:
         """The key from the config, or ``RAYSC_CHECKPOINT_KEY`` when the config has none (or holds a
         redacted one, as a run's saved config.toml does); previous keys from the environment."""
         key = configured if configured and configured != REDACTED else os.environ.get(KEY_ENV, "")

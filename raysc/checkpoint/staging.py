@@ -22,11 +22,11 @@ can fall back to an older checkpoint.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterator
 from concurrent.futures import Future
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed.checkpoint as dcp

@@ -14,8 +14,9 @@ import hashlib
 import json
 import os
 import uuid
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any
 
 import fsspec
 

@@ -32,16 +32,15 @@ import os
 import re
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
 
 from raysc.checkpoint.failures import PermanentStorageError, permanent_reason
 from raysc.checkpoint.local_copies import local_copy_dir  # noqa: F401  (its older home; importers use it from here)
 from raysc.checkpoint.signing import Signer
-from raysc.checkpoint.storage import Storage, step_name
+from raysc.checkpoint.storage import Storage
 from raysc.hashing import file_sha256
 
 # v3: optimizer state flattened by parameter name; v4: per-rank state as safetensors + JSON (v3 pickled it)
@@ -73,7 +72,7 @@ class CheckpointStore:
         self.storage = Storage(self.uri, self.options, self.concurrency)
 
     @classmethod
-    def for_config(cls, cfg, uri: str | None = None) -> "CheckpointStore":
+    def for_config(cls, cfg, uri: str | None = None) -> CheckpointStore:
         """The store of ``cfg``'s checkpoint settings at ``uri`` (default: ``cfg.checkpoint_uri``)."""
         return cls(
             uri or cfg.checkpoint_uri,

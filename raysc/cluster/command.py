@@ -54,7 +54,7 @@ def _show(st, what: str, as_json: bool) -> None:
             if st.dashboard
             else ""
         )
-        + f"  stop it:   raysc cluster local down",
+        + "  stop it:   raysc cluster local down",
         flush=True,
     )
 

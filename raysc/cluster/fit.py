@@ -17,7 +17,7 @@ address counts as one that may grow.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.config.schema import ParallelConfig
 

@@ -30,9 +30,9 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
 from raysc.cluster.ports import free_port
 
@@ -57,7 +57,7 @@ class ClusterState:
     autoscale: dict | None = None
 
     @classmethod
-    def read(cls, path: Path) -> "ClusterState":
+    def read(cls, path: Path) -> ClusterState:
         if not path.is_file():
             raise FileNotFoundError(
                 f"no local cluster recorded at {path}; start one with "

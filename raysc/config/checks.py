@@ -10,7 +10,7 @@ spec (``faults``) and the pipeline schedules (``dims``).
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.config.dims import MULTI_STAGE
 from raysc.config.faults import parse_faults

@@ -40,7 +40,7 @@ class ParallelDims:
     tp: int = 1
 
     @classmethod
-    def of(cls, holder: Any) -> "ParallelDims":
+    def of(cls, holder: Any) -> ParallelDims:
         """The degrees of anything that carries them as attributes (``ParallelConfig``, ``plan.Layout``)."""
         return cls(**{name: getattr(holder, name) for name in DIM_NAMES})
 

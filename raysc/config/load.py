@@ -11,19 +11,20 @@ dependency).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
-import copy
 import hashlib
 import math
-import tomllib
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
+
+import tomllib
 
 from raysc.config.checks import ConfigError, validate
 from raysc.config.schema import SECTIONS, Config
 from raysc.config.secrets import REDACTED, redact
-
 
 _TYPES = {"int": int, "float": float, "bool": bool, "str": str, "dict": dict}
 

@@ -8,7 +8,7 @@ import argparse
 import importlib
 import json
 import threading
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.cli_table import SET, Command, arg
 from raysc.config.load import load_config

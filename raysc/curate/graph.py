@@ -11,7 +11,8 @@ group-bys (``connected_components``), in which no single process holds the graph
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 

@@ -16,8 +16,8 @@ import io
 import json
 import re
 import unicodedata
-
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -183,7 +183,7 @@ def _parse(
         except json.JSONDecodeError as e:
             rows.append(_bad(where, f"malformed JSON ({e.msg})", line.decode("utf-8", "replace")))
             continue
-        rows.append(_record(rec, where, lambda: line.decode("utf-8", "replace"), *fields))
+        rows.append(_record(rec, where, lambda line=line: line.decode("utf-8", "replace"), *fields))
     return rows
 
 

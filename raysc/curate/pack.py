@@ -153,12 +153,11 @@ def pack_curated(
 
     ``tokenizer_path`` None trains one (``vocab_size``) on ``sample_mb`` of the documents. ``special``:
     the special tokens to pack with (default: the tokenizer's own, ``read_special_tokens``)."""
-    from raysc.data.special_tokens import read_special_tokens
-
     import fsspec
     import ray
 
     from raysc.curate.output import arrow_fs as fsspec_arrow_fs
+    from raysc.data.special_tokens import read_special_tokens
 
     options = options or {}
     fs, root = fsspec.core.url_to_fs(curated_uri, **options)
@@ -223,5 +222,5 @@ def pack_curated(
     out_fs.makedirs(out_root, exist_ok=True)
     out_fs.pipe_file(f"{out_root}/tokenizer.json", tokenizer_json.encode())
     out_fs.pipe_file(f"{out_root}/index.json", json.dumps(index, indent=1).encode())  # last: marks it complete
-    log(f"pack: " + ", ".join(f"{k}: {v['sequences']} sequences" for k, v in index["domains"].items()))
+    log("pack: " + ", ".join(f"{k}: {v['sequences']} sequences" for k, v in index["domains"].items()))
     return index

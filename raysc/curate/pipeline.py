@@ -35,12 +35,12 @@ Data's own progress bars for every operator, and one log line per stage with its
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.cluster.fit import require_fit
 from raysc.config.schema import Config
-from raysc.curate.inputs import list_inputs
 from raysc.curate.dedup import DedupStats, dedup, keyer
+from raysc.curate.inputs import list_inputs
 from raysc.curate.output import write_report
 from raysc.curate.perplexity import check_reference
 from raysc.curate.stages import (

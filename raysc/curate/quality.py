@@ -24,8 +24,8 @@ import re
 
 from raysc.config.schema import QualityConfig
 from raysc.config.syntax import parse_ngram_limits
-from raysc.curate.words import words as split_words
 from raysc.curate.ngrams import ngram_repetition
+from raysc.curate.words import words as split_words
 
 STOP_WORDS = {"the", "be", "to", "of", "and", "that", "have", "with"}
 BULLETS = ("•", "●", "○", "■", "□", "▪", "▫", "–", "-", "*", "·", "‣", "⁃")
@@ -50,7 +50,7 @@ class QualityRules:
         self.skip_domains = tuple(d.strip() for d in self.config.skip_domains.split(",") if d.strip())
 
     @classmethod
-    def from_config(cls, q: QualityConfig) -> "QualityRules":
+    def from_config(cls, q: QualityConfig) -> QualityRules:
         """Rules from a ``QualityConfig`` (every threshold configurable under ``[quality]``)."""
         return cls(q)
 

@@ -32,9 +32,9 @@ from __future__ import annotations
 import argparse
 import json
 import random
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 from raysc.curate.audit import TARGETS, rewrite
 from raysc.curate.minhash import jaccard

@@ -23,8 +23,8 @@ import hashlib
 import json
 import sys
 import sysconfig
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 from raysc.data.compressed import read_bytes
 from raysc.hashing import file_sha256

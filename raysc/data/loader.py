@@ -13,13 +13,13 @@ one numpy gather; no prefetch thread is needed at these sizes.
 
 from __future__ import annotations
 
-from functools import lru_cache
-
 import numpy as np
 import torch
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
+
+PERMS_KEPT = 4  # permutations kept per loader: the epochs a batch can straddle, with room for a resume
 
 
 class BatchLoader:
@@ -36,10 +36,17 @@ class BatchLoader:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.cursor = 0  # global samples consumed so far
+        self._perms: dict[int, np.ndarray] = {}  # epoch -> permutation, oldest first
 
-    @lru_cache(maxsize=4)
     def _perm(self, epoch: int) -> np.ndarray:
-        return np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+        """The seeded permutation of ``epoch``; the newest few kept on this loader (a method-level
+        ``lru_cache`` would share one cache among every loader and keep each alive)."""
+        perm = self._perms.get(epoch)
+        if perm is None:
+            perm = self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
+            while len(self._perms) > PERMS_KEPT:
+                del self._perms[next(iter(self._perms))]
+        return perm
 
     def sample_indices(self, start: int, count: int) -> np.ndarray:
         """Row indices of global samples ``start .. start+count-1``."""

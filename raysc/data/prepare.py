@@ -23,8 +23,8 @@ import numpy as np
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
 from raysc.data import megatron, token_arrays
+from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
 from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows
 from raysc.data.shards import MEGATRON, load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens

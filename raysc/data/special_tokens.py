@@ -66,7 +66,7 @@ class SpecialTokens:
         return {**asdict(self), "stop_ids": list(self.stops)}
 
     @classmethod
-    def from_dict(cls, d: dict) -> "SpecialTokens":
+    def from_dict(cls, d: dict) -> SpecialTokens:
         return cls(**{**d, "stop_ids": tuple(d.get("stop_ids") or ())})
 
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

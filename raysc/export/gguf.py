@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+
 import gguf
 import numpy as np
 import torch

@@ -18,8 +18,8 @@ import math
 import re
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 from raysc.checkpoint.failures import permanent_reason
 from raysc.checkpoint.storage import StorageError

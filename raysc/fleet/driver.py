@@ -18,7 +18,6 @@ boundary. The previous handlers are restored when ``train`` returns.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import threading
@@ -31,9 +30,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from raysc.checkpoint.signing import Signer
 from raysc.checkpoint.storage import step_name
+from raysc.checkpoint.store import CheckpointStore
 from raysc.cluster.connect import init_ray
 from raysc.cluster.fit import require_fleet_fit
-from raysc.checkpoint.store import CheckpointStore
 from raysc.config.checks import check_track
 from raysc.config.load import config_to_dict
 from raysc.config.paths import absolutize, is_url
@@ -43,9 +42,9 @@ from raysc.fleet.elastic import min_world
 from raysc.fleet.errors import RunFailed, RunStopped
 from raysc.fleet.events import EventKind
 from raysc.fleet.groups import remove_groups_of
+from raysc.fleet.preflight_gate import require_passing
 from raysc.fleet.records import JsonlWriter
 from raysc.fleet.stopping import take_request
-from raysc.fleet.preflight_gate import require_passing
 
 
 def check_inputs(cfg: Config) -> None:
@@ -137,7 +136,7 @@ class StopSignals:
         self.checkpoints = 0  # SIGUSR1s not yet passed on
         self._previous: dict[int, object] = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1):
                 self._previous[sig] = signal.signal(sig, self._handle)

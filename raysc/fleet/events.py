@@ -12,7 +12,7 @@ from enum import Enum
 
 
 class EventKind(str, Enum):
-    def __new__(cls, value: str, meaning: str) -> "EventKind":
+    def __new__(cls, value: str, meaning: str) -> EventKind:
         member = str.__new__(cls, value)
         member._value_ = value
         member.meaning = meaning

@@ -41,8 +41,8 @@ import os
 import shutil
 import signal
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 

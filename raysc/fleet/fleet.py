@@ -12,8 +12,8 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import ray
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
@@ -138,7 +138,7 @@ class Fleet:
             raise RunFailed(
                 f"parallel.tp_within_node: a tensor×context-parallel group is {group} workers of {bundle}, but the "
                 f"largest node holds {max(fits, default=0)} ({self._node_sizes()}). Use nodes with at least "
-                f"{group * bundle['CPU']:g} CPUs{' and %d GPUs' % group if 'GPU' in bundle else ''}, lower "
+                f"{group * bundle['CPU']:g} CPUs{f' and {group} GPUs' if 'GPU' in bundle else ''}, lower "
                 f"parallel.tp/cp or parallel.cpus_per_worker, or set parallel.tp_within_node=false."
             )
 

@@ -17,14 +17,14 @@ chunk of training in between stop the run. Repeated restarts back off exponentia
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.config.faults import consume_faults
 from raysc.config.schema import Config
 from raysc.fleet.actions import Action, classify
 from raysc.fleet.checkpointing import CheckpointCoordinator
-from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.elastic import Elastic
+from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.stats import RunStats

@@ -147,7 +147,7 @@ class WorkerPool:
             self._reap_dead_lenders()
             with self._lock:
                 now = time.monotonic()
-                for node, idle in self._idle.items():
+                for idle in self._idle.values():
                     for worker, since in [e for e in idle if now - e[1] > self._idle_s]:
                         ray.kill(worker, no_restart=True)
                         idle.remove((worker, since))

@@ -26,17 +26,17 @@ import torch
 import torch.distributed as dist
 
 from raysc.checkpoint.failures import PermanentStorageError
-from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
 from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root, prune_local_copies
+from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
 from raysc.checkpoint.store import CheckpointStore
+from raysc.cluster.ports import free_port
 from raysc.config.load import config_from_dict
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import REPORT_EVERY_S, WorkerInfo
 from raysc.fleet.reuse import forget_rank_caches
 from raysc.fleet.stopping import StepVote
-from raysc.cluster.ports import free_port
-from raysc.parallel.dims import build_mesh
 from raysc.parallel.describe import describe_shard
+from raysc.parallel.dims import build_mesh
 from raysc.train.cpu_threads import own_intraop_threads
 from raysc.train.memory import PeakMemory
 from raysc.train.signals import SilentCorruption

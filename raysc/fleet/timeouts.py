@@ -10,12 +10,12 @@ under the new timeout while a core is kept busy.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from raysc.config.schema import SupervisorConfig
 from raysc.fleet.events import EventKind
-from raysc.fleet.stats import RunStats
 from raysc.fleet.messages import REPORT_EVERY_S
+from raysc.fleet.stats import RunStats
 
 SLOW_FACTOR = 3.0  # a step this many times the calibrated median is reported as slow
 # ... and at least this much slower: a shared host's scheduling jitters by tenths of a second (a

@@ -12,7 +12,7 @@ the root cause.
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import ray
 

@@ -23,7 +23,8 @@ serves what must answer while ``train`` runs: ``save_wait``, ``save_pending``, `
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import ray
 

@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from statistics import mean
-from typing import Callable
 
 import numpy as np
 

@@ -8,7 +8,7 @@ Serve (docs/architecture.md), above the model, never imported by training code.
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

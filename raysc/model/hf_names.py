@@ -23,7 +23,7 @@ ARCHITECTURES = {
 }
 
 
-def model_type(cfg: "ModelConfig") -> str:
+def model_type(cfg: ModelConfig) -> str:
     """config.json's model_type for a raysc ``ModelConfig``: qwen3 (q/k norms), qwen2 (q/k/v biases) or llama."""
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
 

@@ -23,7 +23,7 @@ hidden-matrix init std, the logit multiplier and the attention softmax scale.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -152,7 +152,7 @@ class Attention(nn.Module):
         # (q, k, v) -> attention output; context parallelism swaps in a distributed kernel
         self.core_attention: Callable[..., torch.Tensor] = causal_attention
 
-    def forward(self, x: torch.Tensor, rope: "Rope") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         bsz, seqlen, _ = x.shape
         q = self.wq(x).view(bsz, seqlen, -1, self.head_dim)
         k = self.wk(x).view(bsz, seqlen, -1, self.head_dim)

@@ -39,7 +39,7 @@ shard of any layout.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -11,7 +11,7 @@ independent of the split.
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch import nn

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from raysc.config import Config, load_config
 from raysc.plan.layout import Cluster
-from raysc.plan.search import format_size, format_table, heuristic_layout, plan
 from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import estimate_step
+from raysc.plan.search import format_size, format_table, heuristic_layout, plan
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

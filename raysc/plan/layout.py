@@ -54,7 +54,7 @@ class Layout:
     recompute: str = "none"
 
     @classmethod
-    def from_config(cls, cfg) -> "Layout":
+    def from_config(cls, cfg) -> Layout:
         """The layout a config runs (its micro-batch: train.micro_batch, or the pipeline's)."""
         par, t = cfg.parallel, cfg.train
         micro = par.micro_batch(t.global_batch_sequences, t.micro_batch)

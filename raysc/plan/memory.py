@@ -46,7 +46,6 @@ from raysc.config.schema import ModelConfig
 from raysc.model.flops import param_count
 from raysc.plan.layout import Layout
 
-
 INIT_BLOCK_VALUES = 1 << 22  # raysc.parallel.materialise.CHUNK_ELEMS (a test keeps them equal)
 
 

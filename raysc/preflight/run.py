@@ -30,6 +30,7 @@ from raysc.config.measure import measurement_config
 from raysc.config.paths import absolutize
 from raysc.config.schema import Config
 from raysc.fleet.driver import train
+from raysc.fleet.preflight_gate import preflight_hash
 from raysc.fleet.records import read_jsonl
 from raysc.plan.layout import Layout
 from raysc.plan.memory import estimate_memory
@@ -47,7 +48,6 @@ from raysc.preflight.checklist import (
     check_topology,
 )
 from raysc.preflight.quantized import measure_quantization
-from raysc.fleet.preflight_gate import preflight_hash
 
 
 def _store_speed(cfg: Config, nbytes: int) -> dict:

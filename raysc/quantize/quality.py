@@ -4,8 +4,8 @@ quantization a W8A8 engine applies, simulated in torch so the measurement matche
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import torch
 import torch.nn.functional as F

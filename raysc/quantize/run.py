@@ -25,12 +25,12 @@ from raysc.export.hf import hf_name
 from raysc.export.restore import RunModel, load_run
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
+from raysc.quantize.awq import CLIP_GRID, MAX_SHRINK
 from raysc.quantize.calibration import calibration, heldout_rows
 from raysc.quantize.manifest import write_manifest
 from raysc.quantize.publish import is_remote, open_destination, upload_folder
 from raysc.quantize.quality import int8_activations, perplexity
 from raysc.quantize.rtn import QuantSpec
-from raysc.quantize.awq import CLIP_GRID, MAX_SHRINK
 from raysc.quantize.sequential import GROUPS, METHODS, NO_CLIP, quantize_model
 from raysc.quantize.writer import file_bytes, scheme, write_checkpoint
 

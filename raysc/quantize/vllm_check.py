@@ -35,8 +35,8 @@ def torch_greedy(path: str | Path, prompts: list[str], max_tokens: int) -> list[
     from raysc.data.special_tokens import read_special_tokens
     from raysc.data.tokenizer import load_tokenizer
     from raysc.export.hf import hf_name
-    from raysc.model.hf_checkpoint import family_settings
     from raysc.model.generate import generate
+    from raysc.model.hf_checkpoint import family_settings
     from raysc.model.llama import Llama
     from raysc.quantize.quality import int8_activations
     from raysc.quantize.run import linear_names

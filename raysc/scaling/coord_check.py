@@ -48,7 +48,7 @@ def coord_data(
         model_cfg = at_width(cfg.model, w, mup, base)
         per_step: list[dict[str, list[float]]] = [{} for _ in range(steps + 1)]
 
-        def keep(step: int, acts: dict[str, float]) -> None:
+        def keep(step: int, acts: dict[str, float], per_step: list = per_step) -> None:
             for name, v in acts.items():
                 per_step[step].setdefault(name, []).append(v)
 

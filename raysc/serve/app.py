@@ -15,7 +15,8 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]

@@ -13,7 +13,6 @@ from typing import Any
 from raysc.config.schema import ServeConfig
 from raysc.serve.source import ServedModel
 
-
 # Ray Serve LLM's hook for the engine class a replica builds: ours runs a one-rank CPU model in vLLM's
 # engine-core process, not a worker process of its own (raysc.serve.one_process)
 ONE_PROCESS = {"RAYLLM_VLLM_ENGINE_CLS": "raysc.serve.one_process:OneProcessEngine"}

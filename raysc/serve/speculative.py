@@ -20,8 +20,9 @@ the up to k tokens that followed it. Ours is a plain scan written from that desc
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import Protocol
 
 import numpy as np
 import torch

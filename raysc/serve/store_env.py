@@ -24,7 +24,7 @@ them. Use an instance role where the cluster has one.
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from collections.abc import Mapping
 
 from raysc.config.secrets import REDACTED
 

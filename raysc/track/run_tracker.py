@@ -22,8 +22,9 @@ import json
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from raysc.config.load import config_to_dict
 from raysc.config.schema import Config

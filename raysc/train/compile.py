@@ -13,7 +13,7 @@ against 6.4 s eager (the compile).
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch.nn as nn
 

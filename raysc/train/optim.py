@@ -12,7 +12,7 @@ step counter; ``LambdaLR`` carries it in its state dict.
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 

@@ -49,34 +49,39 @@ def group_bandwidth(mesh, sizes: dict[str, int], nbytes: int, device: torch.devi
         n = sizes.get(name, 1)
         if n < 2 or mesh is None:
             continue
-        group = mesh[name].get_group()
-        elems = max(n, nbytes // 4 // n * n)
-        buf = torch.ones(elems, dtype=torch.float32, device=device)
-        size = elems * 4
-        shard = torch.empty(elems // n, dtype=torch.float32, device=device)
-        row = {"group": name, "size": n, "bytes": size}
-        t = _timed(lambda: dist.all_reduce(buf, group=group), buf, iters)
-        row["all_reduce_busbw_gbps"] = size / t * 2 * (n - 1) / n / 1e9
-        t = _timed(lambda: dist.all_gather_into_tensor(buf, shard, group=group), buf, iters)
-        row["all_gather_busbw_gbps"] = size / t * (n - 1) / n / 1e9
-        t = _timed(lambda: dist.reduce_scatter_tensor(shard, buf, group=group), buf, iters)
-        row["reduce_scatter_busbw_gbps"] = size / t * (n - 1) / n / 1e9
-        if name == "pp":
-            me = dist.get_group_rank(group, dist.get_rank())
-            nxt = dist.get_global_rank(group, (me + 1) % n)
-            prv = dist.get_global_rank(group, (me - 1) % n)
-            recv = torch.empty_like(buf)
-
-            def p2p() -> None:
-                for req in dist.batch_isend_irecv(
-                    [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
-                ):
-                    req.wait()
-
-            t = _timed(p2p, buf, iters)
-            row["p2p_busbw_gbps"] = size / t / 1e9
+        row = _group_row(name, n, mesh[name].get_group(), nbytes, device, iters)
         out.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
     return out
+
+
+def _group_row(name: str, n: int, group, nbytes: int, device: torch.device, iters: int) -> dict:
+    """One group's bus bandwidths (collective over ``group``)."""
+    elems = max(n, nbytes // 4 // n * n)
+    buf = torch.ones(elems, dtype=torch.float32, device=device)
+    size = elems * 4
+    shard = torch.empty(elems // n, dtype=torch.float32, device=device)
+    row = {"group": name, "size": n, "bytes": size}
+    t = _timed(lambda: dist.all_reduce(buf, group=group), buf, iters)
+    row["all_reduce_busbw_gbps"] = size / t * 2 * (n - 1) / n / 1e9
+    t = _timed(lambda: dist.all_gather_into_tensor(buf, shard, group=group), buf, iters)
+    row["all_gather_busbw_gbps"] = size / t * (n - 1) / n / 1e9
+    t = _timed(lambda: dist.reduce_scatter_tensor(shard, buf, group=group), buf, iters)
+    row["reduce_scatter_busbw_gbps"] = size / t * (n - 1) / n / 1e9
+    if name == "pp":
+        me = dist.get_group_rank(group, dist.get_rank())
+        nxt = dist.get_global_rank(group, (me + 1) % n)
+        prv = dist.get_global_rank(group, (me - 1) % n)
+        recv = torch.empty_like(buf)
+
+        def p2p() -> None:
+            for req in dist.batch_isend_irecv(
+                [dist.P2POp(dist.isend, buf, nxt, group), dist.P2POp(dist.irecv, recv, prv, group)]
+            ):
+                req.wait()
+
+        t = _timed(p2p, buf, iters)
+        row["p2p_busbw_gbps"] = size / t / 1e9
+    return row
 
 
 def _run(cmd: list[str]) -> str | None:

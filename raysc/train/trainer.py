@@ -14,8 +14,8 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 import torch
@@ -215,7 +215,7 @@ class Trainer:
             self.schedule.step(*args, target=y if last else None, losses=losses if last else None, **self._kwargs(docs))
             if not last:
                 return torch.zeros((), device=self.device)
-            return torch.stack([_local(l.detach()) for l in losses]).mean()
+            return torch.stack([_local(loss.detach()) for loss in losses]).mean()
         total = torch.zeros((), device=self.device)
         for xb, yb, kw in self._micro(x, y, docs):
             with self._autocast():
@@ -324,7 +324,7 @@ class Trainer:
                     losses=losses if last else None,
                     **self._kwargs(db),
                 )
-            total += sum((_local(l) for l in losses[:real]), torch.zeros((), device=self.device))
+            total += sum((_local(loss) for loss in losses[:real]), torch.zeros((), device=self.device))
         return total
 
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
