@@ -8,6 +8,10 @@ fire-and-forget actor call, so reporting never waits on the supervisor.
 
 Workers form a torch.distributed process group (gloo on CPU, NCCL on CUDA) even
 at world size 1, so checkpointing and later parallel layouts use one code path.
+This module holds the rank's setup, its training loop and reports, and its
+silent-data-corruption checks; its part of every checkpoint is ``RankCheckpoints``
+(``raysc.fleet.rank_checkpoint``) and its collective measurements (timeouts,
+pre-flight probe, stress) are ``raysc.fleet.rank_collectives``'s.
 This module imports torch; only the worker processes import it.
 """
 
@@ -19,20 +23,19 @@ import threading
 import time
 import warnings
 from datetime import timedelta
-from pathlib import Path
 
 import ray
 import torch
 import torch.distributed as dist
 
-from raysc.checkpoint.failures import PermanentStorageError
-from raysc.checkpoint.local_copies import local_copy_dir, node_copies_root, prune_local_copies
-from raysc.checkpoint.staging import Staged, load_local, rank_files, save_extra, write_shards
+from raysc.checkpoint.local_copies import node_copies_root
 from raysc.checkpoint.store import CheckpointStore
 from raysc.cluster.ports import free_port
 from raysc.config.load import config_from_dict
+from raysc.fleet import rank_collectives
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import REPORT_EVERY_S, WorkerInfo
+from raysc.fleet.rank_checkpoint import RankCheckpoints
 from raysc.fleet.reuse import forget_rank_caches
 from raysc.fleet.stopping import StepVote
 from raysc.parallel.describe import describe_shard
@@ -41,17 +44,6 @@ from raysc.train.cpu_threads import own_intraop_threads
 from raysc.train.memory import PeakMemory
 from raysc.train.signals import SilentCorruption
 from raysc.train.trainer import Trainer
-
-
-def _discard_staged(local: Path, rank: int) -> int:
-    """Remove this rank's staged files of a save that failed (they will never be committed); bytes freed."""
-    freed = 0
-    for name in rank_files(local, rank):
-        path = local / name
-        if path.is_file():
-            freed += path.stat().st_size
-            path.unlink(missing_ok=True)
-    return freed
 
 
 def rendezvous_address() -> tuple[str, int, str]:
@@ -66,7 +58,7 @@ class RankWorker:
         self.supervisor = supervisor
         self.trainer: Trainer | None = None
         self.memory: PeakMemory | None = None
-        self._save: dict | None = None
+        self.checkpoints = RankCheckpoints(self)
         self._pending_reports: list[dict] = []
         self._training = threading.Lock()  # held while train() runs: repairs wait for it
         self.vote: StepVote | None = None
@@ -136,10 +128,10 @@ class RankWorker:
         )
         t_setup.append(time.perf_counter())
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
-        self.ckpt_group = dist.new_group(backend="gloo")
+        self.checkpoints.group = dist.new_group(backend="gloo")
         # and stop / checkpoint-now requests theirs (raysc.fleet.stopping)
         self.vote = StepVote(dist.new_group(backend="gloo") if self.world_size > 1 else None)
-        self.ckpt = CheckpointStore.for_config(self.cfg)
+        self.checkpoints.store = CheckpointStore.for_config(self.cfg)
         phases = ("process_group", "data", "model", "checkpoint_group")
         return WorkerInfo(
             rank=self.rank,
@@ -157,102 +149,30 @@ class RankWorker:
             setup_s=dict(zip(phases, (round(b - a, 3) for a, b in zip(t_setup, t_setup[1:] + [time.perf_counter()])))),
         )
 
-    # ---- checkpoints ----
-    def _local_dir(self, step: int, uri: str | None = None) -> Path:
-        """This node's copy of checkpoint ``step`` (staging for saves, cache for restores)."""
-        return local_copy_dir(
-            self.cfg.data.cache_dir, uri or self.cfg.checkpoint_uri, step, ray.get_runtime_context().get_node_id()
-        )
-
+    # ---- checkpoints (raysc.fleet.rank_checkpoint) ----
     def fetch(self, uri: str, step: int, hot: dict | None) -> dict:
-        """Bring every file of checkpoint ``step`` under ``uri`` to this node, verifying sizes and
-        SHA-256 (no collectives, so a corrupt file fails here, on every rank, before any load)."""
-        getters = {name: (lambda ref=ref: ray.get(ref)) for name, ref in (hot or {}).items()}
-        store = self.ckpt if uri == self.cfg.checkpoint_uri else CheckpointStore.for_config(self.cfg, uri)
-        t0 = time.perf_counter()
-        _, source = store.fetch(step, self._local_dir(step, uri), getters, reuse_local=self.cfg.checkpoint.hot_copy)
-        return {"rank": self.rank, "source": source, "seconds": time.perf_counter() - t0}
+        return self.checkpoints.fetch(uri, step, hot)
 
     def load(self, uri: str, step: int) -> int:
-        """Load a fetched checkpoint into the model, optimizer, scheduler, loader and RNG
-        (DCP reshards it when it was written under another layout)."""
-        extra = load_local(
-            self._local_dir(step, uri), self.trainer.shard.state_module(), self.trainer.optimizer, self.rank, step=step
-        )
-        self.trainer.load_extra_state(extra)
-        return self.trainer.step
+        return self.checkpoints.load(uri, step)
 
     def save_start(self, step: int) -> dict:
-        """Stage this rank's shards for ``step`` to local disk (collective over the checkpoint
-        group) and upload them in a background thread; returns the seconds training was held
-        and the loader state recorded in the manifest."""
-        t0 = time.perf_counter()
-        local = self._local_dir(step)
-        prune_local_copies(local, self.cfg.checkpoint.keep_last)  # a cache of the store: the store's count
-        local.mkdir(parents=True, exist_ok=True)
-        for stale in rank_files(local, self.rank):  # leftovers of an earlier attempt at this step
-            (local / stale).unlink(missing_ok=True)
-        extra = self.trainer.extra_state()
-        staged = write_shards(
-            local,
-            self.trainer.shard.state_module(),
-            self.trainer.optimizer,
-            self.ckpt_group,
-            asynchronous=self.cfg.checkpoint.async_save,
-        )
-        self._save = {"step": step, "done": threading.Event(), "result": None}
-        threading.Thread(target=self._finish_save, args=(step, local, staged, extra), daemon=True).start()
-        held = time.perf_counter() - t0
-        if not self.cfg.checkpoint.async_save:
-            self._save["done"].wait()
-        return {"held_s": held, "loader": extra["loader"], "detector": extra["detector"]}
+        return self.checkpoints.save_start(step)
 
-    def _finish_save(self, step: int, local: Path, staged: Staged, extra: dict) -> None:
-        retries: list[str] = []
-        result: dict = {"rank": self.rank, "step": step, "retries": retries}
-        try:
-            self.faults.before_upload(step)
-            save_extra(staged, local, extra, self.rank)
-            digests = staged.wait()
-            entries = self.ckpt.upload(
-                step,
-                local,
-                rank_files(local, self.rank),
-                digests,
-                retries=self.cfg.checkpoint.upload_retries,
-                on_retry=lambda name, n, e: retries.append(f"{name} try {n}: {e}"),
-                after_file=self.faults.on_file_written(step),
-            )
-            self.ckpt.write_receipt(step, self.rank, entries)  # the supervisor may commit it without us
-            result.update(ok=True, files=entries)
-        except Exception as e:  # reported to the supervisor, which records it and applies its policy
-            result.update(
-                ok=False,
-                error=f"{type(e).__name__}: {e}",
-                permanent=getattr(e, "reason", None) if isinstance(e, PermanentStorageError) else None,
-                freed_local=_discard_staged(local, self.rank),
-            )
-        self._save["result"] = result
-        self._save["done"].set()
+    def read_file(self, step: int, name: str) -> bytes:
+        return self.checkpoints.read_file(step, name)
 
+    def save_wait(self) -> dict:
+        return self.checkpoints.save_wait()
+
+    def save_pending(self) -> bool:
+        return self.checkpoints.save_pending()
+
+    # ---- training ----
     def _announce(self, fault: Fault) -> None:
         """Tell the supervisor (and wait for it to hear) before an injected fault fires."""
         ray.get(self.supervisor.fault_fired.remote(fault.spec, self.rank, fault.step))
         self._flush_reports()
-
-    def read_file(self, step: int, name: str) -> bytes:
-        """Bytes of one staged checkpoint file. The supervisor calls this right after a commit and
-        keeps the returned ObjectRefs: Ray makes the caller their owner, so the hot copy lives in
-        the object store under the supervisor and survives this worker's death."""
-        return (self._local_dir(step) / name).read_bytes()
-
-    def save_wait(self) -> dict:
-        """Block until the save in flight has uploaded; its files and hot-copy refs, or its error."""
-        self._save["done"].wait()
-        return self._save["result"]
-
-    def save_pending(self) -> bool:
-        return self._save is not None and not self._save["done"].is_set()
 
     def request(self, kind: str) -> None:
         """Ask ``train`` to return early (``stop``), or to return so that the supervisor saves a
@@ -326,87 +246,20 @@ class RankWorker:
         with self._training:
             return self.trainer.replicas.run(self.trainer.step)
 
-    # ---- timeout calibration (raysc.fleet.timeouts) ----
-    def _grad_sized(self) -> torch.Tensor:
-        """A buffer the size of the largest rank's gradient shard (capped at 64 MB); collective,
-        since every rank must all-reduce the same shape (pipeline stages and shards differ)."""
-        n = torch.tensor([sum(p.numel() for p in self.trainer.replicas.params)], device=self.trainer.device)
-        dist.all_reduce(n, op=dist.ReduceOp.MAX)
-        return torch.ones(min(int(n.item()), 16 << 20), dtype=torch.float32, device=self.trainer.device)
-
+    # ---- timeout calibration, pre-flight (raysc.fleet.rank_collectives) ----
     def measure_collectives(self, iters: int = 5) -> dict:
-        """Median time of an all-reduce of this rank's gradient size over all ranks (collective)."""
-        buf = self._grad_sized()
-        times = []
-        for _ in range(iters + 1):
-            t0 = time.perf_counter()
-            dist.all_reduce(buf)
-            if buf.is_cuda:
-                torch.cuda.synchronize()
-            times.append(time.perf_counter() - t0)
-        times = sorted(times[1:])  # the first one warms up
-        return {"allreduce_s": times[len(times) // 2], "bytes": buf.numel() * 4}
+        return rank_collectives.measure_collectives(self.trainer, iters)
 
     def probe(self, nbytes: int) -> dict:
-        """Pre-flight measurements on this rank (collective: every rank must call it): bus bandwidth
-        per parallel group and the node's topology (``raysc.train.probe``)."""
-        from raysc.train.probe import group_bandwidth, node_topology
-
-        dims = self.trainer.dims
-        sizes = dims.as_dict()
-        with self._training:
-            bandwidth = group_bandwidth(self.trainer.mesh, sizes, nbytes, self.trainer.device)
-        return {
-            "rank": self.rank,
-            "coords": dims.coords(self.rank),
-            "node": ray.util.get_node_ip_address(),
-            "node_id": ray.get_runtime_context().get_node_id(),
-            "bandwidth": bandwidth,
-            "topology": node_topology(self.trainer.device),
-        }
+        return rank_collectives.probe(self.trainer, self.rank, nbytes, self._training)
 
     def set_timeout(self, seconds: float) -> None:
         """The process-group timeout of every training collective (the default group and each mesh
         group); the checkpoint group keeps its own, longer one."""
-        from torch.distributed.distributed_c10d import _set_pg_timeout
-
-        for g in list(dist.distributed_c10d._world.pg_map):  # every group this rank is in
-            if g is not self.ckpt_group:
-                _set_pg_timeout(timedelta(seconds=seconds), g)
+        rank_collectives.set_timeout(seconds, keep=self.checkpoints.group)
 
     def stress(self, seconds: float) -> dict:
-        """All-reduce and all-gather back to back for ``seconds`` while a thread keeps a core busy
-        (load), under the calibrated timeout: counts operations, the slowest, and any timeout."""
-        buf = self._grad_sized()
-        stop = threading.Event()
-
-        def burn() -> None:
-            x = torch.randn(256, 256)
-            while not stop.is_set():
-                x = (x @ x).clamp_(-1, 1)
-
-        burner = threading.Thread(target=burn, daemon=True)
-        burner.start()
-        ops, slowest, error = 0, 0.0, None
-        t_end = time.monotonic() + seconds
-        try:
-            while True:
-                go = torch.tensor([1 if time.monotonic() < t_end else 0], device=buf.device)
-                dist.all_reduce(go, op=dist.ReduceOp.MIN)  # every rank runs the same number of rounds
-                if not go.item():
-                    break
-                t0 = time.perf_counter()
-                dist.all_reduce(buf)
-                gathered = [torch.empty(1024, device=buf.device) for _ in range(self.world_size)]
-                dist.all_gather(gathered, buf[:1024])
-                slowest = max(slowest, time.perf_counter() - t0)
-                ops += 2
-        except RuntimeError as e:  # a collective that exceeded the process-group timeout
-            error = str(e).splitlines()[0]
-        finally:
-            stop.set()
-            burner.join()
-        return {"ops": ops, "slowest_s": slowest, "timeouts": int(error is not None), "error": error}
+        return rank_collectives.stress(self.trainer, self.world_size, seconds)
 
     def skip_batches(self, n: int) -> int:
         """Move the data cursor past ``n`` global batches (after a rollback); returns the cursor."""
@@ -438,6 +291,6 @@ class RankWorker:
         if halt is not None:
             halt()
         self.shutdown()
-        self.trainer = self.memory = self.vote = self.ckpt = None
+        self.trainer = self.memory = self.vote = self.checkpoints.store = None
         forget_rank_caches()
         gc.collect()
