@@ -64,3 +64,12 @@ def test_the_supervisor_and_the_worker_actor_class_import_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", f"the supervisor imports {out.strip()}"
+
+
+def test_no_module_of_raysc_is_over_500_lines():
+    """A module that grows past 500 lines (formatted: `make lint` checks that) is split by what it does."""
+    root = TOOL.parent.parent / "raysc"
+    long = {
+        str(p.relative_to(root.parent)): n for p in root.rglob("*.py") if (n := len(p.read_text().splitlines())) > 500
+    }
+    assert not long, f"split these by responsibility (docs/architecture.md, house style): {long}"
