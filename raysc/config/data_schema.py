@@ -25,7 +25,15 @@ class DataConfig:
         "'0:prose=0.7,code=0.3; 2e6:prose=0.3,code=0.7'); needs a packed data.source; "
         "empty = one phase in the domains' natural proportions",
     )
-    prefetch: int = opt(4, "global batches the mixture loader prepares ahead in a thread of each worker", min=1, max=64)
+    prefetch: int = opt(4, "global batches the loader prepares (reads) ahead in a thread of each worker", min=1, max=64)
+    shuffle_block_kib: int = opt(
+        1024,
+        "the data order shuffles blocks of this many KiB of neighbouring rows (counted in uint16 tokens) and "
+        "the rows inside each block: a rank reads whole blocks, never a few KB at a random offset "
+        "(docs/data.md, 'Reading a corpus where it lies'); part of the data order",
+        min=1,
+        max=1 << 20,
+    )
     storage_options: dict = opt_dict("fsspec options for reading data.source when it is an object-store URL")
     tokenizer: str = opt("", "path to an existing tokenizer.json; empty = train a byte-level BPE on the corpus")
     token_dtype: str = opt(

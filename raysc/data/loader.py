@@ -1,14 +1,17 @@
 """Deterministic, exactly resumable batch loader over packed sequences.
 
 The data order is a pure function of (seed, global cursor): global sample ``j``
-is row ``perm_e[j mod n]`` where ``e = j div n`` is the epoch and ``perm_e`` a
-permutation seeded by ``(seed, e)``. Global batch ``b`` covers samples
+is row ``order_e.rows(j mod n)`` where ``e = j div n`` is the epoch and ``order_e``
+the seeded block-and-window bijection of ``raysc.data.order`` (computed, never
+stored: O(1) memory at any corpus size). Global batch ``b`` covers samples
 ``[cursor_b, cursor_b + global_batch)`` and data-parallel rank ``r`` of ``dp``
 takes the ``r``-th contiguous slice of it. Resuming needs only the cursor, and
 the sequence of global batches does not depend on the number of ranks.
 
-Rows live in memory (a packed corpus is small next to the model), so a batch is
-one numpy gather; no prefetch thread is needed at these sizes.
+``rows`` is an array of packed rows in memory or a ``RowSource`` (``raysc.data.row_source``)
+that reads this rank's rows from the token files where they lie; a batch is one gather.
+``build_loader`` wraps either loader in a ``Prefetcher`` thread (``data.prefetch`` batches
+ahead), so reads from disk or an object store overlap the step.
 """
 
 from __future__ import annotations
@@ -18,12 +21,21 @@ import torch
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
+from raysc.data.order import SampleOrder, block_rows
 
-PERMS_KEPT = 4  # permutations kept per loader: the epochs a batch can straddle, with room for a resume
+ORDERS_KEPT = 4  # epochs' orders kept per loader: the epochs a batch can straddle, with room for a resume
 
 
 class BatchLoader:
-    def __init__(self, rows: np.ndarray, seed: int, global_batch: int, dp_rank: int = 0, dp_size: int = 1):
+    def __init__(
+        self,
+        rows,
+        seed: int,
+        global_batch: int,
+        dp_rank: int = 0,
+        dp_size: int = 1,
+        block: int = 1,
+    ):
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp size {dp_size}")
         if not 0 <= dp_rank < dp_size:
@@ -35,18 +47,17 @@ class BatchLoader:
         self.global_batch = global_batch
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.block = block  # rows per shuffle block (raysc.data.order)
         self.cursor = 0  # global samples consumed so far
-        self._perms: dict[int, np.ndarray] = {}  # epoch -> permutation, oldest first
+        self._orders: dict[int, SampleOrder] = {}  # epoch -> its order, oldest first
 
-    def _perm(self, epoch: int) -> np.ndarray:
-        """The seeded permutation of ``epoch``; the newest few kept on this loader (a method-level
-        ``lru_cache`` would share one cache among every loader and keep each alive)."""
-        perm = self._perms.get(epoch)
-        if perm is None:
-            perm = self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(len(self.rows))
-            while len(self._perms) > PERMS_KEPT:
-                del self._perms[next(iter(self._perms))]
-        return perm
+    def _order(self, epoch: int) -> SampleOrder:
+        order = self._orders.get(epoch)
+        if order is None:
+            order = self._orders[epoch] = SampleOrder(len(self.rows), self.global_batch, self.block, (self.seed, epoch))
+            while len(self._orders) > ORDERS_KEPT:
+                del self._orders[next(iter(self._orders))]
+        return order
 
     def sample_indices(self, start: int, count: int) -> np.ndarray:
         """Row indices of global samples ``start .. start+count-1``."""
@@ -55,7 +66,7 @@ class BatchLoader:
         out = np.empty(count, dtype=np.int64)
         for epoch in np.unique(j // n):
             sel = (j // n) == epoch
-            out[sel] = self._perm(int(epoch))[j[sel] % n]
+            out[sel] = self._order(int(epoch)).rows(j[sel] % n)
         return out
 
     def next_batch(self) -> torch.Tensor:
@@ -73,7 +84,7 @@ class BatchLoader:
         return self.cursor // len(self.rows)
 
     def state_dict(self) -> dict:
-        return {"cursor": self.cursor, "seed": self.seed, "global_batch": self.global_batch}
+        return {"cursor": self.cursor, "seed": self.seed, "global_batch": self.global_batch, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict) -> None:
         if state["seed"] != self.seed:
@@ -82,17 +93,21 @@ class BatchLoader:
 
 
 def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank: int, dp_size: int):
-    """The run's loader: ``BatchLoader`` over one array of rows, or, for per-domain rows (a
-    ``raysc pack`` source), a prefetching ``MixtureLoader`` following ``data.schedule``
-    (empty = the domains' natural proportions)."""
-    gb = cfg.train.global_batch_sequences
-    if not isinstance(rows, dict):
-        return BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size)
+    """The run's loader, prefetching in a thread: ``BatchLoader`` over one source of rows, or, for
+    per-domain rows (a ``raysc pack`` source), ``MixtureLoader`` following ``data.schedule`` (empty =
+    the domains' natural proportions)."""
     from raysc.data.mixture import MixtureLoader, Prefetcher
     from raysc.data.prepare import natural_schedule
 
+    gb = cfg.train.global_batch_sequences
+    block = block_rows(cfg.train.seq_len, cfg.data.shuffle_block_kib)
+    for source in rows.values() if isinstance(rows, dict) else [rows]:
+        if hasattr(source, "read_unit"):  # a RowSource: a miss on an object store fetches the whole block
+            source.read_unit = block
+    if not isinstance(rows, dict):
+        return Prefetcher(BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size, block), cfg.data.prefetch)
     schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})
     mixture = MixtureLoader(
-        rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len, dp_rank, dp_size
+        rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len, dp_rank, dp_size, block
     )
     return Prefetcher(mixture, cfg.data.prefetch)

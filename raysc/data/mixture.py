@@ -7,24 +7,29 @@
 The stream is a sequence of global samples. Sample ``g`` goes to the domain furthest below
 its target within the current phase (target = weight × samples of the phase so far, ties by
 domain name): no randomness, so every prefix of a phase meets the weights to within one
-sample. Inside a domain rows come in a seeded permutation (seed, domain, epoch); a domain
-that runs out starts its next epoch with a new permutation (``epochs`` counts them).
+sample. Inside a domain rows come in a seeded order (seed, domain, epoch: the block-and-window
+bijection of ``raysc.data.order``, computed, never stored); a domain that runs out starts its next
+epoch in a new order (``epochs`` counts them). A batch's rows are read domain by domain, each one
+gather (from memory, or from the token files where they lie: ``raysc.data.row_source``).
 
 The position is one global cursor plus the per-domain counters (``state_dict``). Every
 data-parallel rank computes the same assignments for a whole global batch and reads only its
 slice, so the global sequence of batches is the same whatever the dp size, and resuming from a
-state reproduces it (tested 2 → 4 → 1). ``Prefetcher`` prepares batches in a thread.
+state reproduces it (tested 2 → 4 → 1). ``Prefetcher`` prepares batches of either loader in a
+thread, and measures how long the step waited for them (``wait_s``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 
 import numpy as np
 import torch
 
 from raysc.config.syntax import Phase
+from raysc.data.order import SampleOrder
 
 
 class MixtureLoader:
@@ -37,6 +42,7 @@ class MixtureLoader:
         tokens_per_sample: int,
         dp_rank: int = 0,
         dp_size: int = 1,
+        block: int = 1,
     ) -> None:
         if global_batch % dp_size:
             raise ValueError(f"global batch {global_batch} is not divisible by dp size {dp_size}")
@@ -60,16 +66,18 @@ class MixtureLoader:
         self.phase_counts = {d: 0 for d in self.names}
         self.epochs = {d: 0 for d in self.names}
         self.positions = {d: 0 for d in self.names}
-        self._perms: dict[tuple[str, int], np.ndarray] = {}
+        self.block = block  # rows per shuffle block (raysc.data.order)
+        self._orders: dict[tuple[str, int], SampleOrder] = {}
 
     # ---- the deterministic stream ----
-    def _perm(self, domain: str, epoch: int) -> np.ndarray:
+    def _order(self, domain: str, epoch: int) -> SampleOrder:
         key = (domain, epoch)
-        if key not in self._perms:
+        if key not in self._orders:
             salt = self.names.index(domain)
-            self._perms = {k: v for k, v in self._perms.items() if k[0] != domain}  # keep one epoch per domain
-            self._perms[key] = np.random.default_rng([self.seed, salt, epoch]).permutation(len(self.rows[domain]))
-        return self._perms[key]
+            self._orders = {k: v for k, v in self._orders.items() if k[0] != domain}  # one epoch per domain
+            n = len(self.rows[domain])
+            self._orders[key] = SampleOrder(n, self.global_batch, self.block, (self.seed, salt, epoch))
+        return self._orders[key]
 
     def _next_sample(self) -> tuple[str, int]:
         """Domain and row of the next global sample; advances the state."""
@@ -83,7 +91,7 @@ class MixtureLoader:
         domain = max(weights, key=lambda d: (weights[d] * n - self.phase_counts[d], -self.names.index(d)))
         self.phase_counts[domain] += 1
         pos = self.positions[domain]
-        row = int(self._perm(domain, self.epochs[domain])[pos])
+        row = int(self._order(domain, self.epochs[domain]).rows(np.asarray([pos]))[0])
         pos += 1
         if pos == len(self.rows[domain]):
             self.epochs[domain] += 1
@@ -101,7 +109,11 @@ class MixtureLoader:
         picks = self.next_assignments()
         per = self.global_batch // self.dp_size
         mine = picks[self.dp_rank * per : (self.dp_rank + 1) * per]
-        return torch.from_numpy(np.stack([self.rows[d][r] for d, r in mine]).astype(np.int64))
+        out = np.empty((len(mine), self.tokens_per_sample + 1), dtype=np.int64)
+        for domain in sorted({d for d, _ in mine}):  # one gather per domain
+            at = [i for i, (d, _) in enumerate(mine) if d == domain]
+            out[at] = self.rows[domain][np.asarray([mine[i][1] for i in at])]
+        return torch.from_numpy(out)
 
     def skip(self, batches: int) -> None:
         for _ in range(batches):
@@ -142,10 +154,11 @@ class Prefetcher:
     after the last batch handed out (not the prefetched ones); ``skip`` and ``load_state_dict``
     drop what was prefetched."""
 
-    def __init__(self, loader: MixtureLoader, depth: int = 4) -> None:
+    def __init__(self, loader, depth: int = 4) -> None:
         self.loader = loader
         self.depth = depth
         self._consumed_state = loader.state_dict()
+        self.wait_s = 0.0  # how long the last next_batch waited for its batch (the step's data wait)
         self._start()
 
     def _start(self) -> None:
@@ -156,21 +169,29 @@ class Prefetcher:
 
     def _fill(self) -> None:
         while not self._stop.is_set():
-            batch = self.loader.next_batch()
-            item = (batch, self.loader.state_dict())
+            try:
+                item = (self.loader.next_batch(), self.loader.state_dict())
+            except Exception as e:  # noqa: BLE001 (a read that failed: raised in the training thread)
+                item = (e, None)
             while not self._stop.is_set():
                 try:
                     self._queue.put(item, timeout=0.1)
                     break
                 except queue.Full:
                     continue
+            if item[1] is None:
+                return  # the error waits in the queue for the training thread
 
     def _halt(self) -> None:
         self._stop.set()
         self._thread.join()
 
     def next_batch(self) -> torch.Tensor:
+        t0 = time.perf_counter()
         batch, state = self._queue.get()
+        self.wait_s = time.perf_counter() - t0
+        if isinstance(batch, Exception):
+            raise batch
         self._consumed_state = state
         return batch
 
@@ -183,12 +204,15 @@ class Prefetcher:
         return int(self._consumed_state["cursor"])
 
     @property
-    def epochs(self) -> dict[str, int]:
-        return dict(self._consumed_state["epochs"])
+    def epochs(self) -> dict[str, int] | None:
+        """Per-domain passes (a mixture), None for a single source."""
+        epochs = self._consumed_state.get("epochs")
+        return None if epochs is None else dict(epochs)
 
     @property
     def epoch(self) -> int:
-        return max(self._consumed_state["epochs"].values())
+        epochs = self._consumed_state.get("epochs")
+        return max(epochs.values()) if epochs is not None else int(self._consumed_state["epoch"])
 
     def load_state_dict(self, state: dict) -> None:
         self._halt()

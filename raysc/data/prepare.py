@@ -25,9 +25,11 @@ from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
 from raysc.data import megatron, token_arrays
 from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
-from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows
+from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows, val_every
+from raysc.data.row_source import ConcatRows, SplitRows
 from raysc.data.shards import MEGATRON, load_domains, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
+from raysc.data.streamed import identity_digest, list_token_files, packed_rows, token_rows
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
 from raysc.hashing import file_sha256
 
@@ -41,7 +43,7 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     prefix = megatron.prefix_of(d.source) if d.source != "bundled" else None
     if prefix is not None:
         return prepare_indexed(cfg, prefix)
-    arrays = token_arrays.token_files(d.source) if d.source != "bundled" else None
+    arrays = list_token_files(d.source, dict(d.storage_options)) if d.source != "bundled" else None
     if arrays:
         return prepare_token_arrays(cfg, arrays)
     if d.schedule:
@@ -135,7 +137,11 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
             f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
             f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}"
         )
-    domains = load_domains(d.source, options, seq_len=cfg.train.seq_len)
+    streamed = index.get("format") != MEGATRON  # Megatron-format shards are still joined in memory
+    if streamed:
+        domains, _ = packed_rows(d.source, index, cfg.train.seq_len, cfg.model.vocab_size, options)
+    else:
+        domains = load_domains(d.source, options, seq_len=cfg.train.seq_len)
     missing = sorted(set(index["domains"]) - set(domains))
     if missing:
         raise ValueError(
@@ -144,7 +150,11 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
         )
     train, val = {}, []
     for name, rows in domains.items():
-        train[name], held = split_rows(rows, d.val_fraction)
+        if streamed:
+            every = val_every(d.val_fraction) if d.val_fraction > 0 and len(rows) >= 2 else 0
+            train[name], held = SplitRows(rows, every, held=False), SplitRows(rows, every, held=True)
+        else:
+            train[name], held = split_rows(rows, d.val_fraction)
         val.append(held)
     schedule = d.schedule or natural_schedule({k: len(v) for k, v in train.items()})
     parse_schedule(schedule, list(train))  # unknown domains or a malformed schedule fail here
@@ -161,8 +171,9 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
         "domains": {k: len(v) for k, v in train.items()},
         "schedule": schedule,
         "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict(),
+        "streamed": streamed,
     }
-    return PackedData(train, np.concatenate(val), info), tok_path, info
+    return PackedData(train, ConcatRows(val) if streamed else np.concatenate(val), info), tok_path, info
 
 
 def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
@@ -179,17 +190,29 @@ def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
     return _token_stream_rows(cfg, stream, len(docs), {"megatron": str(prefix)}, files, special, tok_path)
 
 
-def prepare_token_arrays(cfg: Config, files: list[Path]) -> tuple[PackedData, Path, dict]:
-    """Rows from OLMo / Dolma-style token files (``raysc.data.token_arrays``): their ids in name order,
-    documents already separated by the tokenizer's EOS."""
+def prepare_token_arrays(cfg: Config, files: list[str]) -> tuple[PackedData, Path, dict]:
+    """Rows of OLMo / Dolma-style token files (``raysc.data.token_arrays``), their ids in name order,
+    documents already separated by the tokenizer's EOS: described, not read (``raysc.data.streamed``);
+    each rank reads its own rows where the files lie."""
     special, tok_path = _token_source_tokenizer(cfg, "a token array (.npy)")
     dtype = token_arrays.token_dtype(cfg.data.token_dtype, cfg.model.vocab_size)
-    arrays = [token_arrays.read_tokens(f, dtype) for f in files]
-    for f, ids in zip(files, arrays):  # the file of another tokenizer (or dtype), by name
-        _refuse_foreign_ids(cfg, f, ids, f", or is not {dtype} (set data.token_dtype)")
-    stream = np.concatenate(arrays).astype(np.int64)
-    docs = int((stream == special.eos_id).sum())
-    return _token_stream_rows(cfg, stream, docs, {"token_files": [str(f) for f in files]}, files, special, tok_path)
+    options = dict(cfg.data.storage_options)
+    rows, _ = token_rows(files, cfg.train.seq_len, dtype, cfg.model.vocab_size, options)
+    every = val_every(cfg.data.val_fraction) if cfg.data.val_fraction > 0 and len(rows) >= 2 else 0
+    train, val = SplitRows(rows, every, held=False), SplitRows(rows, every, held=True)
+    info = {
+        "corpus": {"token_files": files if len(files) <= 16 else [*files[:16], f"... {len(files)} files"]},
+        "corpus_sha256": identity_digest(rows.files()),
+        "tokenizer": str(tok_path),
+        "tokens": int(rows.starts[-1]),
+        "documents": None,  # not counted: that would read every token at every start
+        "seq_len": cfg.train.seq_len,
+        "train_sequences": len(train),
+        "val_sequences": len(val),
+        "special_tokens": special.to_dict(),
+        "streamed": True,
+    }
+    return PackedData(train, val, info), tok_path, info
 
 
 def _token_source_tokenizer(cfg: Config, what: str) -> tuple[SpecialTokens, Path]:

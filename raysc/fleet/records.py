@@ -22,6 +22,7 @@ DASHBOARD_METRICS = {
     "mfu": "model FLOPs utilisation",
     "step": "last completed optimizer step",
     "dp": "data-parallel size of the fleet now (an elastic run's follows the cluster)",
+    "data_wait_s": "seconds rank 0's last step waited for its batch (reads from the corpus not hidden by prefetch)",
 }
 HEALTH_METRICS = {
     "restarts": "fleet restarts after a dead, hung or failing worker",

@@ -273,6 +273,7 @@ class Trainer:
             "skipped": spike,
             "dp": self.dims.dp,
             "data_fp": fingerprint,
+            "data_wait_s": round(getattr(self.loader, "wait_s", 0.0), 6),  # the step waited for its batch
         }
         if self.detector.shift is not None:
             metrics["level_shift"] = self.detector.shift  # a persistent loss level was accepted

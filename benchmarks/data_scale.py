@@ -1,0 +1,219 @@
+"""Does start-up and memory stay flat as the corpus grows? A tiny run on OLMo-style ``.npy`` token files
+of growing size, read where they lie (issue 57), and the loader alone.
+
+Per corpus size (``BENCH_DATA_SIZES``, tokens, default 10 M and 1.6 B; written once as uint16 ``.npy``
+files under ``.cache/bench-data``, random ids with an EOS every ~500 tokens):
+
+- ``raysc train`` of the tiny config for 5 steps on that file, as a user runs it (its own local Ray with
+  the machine's CPUs): the wall time to the first step (from the command's start to the first row of
+  ``metrics.jsonl``), the whole wall time, and the growth of the machine's used memory (``MemTotal -
+  MemAvailable``, sampled every 0.2 s, peak minus before), plus the p99 of the steps' ``data_wait_s``;
+- the loader alone in this process (no Ray, no model): global batches of 8 rows of 2,049 tokens through
+  ``BatchLoader`` over the file's ``TokenRows``, tokens per second, and the resident-memory growth of
+  this process (the loader's memory);
+- with ``BENCH_DATA_S3=1``, the same loader over the file served by the local S3 server (moto) with 2
+  ranks: GET requests per MiB delivered and read amplification (bytes fetched / bytes used).
+
+Before this issue the supervisor loaded the whole corpus (~24 bytes of RAM per token): a 1.6 B-token
+file was OOM-killed at 21 GB on a 24 GB machine. Prints JSON on its last line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+RAYSC = str(Path(sys.executable).parent / "raysc")
+CACHE = ROOT / ".cache" / "bench-data"
+VOCAB = 2048  # the tiny config's model.vocab_size
+EOS = 0
+
+
+def _used_bytes() -> int:
+    info = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    kib = {k: int(v.split()[0]) for k, v in info.items()}
+    return (kib["MemTotal"] - kib["MemAvailable"]) * 1024
+
+
+def _rss() -> int:
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def corpus(tokens: int) -> Path:
+    """A uint16 token file of ``tokens`` ids (numpy's format), written once in 64 M-token pieces."""
+    path = CACHE / f"tokens-{tokens}.npy"
+    if path.is_file():
+        return path
+    CACHE.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    arr = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint16, shape=(tokens,))
+    rng = np.random.default_rng(0)
+    for lo in range(0, tokens, 1 << 26):
+        hi = min(tokens, lo + (1 << 26))
+        piece = rng.integers(1, VOCAB, hi - lo, dtype=np.uint16)
+        piece[rng.random(hi - lo) < 0.002] = EOS
+        arr[lo:hi] = piece
+    arr.flush()
+    del arr
+    tmp.replace(path)
+    return path
+
+
+def tokenizer() -> Path:
+    from raysc.data.tokenizer import train_tokenizer
+
+    path = CACHE / "tokenizer.json"
+    if not path.is_file():
+        CACHE.mkdir(parents=True, exist_ok=True)
+        train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, VOCAB).save(str(path))
+    return path
+
+
+def train_run(source: Path, tok: Path) -> dict:
+    """``raysc train`` of the tiny config, 5 steps on ``source``: wall to the first step, memory growth."""
+    run_dir = Path(tempfile.mkdtemp(prefix="data-scale-"))
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    before, peak, stop = _used_bytes(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], _used_bytes())
+            time.sleep(0.2)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        [RAYSC, "train", "jobs/configs/tiny.toml", "--no-progress"]
+        + [
+            x
+            for s in ("train.steps=5", f'data.source="{source}"', f'data.tokenizer="{tok}"', f'run.dir="{run_dir}"')
+            for x in ("--set", s)
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    first = None
+    while proc.poll() is None:
+        if first is None and (run_dir / "metrics.jsonl").is_file() and (run_dir / "metrics.jsonl").stat().st_size:
+            first = time.monotonic() - t0
+        time.sleep(0.05)
+    wall = time.monotonic() - t0
+    stop.set()
+    sampler.join()
+    out = proc.stdout.read()
+    metrics = (
+        [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if proc.returncode == 0 else []
+    )
+    shutil.rmtree(run_dir, ignore_errors=True)
+    if proc.returncode:
+        return {"error": out[-1500:]}
+    waits = sorted(m["data_wait_s"] for m in metrics)
+    return {
+        "first_step_s": round(first or wall, 2),
+        "wall_s": round(wall, 2),
+        "memory_growth_gb": round((peak[0] - before) / 1e9, 3),
+        "data_wait_p99_ms": round(1000 * waits[min(len(waits) - 1, int(0.99 * len(waits)))], 3),
+    }
+
+
+def loader_alone(rows, batches: int = 200) -> dict:
+    """Tokens per second and resident-memory growth of ``BatchLoader`` over ``rows`` (dp 1, 8 rows a batch)."""
+    from raysc.data.loader import BatchLoader
+    from raysc.data.order import block_rows
+
+    rss0 = _rss()
+    loader = BatchLoader(rows, 0, 8, 0, 1, block=block_rows(rows.seq_len, 1024))
+    loader.next_batch()
+    t0 = time.perf_counter()
+    for _ in range(batches):
+        loader.next_batch()
+    dt = time.perf_counter() - t0
+    return {
+        "tokens_per_s": round(batches * 8 * (rows.seq_len + 1) / dt),
+        "loader_rss_mb": round((_rss() - rss0) / 1e6, 1),
+    }
+
+
+def s3_loader(path: Path) -> dict:
+    """Two ranks' loaders over ``path`` in the local S3 server: GETs per MiB delivered, read amplification."""
+    import pickle
+
+    import boto3
+    from common import S3_KEY, S3_REGION, S3_SECRET, start_s3
+
+    from raysc.data.loader import BatchLoader
+    from raysc.data.order import block_rows
+    from raysc.data.streamed import token_rows
+
+    server, endpoint, bucket = start_s3()
+    try:
+        boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name=S3_REGION,
+        ).upload_file(str(path), bucket, "tokens.npy")
+        options = {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
+        rows, _ = token_rows([f"s3://{bucket}/tokens.npy"], 2048, np.dtype(np.uint16), VOCAB, options)
+        block = block_rows(2048, 1024)
+        rows.read_unit = block
+        copies = [pickle.loads(pickle.dumps(rows)) for _ in range(2)]
+        loaders = [BatchLoader(copies[r], 0, 8, r, 2, block=block) for r in range(2)]
+        t0 = time.perf_counter()
+        for _ in range(block):  # one window
+            for loader in loaders:
+                loader.next_batch()
+        dt = time.perf_counter() - t0
+        used = sum(c.reader.stats.bytes_used for c in copies)
+        fetched = sum(c.reader.stats.bytes_fetched for c in copies)
+        gets = sum(c.reader.stats.requests for c in copies)
+        return {
+            "gets_per_mib": round(gets / (used / (1 << 20)), 3),
+            "read_amplification": round(fetched / used, 3),
+            "tokens_per_s": round(block * 8 * 2049 / dt),
+        }
+    finally:
+        server.stop()
+
+
+def main() -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from raysc.data.streamed import token_rows
+
+    sizes = [int(float(x)) for x in os.environ.get("BENCH_DATA_SIZES", "1e7,1.6e9").split(",")]
+    tok = tokenizer()
+    out: dict = {"sizes": {}}
+    for tokens in sizes:
+        path = corpus(tokens)
+        rows, _ = token_rows([str(path)], 2048, np.dtype(np.uint16), VOCAB)
+        res = {"file_gb": round(path.stat().st_size / 1e9, 2), "loader": loader_alone(rows)}
+        res["train"] = train_run(path, tok)
+        if os.environ.get("BENCH_DATA_S3") == "1" and tokens <= 2e8:
+            res["s3"] = s3_loader(path)
+        out["sizes"][str(tokens)] = res
+        print(json.dumps({str(tokens): res}), flush=True)
+    firsts = [r["train"].get("first_step_s") for r in out["sizes"].values()]
+    if len(firsts) >= 2 and all(firsts):
+        out["first_step_ratio_largest_to_smallest"] = round(firsts[-1] / firsts[0], 3)
+    out["median_loader_tokens_per_s"] = statistics.median(r["loader"]["tokens_per_s"] for r in out["sizes"].values())
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
