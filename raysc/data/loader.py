@@ -2,16 +2,17 @@
 
 The data order is a pure function of (seed, global cursor): global sample ``j``
 is row ``order_e.rows(j mod n)`` where ``e = j div n`` is the epoch and ``order_e``
-the seeded block-and-window bijection of ``raysc.data.order`` (computed, never
-stored: O(1) memory at any corpus size). Global batch ``b`` covers samples
+a seeded permutation: numpy's, stored, for rows in memory; for rows read where
+the corpus lies, the block-and-window bijection of ``raysc.data.order`` (computed,
+never stored: O(1) memory at any corpus size). Global batch ``b`` covers samples
 ``[cursor_b, cursor_b + global_batch)`` and data-parallel rank ``r`` of ``dp``
 takes the ``r``-th contiguous slice of it. Resuming needs only the cursor, and
 the sequence of global batches does not depend on the number of ranks.
 
 ``rows`` is an array of packed rows in memory or a ``RowSource`` (``raysc.data.row_source``)
 that reads this rank's rows from the token files where they lie; a batch is one gather.
-``build_loader`` wraps either loader in a ``Prefetcher`` thread (``data.prefetch`` batches
-ahead), so reads from disk or an object store overlap the step.
+``build_loader`` wraps a loader over a ``RowSource`` (and every mixture) in a ``Prefetcher``
+thread (``data.prefetch`` batches ahead), so reads from disk or an object store overlap the step.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.data.order import SampleOrder, block_rows
+from raysc.data.order import SampleOrder, StoredPermutation, block_rows
 
 ORDERS_KEPT = 4  # epochs' orders kept per loader: the epochs a batch can straddle, with room for a resume
 
@@ -51,10 +52,17 @@ class BatchLoader:
         self.cursor = 0  # global samples consumed so far
         self._orders: dict[int, SampleOrder] = {}  # epoch -> its order, oldest first
 
-    def _order(self, epoch: int) -> SampleOrder:
+    def _order(self, epoch: int):
+        """The order of ``epoch``: rows in memory keep the seeded numpy permutation of before (the data
+        order every run and test before issue 57 used); a ``RowSource`` read where the corpus lies gets the
+        block-and-window bijection (``raysc.data.order``), which needs no O(rows) array."""
         order = self._orders.get(epoch)
         if order is None:
-            order = self._orders[epoch] = SampleOrder(len(self.rows), self.global_batch, self.block, (self.seed, epoch))
+            if isinstance(self.rows, np.ndarray):
+                order = StoredPermutation(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)))
+            else:
+                order = SampleOrder(len(self.rows), self.global_batch, self.block, (self.seed, epoch))
+            self._orders[epoch] = order
             while len(self._orders) > ORDERS_KEPT:
                 del self._orders[next(iter(self._orders))]
         return order
@@ -105,7 +113,9 @@ def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank:
         if hasattr(source, "read_unit"):  # a RowSource: a miss on an object store fetches the whole block
             source.read_unit = block
     if not isinstance(rows, dict):
-        return Prefetcher(BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size, block), cfg.data.prefetch)
+        loader = BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size, block)
+        # rows in memory: one gather a batch, in the training thread; rows read from files: in a thread ahead
+        return loader if isinstance(rows, np.ndarray) else Prefetcher(loader, cfg.data.prefetch)
     schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})
     mixture = MixtureLoader(
         rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len, dp_rank, dp_size, block

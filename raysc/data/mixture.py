@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from raysc.config.syntax import Phase
-from raysc.data.order import SampleOrder
+from raysc.data.order import SampleOrder, StoredPermutation
 
 
 class MixtureLoader:
@@ -70,13 +70,16 @@ class MixtureLoader:
         self._orders: dict[tuple[str, int], SampleOrder] = {}
 
     # ---- the deterministic stream ----
-    def _order(self, domain: str, epoch: int) -> SampleOrder:
+    def _order(self, domain: str, epoch: int):
         key = (domain, epoch)
         if key not in self._orders:
             salt = self.names.index(domain)
             self._orders = {k: v for k, v in self._orders.items() if k[0] != domain}  # one epoch per domain
-            n = len(self.rows[domain])
-            self._orders[key] = SampleOrder(n, self.global_batch, self.block, (self.seed, salt, epoch))
+            rows, n = self.rows[domain], len(self.rows[domain])
+            if isinstance(rows, np.ndarray):  # rows in memory: numpy's stored permutation, as before issue 57
+                self._orders[key] = StoredPermutation(np.random.default_rng([self.seed, salt, epoch]).permutation(n))
+            else:
+                self._orders[key] = SampleOrder(n, self.global_batch, self.block, (self.seed, salt, epoch))
         return self._orders[key]
 
     def _next_sample(self) -> tuple[str, int]:

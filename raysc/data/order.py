@@ -134,6 +134,17 @@ class SampleOrder:
         return block * self.b + self._in_block(i, block.astype(np.uint64)).astype(np.int64)
 
 
+class StoredPermutation:
+    """A stored seeded permutation with ``SampleOrder``'s interface: the order of rows held in memory (the
+    data order of every run before issue 57; an O(rows) array, which rows in memory already are)."""
+
+    def __init__(self, perm: np.ndarray) -> None:
+        self.perm = perm
+
+    def rows(self, positions: np.ndarray) -> np.ndarray:
+        return self.perm[np.asarray(positions, dtype=np.int64)]
+
+
 def block_rows(seq_len: int, block_kib: int) -> int:
     """Rows per shuffle block: as many rows of ``seq_len + 1`` uint16 tokens as fit ``block_kib`` KiB (at
     least one). Counted in uint16 whatever the files' dtype, so that the order of a corpus does not depend
