@@ -59,7 +59,15 @@ os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 # a CI run on a loaded 2-core machine had `raysc train` fail with "Timed out while waiting for GCS to become
 # available" against a healthy head whose GCS was queueing requests for 3 s)
 os.environ.setdefault("RAY_gcs_rpc_server_connect_timeout_s", "60")
-RAY_SUITE_ENV = ("RAY_worker_niceness", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "RAY_gcs_rpc_server_connect_timeout_s")
+# `ray start --head` gives its dashboard 60 s to come up (Ray's RAY_DASHBOARD_STARTUP_TIMEOUT_S): with one core
+# kept busy by another process, a clean-clone CI's head missed it twice in a row ("Failed to start the dashboard")
+os.environ.setdefault("RAY_DASHBOARD_STARTUP_TIMEOUT_S", "240")
+RAY_SUITE_ENV = (
+    "RAY_worker_niceness",
+    "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD",
+    "RAY_gcs_rpc_server_connect_timeout_s",
+    "RAY_DASHBOARD_STARTUP_TIMEOUT_S",
+)
 
 _HEAD_STOP = pytest.StashKey[object]()  # stops the ray_head cluster (idempotent)
 
