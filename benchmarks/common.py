@@ -67,3 +67,57 @@ def degrade(text: str, kind: str, rng: random.Random) -> str:
         return " ".join("".join(rng.choice(LETTERS) for _ in w) if rng.random() < 1 / 3 else w for w in words)
     rng.shuffle(words)
     return " ".join(words)
+
+
+class LatencyProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``target`` (host, port) that holds each request a client sends
+    for ``delay_s`` before forwarding it: every round trip to the store (a GET, a HEAD) costs that much
+    more, as an object store in another building does (S3 in-region first-byte latency is ~10-50 ms).
+    ``endpoint`` is its URL."""
+
+    def __init__(self, target: tuple[str, int], delay_s: float) -> None:
+        import socket
+        import threading
+
+        self.target, self.delay_s = target, delay_s
+        self._listener = socket.socket()
+        self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self._listener.bind(("127.0.0.1", 0))
+        self._listener.listen(64)
+        self.endpoint = f"http://127.0.0.1:{self._listener.getsockname()[1]}"
+        self._stop = threading.Event()
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        import socket
+        import threading
+
+        while not self._stop.is_set():
+            try:
+                client, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            threading.Thread(target=self._pipe, args=(client, upstream, True), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(upstream, client, False), daemon=True).start()
+
+    def _pipe(self, src, dst, delayed: bool) -> None:
+        import time
+
+        try:
+            while data := src.recv(1 << 20):
+                if delayed:
+                    time.sleep(self.delay_s)  # a request's bytes (a pipelined one's too) wait one round trip
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._listener.close()

@@ -11,8 +11,14 @@ files under ``.cache/bench-data``, random ids with an EOS every ~500 tokens):
 - the loader alone in this process (no Ray, no model): global batches of 8 rows of 2,049 tokens through
   ``BatchLoader`` over the file's ``TokenRows``, tokens per second, and the resident-memory growth of
   this process (the loader's memory);
-- with ``BENCH_DATA_S3=1``, the same loader over the file served by the local S3 server (moto) with 2
-  ranks: GET requests per MiB delivered and read amplification (bytes fetched / bytes used).
+- with ``BENCH_DATA_S3=1`` (sizes up to 200 M tokens: moto holds objects in memory), the same loader over
+  the file served by the local S3 server (moto) behind a proxy adding ``BENCH_DATA_S3_LATENCY_MS`` (20)
+  to every request, 2 ranks: GET requests per MiB delivered, read amplification (bytes fetched / bytes
+  used) and tokens per second;
+- what a user would pick instead, on the same tokens as a Megatron ``.bin/.idx`` (each EOS ends a
+  document): megatron-core's ``GPTDataset`` built for one epoch of 2,048-token samples, its index build
+  time and time to the first sample (``megatron_baseline.py``), beside ours: describing the file, the
+  loader built and the first global batch read.
 
 Before this issue the supervisor loaded the whole corpus (~24 bytes of RAM per token): a 1.6 B-token
 file was OOM-killed at 21 GB on a 24 GB machine. Prints JSON on its last line.
@@ -131,6 +137,61 @@ def train_run(source: Path, tok: Path) -> dict:
     }
 
 
+def megatron_copy(path: Path) -> Path:
+    """The tokens of ``path`` as a Megatron dataset (``.bin`` the same ids, ``.idx`` a document per EOS),
+    written once beside it, in 64 M-token pieces."""
+    from raysc.data.megatron import CODES, HEADER
+
+    prefix = path.with_suffix("")
+    prefix = prefix.with_name(prefix.name + "_text_document")
+    if prefix.with_suffix(".idx").is_file():
+        return prefix
+    tokens = np.load(path, mmap_mode="r")
+    ends = []
+    with open(prefix.with_suffix(".bin.tmp"), "wb") as out:
+        for lo in range(0, len(tokens), 1 << 26):
+            piece = np.asarray(tokens[lo : lo + (1 << 26)])
+            out.write(piece.tobytes())
+            ends.append(np.flatnonzero(piece == EOS) + lo + 1)
+    ends = np.concatenate(ends)
+    if not len(ends) or ends[-1] != len(tokens):
+        ends = np.append(ends, len(tokens))
+    starts = np.concatenate([[0], ends[:-1]])
+    import struct
+
+    with open(prefix.with_suffix(".idx.tmp"), "wb") as out:
+        out.write(HEADER + struct.pack("<QBQQ", 1, CODES[np.dtype(np.uint16)], len(ends), len(ends) + 1))
+        out.write((ends - starts).astype(np.int32).tobytes())
+        out.write((starts * 2).astype(np.int64).tobytes())
+        out.write(np.arange(len(ends) + 1, dtype=np.int64).tobytes())
+    prefix.with_suffix(".bin.tmp").replace(prefix.with_suffix(".bin"))
+    prefix.with_suffix(".idx.tmp").replace(prefix.with_suffix(".idx"))
+    return prefix
+
+
+def first_sample(path: Path, prefix: Path) -> dict:
+    """Time to the first sample: megatron-core's ``GPTDataset`` (one epoch of samples) against ours (the
+    file described, the loader built, the first global batch of 8 rows read), side by side."""
+    from megatron_baseline import gpt_dataset_times
+
+    from raysc.data.loader import BatchLoader
+    from raysc.data.order import block_rows
+    from raysc.data.streamed import token_rows
+
+    t0 = time.perf_counter()
+    rows, _ = token_rows([str(path)], 2048, np.dtype(np.uint16), VOCAB)
+    BatchLoader(rows, 0, 8, 0, 1, block=block_rows(rows.seq_len, 1024)).next_batch()
+    ours = time.perf_counter() - t0
+    cache = Path(tempfile.mkdtemp(prefix="gpt-index-"))
+    try:
+        theirs = gpt_dataset_times(str(prefix), 2048, len(rows), str(cache))
+    except Exception as e:  # noqa: BLE001 (reported, the rest of the benchmark goes on)
+        theirs = {"error": f"{type(e).__name__}: {e}"[:500]}
+    finally:
+        shutil.rmtree(cache, ignore_errors=True)
+    return {"raysc_first_sample_s": round(ours, 4), "megatron_gpt_dataset": theirs}
+
+
 def loader_alone(rows, batches: int = 200) -> dict:
     """Tokens per second and resident-memory growth of ``BatchLoader`` over ``rows`` (dp 1, 8 rows a batch)."""
     from raysc.data.loader import BatchLoader
@@ -154,7 +215,7 @@ def s3_loader(path: Path) -> dict:
     import pickle
 
     import boto3
-    from common import S3_KEY, S3_REGION, S3_SECRET, start_s3
+    from common import S3_KEY, S3_REGION, S3_SECRET, LatencyProxy, start_s3
 
     from raysc.data.loader import BatchLoader
     from raysc.data.order import block_rows
@@ -169,7 +230,9 @@ def s3_loader(path: Path) -> dict:
             aws_secret_access_key=S3_SECRET,
             region_name=S3_REGION,
         ).upload_file(str(path), bucket, "tokens.npy")
-        options = {"endpoint_url": endpoint, "key": S3_KEY, "secret": S3_SECRET}
+        host, port = endpoint.removeprefix("http://").split(":")
+        proxy = LatencyProxy((host, int(port)), float(os.environ.get("BENCH_DATA_S3_LATENCY_MS", "20")) / 1000)
+        options = {"endpoint_url": proxy.endpoint, "key": S3_KEY, "secret": S3_SECRET}
         rows, _ = token_rows([f"s3://{bucket}/tokens.npy"], 2048, np.dtype(np.uint16), VOCAB, options)
         block = block_rows(2048, 1024)
         rows.read_unit = block
@@ -187,6 +250,7 @@ def s3_loader(path: Path) -> dict:
             "gets_per_mib": round(gets / (used / (1 << 20)), 3),
             "read_amplification": round(fetched / used, 3),
             "tokens_per_s": round(block * 8 * 2049 / dt),
+            "latency_ms": proxy.delay_s * 1000,
         }
     finally:
         server.stop()
@@ -203,6 +267,7 @@ def main() -> None:
         path = corpus(tokens)
         rows, _ = token_rows([str(path)], 2048, np.dtype(np.uint16), VOCAB)
         res = {"file_gb": round(path.stat().st_size / 1e9, 2), "loader": loader_alone(rows)}
+        res["first_sample"] = first_sample(path, megatron_copy(path))
         res["train"] = train_run(path, tok)
         if os.environ.get("BENCH_DATA_S3") == "1" and tokens <= 2e8:
             res["s3"] = s3_loader(path)

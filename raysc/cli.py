@@ -14,6 +14,7 @@ entry point ``main``. Each package's rows and handlers sit beside it in a comman
 - ``quantize`` (``raysc.quantize.command``): a run's checkpoint as a quantized folder vLLM serves;
 - ``curate``, ``pack`` (``raysc.curate.command``): raw documents to curated Parquet, curated documents to
   token shards (raysc rows or Megatron indexed datasets);
+- ``data verify`` (``raysc.data.command``): every byte of a corpus read and checked;
 - ``mix tune`` (``raysc.mix.command``): a domain mixture tuned on proxy runs;
 - ``scale``, ``mup coord-check`` (``raysc.scaling.command``): Chinchilla sizing, the μP coordinate check;
 - ``serve`` (``raysc.serve.command``), ``spec tune`` (``raysc.serve.spec_cli``): a run served by vLLM;
@@ -37,6 +38,7 @@ from raysc.cli_table import SET, Command
 from raysc.cluster.command import CLUSTER
 from raysc.config.load import ConfigError
 from raysc.curate.command import CURATE, PACK
+from raysc.data.command import DATA
 from raysc.fleet.command import CKPT
 from raysc.fleet.run_command import PARITY, STATUS, TRAIN, cmd_train
 from raysc.mix.command import MIX
@@ -98,6 +100,7 @@ COMMANDS = (
     CLUSTER,
     QUANTIZE,
     CURATE,
+    DATA,
     MIX,
     PACK,
     Command(

@@ -57,20 +57,35 @@ def test_a_megatron_dataset_trains_with_one_eos_per_document_and_bad_ones_are_re
 
     tok = tmp_path / "tokenizer.json"
     train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, VOCAB).save(str(tok))
-    # half the documents end with EOS already (--append-eod), half do not: each gets exactly one
-    docs = [d if i % 2 else np.append(d, EOS) for i, d in enumerate(_documents(2, 60, eod=False))]
-    prefix = tmp_path / "corpus_text_document"
-    megatron.write_indexed(prefix, docs, np.uint16)
-    for source in (prefix, prefix.with_suffix(".bin"), prefix.with_suffix(".idx")):
-        packed, tok_path, info = prepare_data(make_cfg(f'data.source="{source}"', f'data.tokenizer="{tok}"'))
-        assert info["documents"] == 60 and tok_path == tok
-    stream = np.concatenate([d if len(d) and d[-1] == EOS else np.append(d, EOS) for d in docs])
-    rows = np.concatenate([packed.train, packed.val])
-    assert int((stream == EOS).sum()) == 60 and info["tokens"] == len(stream)
-    seq = packed.seq_len
-    assert sorted(map(tuple, rows)) == sorted(
-        tuple(stream[i * seq : i * seq + seq + 1]) for i in range((len(stream) - 1) // seq)
+    # made without --append-eod (each document gets one EOS) and with it (read as it stands)
+    for eod in (False, True):
+        docs = _documents(2, 60, eod=eod)
+        prefix = tmp_path / f"corpus{int(eod)}_text_document"
+        megatron.write_indexed(prefix, docs, np.uint16)
+        for source in (prefix, prefix.with_suffix(".bin"), prefix.with_suffix(".idx")):
+            packed, tok_path, info = prepare_data(make_cfg(f'data.source="{source}"', f'data.tokenizer="{tok}"'))
+            assert info["documents"] == 60 and tok_path == tok
+        stream = np.concatenate([d if eod else np.append(d, EOS) for d in docs])
+        rows = np.concatenate([packed.train, packed.val])
+        assert int((stream == EOS).sum()) == 60 and info["tokens"] == len(stream)
+        seq = packed.seq_len
+        assert sorted(map(tuple, rows)) == sorted(
+            tuple(stream[i * seq : i * seq + seq + 1]) for i in range((len(stream) - 1) // seq)
+        )
+    # a dataset that mixes both is refused, naming it: at start when the sampled ends show it...
+    mixed = tmp_path / "mixed"
+    megatron.write_indexed(
+        mixed, [d if i % 2 else np.append(d, EOS) for i, d in enumerate(_documents(2, 59, eod=False))], np.uint16
     )
+    with pytest.raises(ValueError, match=r"mixed.bin mixes documents that end with the end-of-document token"):
+        prepare_data(make_cfg(f'data.source="{mixed}"', f'data.tokenizer="{tok}"'))
+    # ... or when a rank reads the one unsampled document that breaks the rule
+    odd = [d[:-1] for d in _documents(2, 60, eod=True)]
+    odd[30] = np.append(odd[30], EOS)
+    megatron.write_indexed(mixed, odd, np.uint16)
+    packed, _, _ = prepare_data(make_cfg(f'data.source="{mixed}"', f'data.tokenizer="{tok}"'))
+    with pytest.raises(ValueError, match=r"mixed.bin mixes documents with and without the end-of-document token"):
+        np.asarray(packed.train), np.asarray(packed.val)
     with pytest.raises(
         ValueError, match="Megatron indexed dataset: token ids without their tokenizer; set data.tokenizer"
     ):

@@ -72,8 +72,9 @@ def pack_block(
             documents = np.split(stream, np.flatnonzero(stream == marks.eos_id)[:-1] + 1)  # each ends with EOS
             data, index = megatron.encode_indexed(documents, megatron.token_dtype(vocab_size))
             fs.makedirs(f"{root}/{domain}", exist_ok=True)
-            fs.pipe_file(f"{root}/{domain}/part-{name}.bin", data)
-            fs.pipe_file(f"{root}/{domain}/part-{name}.idx", index)
+            written = {f"{domain}/part-{name}.bin": data, f"{domain}/part-{name}.idx": index}
+            for path, blob in written.items():
+                fs.pipe_file(f"{root}/{path}", blob)
             out.append(
                 {
                     "domain": domain,
@@ -82,6 +83,7 @@ def pack_block(
                     "tokens": int(len(stream)),
                     "documents": len(pick),
                     "dropped_tokens": 0,
+                    "checksums": _checksums(written),
                 }
             )
             continue
@@ -95,6 +97,7 @@ def pack_block(
                     "tokens": 0,
                     "documents": len(pick),
                     "dropped_tokens": int(len(stream)),
+                    "checksums": "{}",
                 }
             )
             continue
@@ -104,9 +107,11 @@ def pack_block(
         starts = np.concatenate([[0], ends[:-1] + 1]).astype(np.int64)
         starts = starts[starts < used]
         fs.makedirs(f"{root}/{domain}", exist_ok=True)
+        written = {}
         for suffix, array in (("", rows), (".starts", starts)):
             buf = io.BytesIO()
             np.save(buf, array)
+            written[f"{domain}/shard-{name}{suffix}.npy"] = buf.getvalue()
             fs.pipe_file(f"{root}/{domain}/shard-{name}{suffix}.npy", buf.getvalue())
         out.append(
             {
@@ -116,9 +121,16 @@ def pack_block(
                 "tokens": int(used),
                 "documents": len(pick),
                 "dropped_tokens": int(len(stream) - used),
+                "checksums": _checksums(written),
             }
         )
     return out
+
+
+def _checksums(written: dict[str, bytes]) -> str:
+    """{file: [bytes, SHA-256]} of what a task wrote, as JSON (a Ray Data column): ``index.json``'s
+    ``checksums``, which ``raysc data verify`` checks."""
+    return json.dumps({path: [len(blob), hashlib.sha256(blob).hexdigest()] for path, blob in written.items()})
 
 
 def _sample_tokenizer(documents: str, filesystem, vocab_size: int, sample_mb: float, seed: int) -> str:
@@ -191,7 +203,10 @@ def pack_curated(
     def block(batch: dict) -> dict:
         meta = pack_block(list(batch["id"]), list(batch["text"]), list(batch["domain"]), *args)
         return (
-            {k: np.array([m[k] for m in meta], dtype=object if k in ("domain", "file") else np.int64) for k in meta[0]}
+            {
+                k: np.array([m[k] for m in meta], dtype=object if k in ("domain", "file", "checksums") else np.int64)
+                for k in meta[0]
+            }
             if meta
             else {}
         )
@@ -209,8 +224,11 @@ def pack_curated(
         "tokenizer_source": tokenizer_path or "trained by raysc pack",
         "tokenizer_sha256": hashlib.sha256(tokenizer_json.encode()).hexdigest(),
         "domains": {},
+        "checksums": {},  # {file: [bytes, SHA-256]}: `raysc data verify` reads every byte against them
     }
     for r in rows:
+        for path, (size, sha) in json.loads(r["checksums"]).items():
+            index["checksums"][path] = [int(size), sha]
         d = index["domains"].setdefault(
             r["domain"], {"shards": [], "sequences": 0, "tokens": 0, "documents": 0, "dropped_tokens": 0}
         )

@@ -8,9 +8,10 @@ When ``data.source`` is the output of ``raysc pack`` (a directory with ``index.j
 the rows come per domain (``PackedData.train`` is ``{domain: rows}``) for the mixture
 loader, with that directory's tokenizer; ``data.schedule`` is checked against its domains here,
 in the supervisor (``prepare_data`` runs in its actor), before any worker starts. A Megatron
-indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.megatron``) and OLMo-style token files
-(``.npy``, ``raysc.data.token_arrays``) are read as already-tokenized documents with ``data.tokenizer``
-naming their tokenizer.
+indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.indexed_rows``) and OLMo-style token files
+(``.npy``, ``raysc.data.streamed``) are read as already-tokenized documents with ``data.tokenizer``
+naming their tokenizer. Every source but a plain-text corpus (tokenized and packed here, in memory) is
+described from its files' metadata, not read: each rank reads its own rows where the files lie.
 """
 
 from __future__ import annotations
@@ -19,15 +20,14 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
-
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.data import megatron, token_arrays
+from raysc.data import token_arrays
 from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
-from raysc.data.packing import PackedData, build_packed, pack_tokens, split_rows, val_every
-from raysc.data.row_source import ConcatRows, SplitRows
-from raysc.data.shards import MEGATRON, load_domains, read_index
+from raysc.data.indexed_rows import indexed_prefix, indexed_rows
+from raysc.data.packing import PackedData, build_packed, val_every
+from raysc.data.row_source import ConcatRows, RowSource, SplitRows
+from raysc.data.shards import MEGATRON, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
 from raysc.data.streamed import identity_digest, list_token_files, packed_rows, token_rows
 from raysc.data.tokenizer import build_tokenizer, load_tokenizer
@@ -40,7 +40,7 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
     index = read_index(d.source, dict(d.storage_options)) if d.source != "bundled" else None
     if index is not None:
         return prepare_domains(cfg, index)
-    prefix = megatron.prefix_of(d.source) if d.source != "bundled" else None
+    prefix = indexed_prefix(d.source, dict(d.storage_options)) if d.source != "bundled" else None
     if prefix is not None:
         return prepare_indexed(cfg, prefix)
     arrays = list_token_files(d.source, dict(d.storage_options)) if d.source != "bundled" else None
@@ -137,11 +137,18 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
             f"{d.source} was packed with a {vocab}-token tokenizer but model.vocab_size is "
             f"{cfg.model.vocab_size}; set model.vocab_size >= {vocab}"
         )
-    streamed = index.get("format") != MEGATRON  # Megatron-format shards are still joined in memory
-    if streamed:
-        domains, _ = packed_rows(d.source, index, cfg.train.seq_len, cfg.model.vocab_size, options)
+    if index.get("format") == MEGATRON:  # each domain's datasets, their documents joined (each ends with EOS)
+        eos = special_tokens(cfg, tok_path).eos_id
+        base = d.source.rstrip("/")
+        domains = {
+            name: indexed_rows(
+                [f"{base}/{p}" for p in m["shards"]], cfg.train.seq_len, eos, cfg.model.vocab_size, options
+            )[0]
+            for name, m in index["domains"].items()
+            if m["shards"] and m["tokens"] > cfg.train.seq_len
+        }
     else:
-        domains = load_domains(d.source, options, seq_len=cfg.train.seq_len)
+        domains, _ = packed_rows(d.source, index, cfg.train.seq_len, cfg.model.vocab_size, options)
     missing = sorted(set(index["domains"]) - set(domains))
     if missing:
         raise ValueError(
@@ -150,12 +157,9 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
         )
     train, val = {}, []
     for name, rows in domains.items():
-        if streamed:
-            every = val_every(d.val_fraction) if d.val_fraction > 0 and len(rows) >= 2 else 0
-            train[name], held = SplitRows(rows, every, held=False), SplitRows(rows, every, held=True)
-        else:
-            train[name], held = split_rows(rows, d.val_fraction)
-        val.append(held)
+        every = val_every(d.val_fraction) if d.val_fraction > 0 and len(rows) >= 2 else 0
+        train[name] = SplitRows(rows, every, held=False)
+        val.append(SplitRows(rows, every, held=True))
     schedule = d.schedule or natural_schedule({k: len(v) for k, v in train.items()})
     parse_schedule(schedule, list(train))  # unknown domains or a malformed schedule fail here
     index_sha = hashlib.sha256(json.dumps(index, sort_keys=True).encode()).hexdigest()
@@ -171,23 +175,19 @@ def prepare_domains(cfg: Config, index: dict) -> tuple[PackedData, Path, dict]:
         "domains": {k: len(v) for k, v in train.items()},
         "schedule": schedule,
         "special_tokens": index.get("special_tokens") or special_tokens(cfg, tok_path).to_dict(),
-        "streamed": streamed,
+        "streamed": True,
     }
-    return PackedData(train, ConcatRows(val) if streamed else np.concatenate(val), info), tok_path, info
+    return PackedData(train, ConcatRows(val), info), tok_path, info
 
 
-def prepare_indexed(cfg: Config, prefix: Path) -> tuple[PackedData, Path, dict]:
-    """Rows from a Megatron indexed dataset (``PREFIX.bin``/``.idx``): its documents' tokens, each ended
-    by the tokenizer's EOS (added where the dataset was made without ``--append-eod``), joined."""
+def prepare_indexed(cfg: Config, prefix: str) -> tuple[PackedData, Path, dict]:
+    """Rows of a Megatron indexed dataset (``PREFIX.bin``/``.idx``, local or any fsspec URL): its documents'
+    tokens, each ended by the tokenizer's EOS (added where the dataset was made without ``--append-eod``),
+    described, not read (``raysc.data.indexed_rows``); each rank reads its own rows where the files lie."""
     special, tok_path = _token_source_tokenizer(cfg, "a Megatron indexed dataset")
-    docs = megatron.read_documents(prefix)
-    eos = special.eos_id
-    stream = np.concatenate([np.append(doc, eos) if not len(doc) or doc[-1] != eos else doc for doc in docs]).astype(
-        np.int64
-    )
-    files = [prefix.with_suffix(".idx"), prefix.with_suffix(".bin")]
-    _refuse_foreign_ids(cfg, files[1], stream, "")
-    return _token_stream_rows(cfg, stream, len(docs), {"megatron": str(prefix)}, files, special, tok_path)
+    options = dict(cfg.data.storage_options)
+    rows, documents = indexed_rows([prefix], cfg.train.seq_len, special.eos_id, cfg.model.vocab_size, options)
+    return _streamed_rows(cfg, rows, {"megatron": prefix}, documents, special, tok_path)
 
 
 def prepare_token_arrays(cfg: Config, files: list[str]) -> tuple[PackedData, Path, dict]:
@@ -198,14 +198,24 @@ def prepare_token_arrays(cfg: Config, files: list[str]) -> tuple[PackedData, Pat
     dtype = token_arrays.token_dtype(cfg.data.token_dtype, cfg.model.vocab_size)
     options = dict(cfg.data.storage_options)
     rows, _ = token_rows(files, cfg.train.seq_len, dtype, cfg.model.vocab_size, options)
+    corpus = {"token_files": files if len(files) <= 16 else [*files[:16], f"... {len(files)} files"]}
+    # documents: not counted, that would read every token at every start
+    return _streamed_rows(cfg, rows, corpus, None, special, tok_path)
+
+
+def _streamed_rows(
+    cfg: Config, rows: RowSource, corpus: dict, documents: int | None, special: SpecialTokens, tok_path: Path
+) -> tuple[PackedData, Path, dict]:
+    """An already-tokenized corpus read where it lies, split as a plain one is: every ``val_every``-th row
+    held out, computed (``SplitRows``), not copied."""
     every = val_every(cfg.data.val_fraction) if cfg.data.val_fraction > 0 and len(rows) >= 2 else 0
     train, val = SplitRows(rows, every, held=False), SplitRows(rows, every, held=True)
     info = {
-        "corpus": {"token_files": files if len(files) <= 16 else [*files[:16], f"... {len(files)} files"]},
+        "corpus": corpus,
         "corpus_sha256": identity_digest(rows.files()),
         "tokenizer": str(tok_path),
         "tokens": int(rows.starts[-1]),
-        "documents": None,  # not counted: that would read every token at every start
+        "documents": documents,
         "seq_len": cfg.train.seq_len,
         "train_sequences": len(train),
         "val_sequences": len(val),
@@ -230,42 +240,6 @@ def _token_source_tokenizer(cfg: Config, what: str) -> tuple[SpecialTokens, Path
             f"checkpoint whose tokenizer made it)"
         )
     return check_tokenizer(cfg, Path(d.tokenizer)), Path(d.tokenizer)
-
-
-def _refuse_foreign_ids(cfg: Config, where: Path, ids: np.ndarray, why_else: str) -> None:
-    """Ids past the embedding are another tokenizer's: refused, naming the file (``why_else``: another cause)."""
-    if len(ids) and int(ids.max()) >= cfg.model.vocab_size:
-        raise ValueError(
-            f"{where} holds token id {int(ids.max())} but model.vocab_size is {cfg.model.vocab_size}: "
-            f"it was made with another tokenizer than {cfg.data.tokenizer!r}{why_else}"
-        )
-
-
-def _token_stream_rows(
-    cfg: Config,
-    stream: np.ndarray,
-    documents: int,
-    corpus: dict,
-    files: list[Path],
-    special: SpecialTokens,
-    tok_path: Path,
-) -> tuple[PackedData, Path, dict]:
-    """An already-tokenized corpus packed and split as a plain one is (the same loader, exact resume and
-    DP-size independence); the callers have refused ids past the embedding."""
-    train, val = split_rows(pack_tokens(stream, cfg.train.seq_len), cfg.data.val_fraction)
-    sha = hashlib.sha256(" ".join(f"{f.name}:{file_sha256(f)}" for f in files).encode()).hexdigest()
-    info = {
-        "corpus": corpus,
-        "corpus_sha256": sha,
-        "tokenizer": str(tok_path),
-        "tokens": int(len(stream)),
-        "documents": documents,
-        "seq_len": cfg.train.seq_len,
-        "train_sequences": int(len(train)),
-        "val_sequences": int(len(val)),
-        "special_tokens": special.to_dict(),
-    }
-    return PackedData(train, val, info), tok_path, info
 
 
 def natural_schedule(sequences: dict[str, int]) -> str:
