@@ -82,8 +82,8 @@ class MixtureLoader:
                 self._orders[key] = SampleOrder(n, self.global_batch, self.block, (self.seed, salt, epoch))
         return self._orders[key]
 
-    def _next_sample(self) -> tuple[str, int]:
-        """Domain and row of the next global sample; advances the state."""
+    def _advance(self) -> tuple[str, int, int]:
+        """Domain, epoch and position in that epoch's order of the next global sample; advances the state."""
         tokens = self.cursor * self.tokens_per_sample
         while self.phase + 1 < len(self.schedule) and tokens >= self.schedule[self.phase + 1].start_tokens:
             self.phase += 1
@@ -93,19 +93,33 @@ class MixtureLoader:
         n = self.cursor - self.phase_start + 1
         domain = max(weights, key=lambda d: (weights[d] * n - self.phase_counts[d], -self.names.index(d)))
         self.phase_counts[domain] += 1
-        pos = self.positions[domain]
-        row = int(self._order(domain, self.epochs[domain]).rows(np.asarray([pos]))[0])
-        pos += 1
-        if pos == len(self.rows[domain]):
+        pos, epoch = self.positions[domain], self.epochs[domain]
+        if pos + 1 == len(self.rows[domain]):
             self.epochs[domain] += 1
-            pos = 0
-        self.positions[domain] = pos
+            self.positions[domain] = 0
+        else:
+            self.positions[domain] = pos + 1
         self.cursor += 1
-        return domain, row
+        return domain, epoch, pos
+
+    def _next_sample(self) -> tuple[str, int]:
+        """Domain and row of the next global sample; advances the state."""
+        domain, epoch, pos = self._advance()
+        return domain, int(self._order(domain, epoch).rows(np.asarray([pos]))[0])
 
     def next_assignments(self) -> list[tuple[str, int]]:
-        """(domain, row) of every sample of the next global batch (the same on every rank)."""
-        return [self._next_sample() for _ in range(self.global_batch)]
+        """(domain, row) of every sample of the next global batch (the same on every rank): the domains
+        chosen one by one, then each (domain, epoch)'s rows mapped in one call of its order."""
+        picks = [self._advance() for _ in range(self.global_batch)]
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i, (domain, epoch, _) in enumerate(picks):
+            groups.setdefault((domain, epoch), []).append(i)
+        out: list[tuple[str, int]] = [("", 0)] * len(picks)
+        for (domain, epoch), at in sorted(groups.items(), key=lambda g: g[1][0]):
+            rows = self._order(domain, epoch).rows(np.asarray([picks[i][2] for i in at]))
+            for i, row in zip(at, rows.tolist()):
+                out[i] = (domain, row)
+        return out
 
     def next_batch(self) -> torch.Tensor:
         """This rank's slice of the next global batch, as int64 (batch/dp, tokens_per_sample + 1)."""
