@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from raysc.data.loader import BatchLoader
-from raysc.data.order import SampleOrder
+from raysc.data.order import SampleOrder, block_rows
 from raysc.data.packing import pack_tokens, split_rows
 from raysc.data.ranged import DataSourceError
 from raysc.data.row_source import ShardRows, SplitRows
@@ -94,8 +94,8 @@ def test_the_order_is_a_bijection_the_same_at_every_dp_size_and_across_a_resume(
 
 def test_s3_token_file_reads_are_whole_blocks_one_get_per_block(s3_server, tmp_path):
     """Rows of 65 uint16 tokens (130 B), 8 a batch, dp = 2, over two shuffle windows of a token file in the S3
-    server, blocks of 126 rows (16 KiB: the 1 MiB of data.shuffle_block_kib scaled down so that a window
-    is 1,008 rows): each rank fetches each of its blocks whole, once, in one GET, and uses all of it."""
+    server, blocks of 127 rows (16 KiB: the 1 MiB of data.shuffle_block_kib scaled down so that a window
+    is 1,016 rows): each rank fetches each of its blocks whole, once, in one GET, and uses all of it."""
     bucket = f"tok-{uuid.uuid4().hex[:8]}"
     s3_server["client"].create_bucket(Bucket=bucket)
     stream = _stream(3, 700_000)
@@ -104,7 +104,7 @@ def test_s3_token_file_reads_are_whole_blocks_one_get_per_block(s3_server, tmp_p
     options = {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"}
     remote, _ = token_rows([f"s3://{bucket}/corpus/big.npy"], SEQ, np.dtype(np.uint16), VOCAB, options)
     local, _ = token_rows([str(tmp_path / "big.npy")], SEQ, np.dtype(np.uint16), VOCAB)
-    block = (16 << 10) // (2 * (SEQ + 1))
+    block = block_rows(SEQ, 16)
     remote.read_unit = block  # (build_loader sets it from data.shuffle_block_kib)
     copies = [pickle.loads(pickle.dumps(remote)) for _ in range(2)]  # each rank reads for itself
     ranks = [BatchLoader(copies[r], 0, 8, r, 2, block=block) for r in range(2)]

@@ -146,7 +146,8 @@ class StoredPermutation:
 
 
 def block_rows(seq_len: int, block_kib: int) -> int:
-    """Rows per shuffle block: as many rows of ``seq_len + 1`` uint16 tokens as fit ``block_kib`` KiB (at
-    least one). Counted in uint16 whatever the files' dtype, so that the order of a corpus does not depend
-    on how its ids are stored (a uint32 corpus's blocks are twice the bytes)."""
-    return max(1, (block_kib * 1024) // (2 * (seq_len + 1)))
+    """Rows per shuffle block: the fewest rows of ``seq_len + 1`` uint16 tokens that fill ``block_kib`` KiB
+    (a block is one GET on an object store: at least that many bytes, so at most one GET per
+    ``block_kib``). Counted in uint16 whatever the files' dtype, so that the order of a corpus does not
+    depend on how its ids are stored (a uint32 corpus's blocks are twice the bytes)."""
+    return max(1, -(-(block_kib * 1024) // (2 * (seq_len + 1))))
