@@ -16,6 +16,8 @@ files under ``.cache/bench-data``, random ids with an EOS every ~500 tokens):
   the file served by the local S3 server (moto) behind a proxy adding ``BENCH_DATA_S3_LATENCY_MS`` (20)
   to every request, 2 ranks: GET requests per MiB delivered, read amplification (bytes fetched / bytes
   used) and tokens per second;
+- with ``BENCH_DATA_S3=1``, start-up on many files: ``BENCH_DATA_FILES`` (256) token files in the S3
+  server behind the proxy, described one at a time and ``DESCRIBE_THREADS`` at a time;
 - what a user would pick instead, on the same tokens as a Megatron ``.bin/.idx`` (each EOS ends a
   document): megatron-core's ``GPTDataset`` built for one epoch of 2,048-token samples, its index build
   time and time to the first sample (``megatron_baseline.py``), beside ours: describing the file, the
@@ -272,6 +274,48 @@ def _summary(runs: list[dict]) -> dict:
     }
 
 
+def describe_many(files: int) -> dict:
+    """Start-up on a corpus of many files in the S3 server behind the latency proxy: ``files`` token files
+    of 64 K tokens described (a HEAD, a header GET and a sample GET each) one at a time and
+    ``DESCRIBE_THREADS`` at a time, side by side."""
+    import io
+
+    import boto3
+    from common import S3_KEY, S3_REGION, S3_SECRET, LatencyProxy, start_s3
+
+    from raysc.data import streamed
+
+    server, endpoint, bucket = start_s3()
+    try:
+        client = boto3.client(
+            "s3",
+            endpoint_url=endpoint,
+            aws_access_key_id=S3_KEY,
+            aws_secret_access_key=S3_SECRET,
+            region_name=S3_REGION,
+        )
+        rng = np.random.default_rng(0)
+        for i in range(files):
+            buf = io.BytesIO()
+            np.save(buf, rng.integers(1, VOCAB, 1 << 16, dtype=np.uint16))
+            client.put_object(Bucket=bucket, Key=f"tokens/part-{i:05d}.npy", Body=buf.getvalue())
+        host, port = endpoint.removeprefix("http://").split(":")
+        proxy = LatencyProxy((host, int(port)), float(os.environ.get("BENCH_DATA_S3_LATENCY_MS", "20")) / 1000)
+        options = {"endpoint_url": proxy.endpoint, "key": S3_KEY, "secret": S3_SECRET}
+        urls = streamed.list_token_files(f"s3://{bucket}/tokens", options)
+        out = {"files": len(urls), "latency_ms": proxy.delay_s * 1000}
+        default = streamed.DESCRIBE_THREADS
+        for threads in (1, default):
+            streamed.DESCRIBE_THREADS = threads
+            t0 = time.perf_counter()
+            streamed.token_rows(urls, 2048, np.dtype(np.uint16), VOCAB, options)
+            out[f"describe_s_{threads}_threads"] = round(time.perf_counter() - t0, 2)
+        streamed.DESCRIBE_THREADS = default
+        return out
+    finally:
+        server.stop()
+
+
 def main() -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from raysc.data.streamed import token_rows
@@ -293,6 +337,9 @@ def main() -> None:
     firsts = [r["train"].get("first_step_s") for r in out["sizes"].values()]
     if len(firsts) >= 2 and all(firsts):
         out["first_step_ratio_largest_to_smallest"] = round(firsts[-1] / firsts[0], 3)
+    if os.environ.get("BENCH_DATA_S3") == "1":
+        out["describe_many_files"] = describe_many(int(os.environ.get("BENCH_DATA_FILES", "256")))
+        print(json.dumps({"describe_many_files": out["describe_many_files"]}), flush=True)
     out["median_loader_tokens_per_s"] = statistics.median(r["loader"]["tokens_per_s"] for r in out["sizes"].values())
     print(json.dumps(out))
 

@@ -27,6 +27,7 @@ import numpy as np
 from raysc.data.megatron import DTYPES, HEADER, IndexedDatasetError
 from raysc.data.ranged import FileIdentity, RangeReader, identity, is_local
 from raysc.data.row_source import Segment, TokenRows
+from raysc.data.streamed import in_parallel
 
 SAMPLED = 16  # documents checked at each end for their last token
 SAMPLE_BYTES = 64 << 10  # ids of the .bin checked against the vocabulary at start
@@ -231,7 +232,7 @@ def indexed_rows(
     where a dataset was made without ``--append-eod``, which only one dataset alone may be) and their
     document count."""
     reader = RangeReader(dict(options or {}))
-    layouts = [indexed_layout(reader, p, options) for p in prefixes]
+    layouts = in_parallel(lambda p: indexed_layout(reader, p, options), prefixes)
     for lay in layouts:
         n = min(lay.tokens * np.dtype(lay.dtype).itemsize, SAMPLE_BYTES)
         head = np.frombuffer(reader.read(lay.bin, 0, n), dtype=lay.dtype)

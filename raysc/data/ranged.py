@@ -200,6 +200,12 @@ class RangeReader:
                 time.sleep(self.backoff_s * 2**attempt)
         raise AssertionError("unreachable")
 
+    def drop(self, url: str) -> None:
+        """Forget the cached units of ``url`` (a file described once, not read again by this reader)."""
+        with self._lock:
+            for key in [k for k in self._units if k[0] == url]:
+                self._cached -= len(self._units.pop(key))
+
     def close(self) -> None:
         for fd in self._fds.values():
             os.close(fd)
