@@ -3,7 +3,8 @@ writer, megatron-core's own ``IndexedDataset`` / ``IndexedDatasetBuilder``: rays
 writes (documents of several sequences, with and without ``--append-eod``'s end token) token for token,
 megatron-core reads what raysc writes, and ``data.source`` = a prefix trains on it with the tokenizer's
 EOS after every document exactly once; damaged files and a dataset of another tokenizer are refused by
-name. OLMo / Dolma token files (raw or numpy-format ``.npy``) train the same way."""
+name; a prefix in an object store reads as one on local disk. OLMo / Dolma token files (raw or numpy-format
+``.npy``) train the same way."""
 
 from __future__ import annotations
 
@@ -175,3 +176,36 @@ def test_olmo_style_token_files_train_raw_or_with_numpy_headers(make_cfg, tmp_pa
         ValueError, match=f"wide.npy holds token id 70000 but model.vocab_size is {VOCAB}.*set data.token_dtype"
     ):
         prepare_data(make_cfg(f'data.source="{wide}"', f'data.tokenizer="{tok}"', "data.token_dtype=uint32"))
+
+
+def test_a_megatron_dataset_in_s3_is_read_in_place_as_on_local_disk(s3_server, tmp_path):
+    """A prefix in the S3 server, made with and without --append-eod: its rows (EOS added as the rank reads
+    where needed, the documents found from the .idx read in place) equal the stream megatron-core's own
+    reader gives, through the loader's shuffled blocks and across a pickle (what a rank receives)."""
+    import pickle
+    import uuid
+
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    from raysc.data.indexed_rows import DocumentRows, indexed_prefix, indexed_rows
+    from raysc.data.packing import pack_tokens
+
+    bucket = f"meg-{uuid.uuid4().hex[:8]}"
+    s3_server["client"].create_bucket(Bucket=bucket)
+    options = {"endpoint_url": s3_server["endpoint"], "key": "testing", "secret": "testing-secret"}
+    for eod in (False, True):
+        prefix = tmp_path / f"d{int(eod)}_text_document"
+        megatron.write_indexed(prefix, _documents(7, 300, eod=eod), np.uint16)
+        for suffix in (".bin", ".idx"):
+            s3_server["client"].upload_file(str(prefix) + suffix, bucket, f"meg/{prefix.name}{suffix}")
+        url = f"s3://{bucket}/meg/{prefix.name}"
+        assert indexed_prefix(url + ".bin", options) == url and indexed_prefix(url + "x", options) is None
+        rows, documents = indexed_rows([url], 32, EOS, VOCAB, options)
+        assert documents == 300 and isinstance(rows, DocumentRows) != eod
+        theirs = [np.array(d) for d in IndexedDataset(str(prefix))]
+        want = pack_tokens(np.concatenate([d if eod else np.append(d, EOS) for d in theirs]), 32)
+        rows.read_unit = 16
+        rank = pickle.loads(pickle.dumps(rows))
+        order = np.random.default_rng(0).permutation(len(want))
+        for lo in range(0, len(want), 40):
+            assert np.array_equal(rank[order[lo : lo + 40]], want[order[lo : lo + 40]])
