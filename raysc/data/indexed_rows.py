@@ -19,12 +19,11 @@ that beside us); a run here reads ``s3://`` prefixes too, one ranged read per sh
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
 
 import numpy as np
 
-from raysc.data.megatron import DTYPES, HEADER, IndexedDatasetError
+from raysc.data.megatron import HEADER_BYTES, IndexedDatasetError, parse_header
 from raysc.data.ranged import FileIdentity, RangeReader, identity, is_local
 from raysc.data.row_source import Segment, TokenRows
 from raysc.data.streamed import in_parallel
@@ -73,25 +72,17 @@ def indexed_layout(reader: RangeReader, prefix: str, options: dict | None = None
     """The layout of ``PREFIX.idx``/``.bin`` from the index's header and last entries; a damaged or
     truncated pair is refused naming the file (``IndexedDatasetError``)."""
     idx, bin_ = identity(prefix + ".idx", options), identity(prefix + ".bin", options)
-    head = reader.read(idx, 0, min(idx.size, 34))
-    if len(head) < 34 or head[:9] != HEADER:
-        raise IndexedDatasetError(f"{idx.url} is not a Megatron index (its header is not MMIDIDX)")
-    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
-    if version != 1 or code not in DTYPES:
-        raise IndexedDatasetError(
-            f"{idx.url}: version {version}, dtype code {code}; raysc reads version 1 with codes {sorted(DTYPES)}"
-        )
-    need = 34 + n_seq * 12 + n_doc * 8
+    dtype, n_seq, n_doc = parse_header(reader.read(idx, 0, min(idx.size, HEADER_BYTES)), idx.url)
+    need = HEADER_BYTES + n_seq * 12 + n_doc * 8
     if idx.size < need or n_doc < 1:
         raise IndexedDatasetError(
             f"{idx.url} is truncated: {idx.size} bytes for {n_seq} sequences and {n_doc} document indices "
             f"({need} needed)"
         )
-    dtype = np.dtype(DTYPES[code])
-    at_pointers = 34 + 4 * n_seq
+    at_pointers = HEADER_BYTES + 4 * n_seq
     tokens = 0
     if n_seq:
-        last_len = int(_ints(reader, idx, 34 + 4 * (n_seq - 1), 1, np.int32)[0])
+        last_len = int(_ints(reader, idx, HEADER_BYTES + 4 * (n_seq - 1), 1, np.int32)[0])
         last_ptr = int(_ints(reader, idx, at_pointers + 8 * (n_seq - 1), 1, np.int64)[0])
         tokens = last_ptr // dtype.itemsize + last_len
     if bin_.size < tokens * dtype.itemsize:
@@ -188,6 +179,10 @@ class DocumentRows(TokenRows):
                 hi = mid - 1
         return lo
 
+    def _stored(self, v: int) -> int:
+        """The stored token at stream position ``v`` (the next one when ``v`` is an added EOS)."""
+        return v - self._doc_at(v)
+
     def _tokens(self, lo: int, hi: int, unit: tuple[int, int] | None = None) -> np.ndarray:
         index, d = self._index(), self._doc_at(lo)
         eos_at, empty = [], []  # stream positions of the EOS tokens in [lo, hi); whether their document is empty
@@ -204,13 +199,9 @@ class DocumentRows(TokenRows):
         stored = (hi - lo) - len(eos_at)
         itemsize = np.dtype(self.layout.dtype).itemsize
         span = None
-        if unit is not None:
+        if unit is not None:  # the read unit's stored tokens (its EOS tokens are not in the file)
             u0, u1 = unit
-            span = (
-                (u0 - self._doc_at(u0)) * itemsize,
-                (max(u1 - 1, u0) - self._doc_at(max(u1 - 1, u0)) + 1) * itemsize,
-            )
-            span = (span[0], min(self.layout.bin.size, span[1]))
+            span = (self._stored(u0) * itemsize, min(self.layout.bin.size, (self._stored(u1 - 1) + 1) * itemsize))
         blob = self.reader.read(self.layout.bin, first * itemsize, (first + stored) * itemsize, span)
         ids = np.frombuffer(blob, dtype=self.layout.dtype).astype(self.dtype)
         places = np.asarray(eos_at, dtype=np.int64) - lo - np.arange(len(eos_at))
@@ -219,7 +210,7 @@ class DocumentRows(TokenRows):
             if not blank and pos > lo and out[pos - 1 - lo] == self.eos:
                 raise IndexedDatasetError(
                     f"{self.layout.bin.url} mixes documents with and without the end-of-document token (id "
-                    f"{self.eos}; one ends at token {pos - self._doc_at(pos)}): re-run Megatron's preprocess_data.py "
+                    f"{self.eos}; one ends at token {self._stored(pos)}): re-run Megatron's preprocess_data.py "
                     f"with --append-eod (or without) for all of them"
                 )
         return out

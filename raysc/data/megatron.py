@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 HEADER = b"MMIDIDX\x00\x00"
+HEADER_BYTES = 34  # the magic, version, dtype code and the two counts
 DTYPES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 CODES = {np.dtype(v): k for k, v in DTYPES.items()}
 
@@ -38,18 +39,24 @@ def prefix_of(path: str | Path) -> Path | None:
     return p if p.with_suffix(".idx").is_file() else None
 
 
+def parse_header(head: bytes, where: str) -> tuple[np.dtype, int, int]:
+    """(token dtype, sequence count, document-index count) from the first ``HEADER_BYTES`` of an ``.idx``
+    (``where`` names it in the error of a damaged one)."""
+    if len(head) < HEADER_BYTES or head[:9] != HEADER:
+        raise IndexedDatasetError(f"{where} is not a Megatron index (its header is not MMIDIDX)")
+    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:HEADER_BYTES])
+    if version != 1 or code not in DTYPES:
+        raise IndexedDatasetError(
+            f"{where}: version {version}, dtype code {code}; raysc reads version 1 with codes {sorted(DTYPES)}"
+        )
+    return np.dtype(DTYPES[code]), n_seq, n_doc
+
+
 def read_index(prefix: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np.ndarray]:
     """(token dtype, sequence lengths, sequence byte offsets, document indices) from ``PREFIX.idx``."""
     idx = Path(prefix).with_suffix(".idx")
     with open(idx, "rb") as f:
-        head = f.read(34)
-    if len(head) < 34 or head[:9] != HEADER:
-        raise IndexedDatasetError(f"{idx} is not a Megatron index (its header is not MMIDIDX)")
-    version, code, n_seq, n_doc = struct.unpack("<QBQQ", head[9:34])
-    if version != 1 or code not in DTYPES:
-        raise IndexedDatasetError(
-            f"{idx}: version {version}, dtype code {code}; raysc reads version 1 with codes {sorted(DTYPES)}"
-        )
+        dtype, n_seq, n_doc = parse_header(f.read(HEADER_BYTES), str(idx))
     buf = np.memmap(idx, mode="r", dtype=np.uint8)
     need = 34 + n_seq * 4 + n_seq * 8 + n_doc * 8
     if len(buf) < need:
@@ -59,7 +66,7 @@ def read_index(prefix: str | Path) -> tuple[np.dtype, np.ndarray, np.ndarray, np
     lengths = np.frombuffer(buf, np.int32, n_seq, 34)
     pointers = np.frombuffer(buf, np.int64, n_seq, 34 + lengths.nbytes)
     documents = np.frombuffer(buf, np.int64, n_doc, 34 + lengths.nbytes + pointers.nbytes)
-    return np.dtype(DTYPES[code]), lengths, pointers, documents
+    return dtype, lengths, pointers, documents
 
 
 def read_documents(prefix: str | Path, fs=None) -> list[np.ndarray]:

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from raysc.data.indexed_rows import indexed_layout, indexed_prefix
-from raysc.data.ranged import DataSourceError, RangeReader, identity
+from raysc.data.ranged import DataSourceError, FileIdentity, RangeReader, identity
 from raysc.data.shards import read_index
 from raysc.data.streamed import list_token_files, npy_layout
 from raysc.data.token_arrays import token_dtype
@@ -82,9 +82,9 @@ class _Progress:
             )
 
 
-def _hash_file(url: str, options: dict, progress: _Progress, vocab: tuple[np.dtype, int, int] | None) -> dict:
-    """Size and SHA-256 of ``url`` read in ``CHUNK`` pieces; with ``vocab`` (dtype, data offset, vocab
-    size), the largest token id past the offset too."""
+def _hash_file(url: str, options: dict, progress: _Progress, ids: tuple[np.dtype, int] | None) -> dict:
+    """Size and SHA-256 of ``url`` read in ``CHUNK`` pieces; with ``ids`` (their dtype, the data's byte
+    offset), the largest token id too."""
     import fsspec
 
     fs, path = fsspec.core.url_to_fs(url, **options)
@@ -92,8 +92,8 @@ def _hash_file(url: str, options: dict, progress: _Progress, vocab: tuple[np.dty
     with fs.open(path, "rb", block_size=CHUNK) as f:
         while chunk := f.read(CHUNK):
             h.update(chunk)
-            if vocab is not None:
-                dtype, offset, _ = vocab
+            if ids is not None:
+                dtype, offset = ids
                 body = odd + chunk[max(0, offset - size) :] if size + len(chunk) > offset else b""
                 whole = len(body) - len(body) % dtype.itemsize
                 if whole:
@@ -156,7 +156,7 @@ def _verify_packed(source: str, index: dict, options: dict, log: Callable[[str],
 def _verify_tokens(source: str, options: dict, vocab_size: int | None, log: Callable[[str], None]) -> Report:
     reader = RangeReader(options)
     prefix = indexed_prefix(source, options)
-    targets: list[tuple[str, tuple[np.dtype, int] | None]] = []
+    targets: list[tuple[FileIdentity, tuple[np.dtype, int] | None]] = []
     files = None if prefix is not None else list_token_files(source, options)
     if prefix is None and not files:
         raise FileNotFoundError(
@@ -167,27 +167,27 @@ def _verify_tokens(source: str, options: dict, vocab_size: int | None, log: Call
     try:  # the checks a run makes at its start: headers, sizes
         if prefix is not None:
             layout = indexed_layout(reader, prefix, options)
-            targets = [(layout.bin.url, (np.dtype(layout.dtype), 0)), (layout.idx.url, None)]
+            targets = [(layout.bin, (np.dtype(layout.dtype), 0)), (layout.idx, None)]
         for url in files or []:
             f = identity(url, options)
             layout = npy_layout(reader, f)
             if layout is None:  # a raw array: OLMo's dtype rule
-                targets.append((url, (token_dtype("auto", vocab_size), 0) if vocab_size else None))
+                targets.append((f, (token_dtype("auto", vocab_size), 0) if vocab_size else None))
                 continue
             offset, dtype, shape = layout
             if f.size < offset + int(np.prod(shape)) * dtype.itemsize:
                 raise DataSourceError(f"{url} is truncated: {f.size} bytes where its header needs more")
-            targets.append((url, (dtype, offset)))
+            targets.append((f, (dtype, offset)))
     except ValueError as e:  # DataSourceError, IndexedDatasetError: named by the message
         report.problems.append(str(e))
         return report
-    progress = _Progress(sum(identity(u, options).size for u, _ in targets), log)
-    for url, spec in targets:
-        vocab = (spec[0], spec[1], vocab_size) if spec is not None and vocab_size else None
-        got = _hash_file(url, options, progress, vocab)
+    progress = _Progress(sum(f.size for f, _ in targets), log)
+    for f, spec in targets:
+        url = f.url
+        got = _hash_file(url, options, progress, spec if vocab_size else None)
         report.files[url] = got
         report.bytes_read += got["bytes"]
-        if vocab is not None and got["max_id"] >= vocab_size:
+        if vocab_size and got["max_id"] >= vocab_size:
             report.problems.append(
                 f"{url} holds token id {got['max_id']} but the vocabulary has {vocab_size}: it was made with "
                 f"another tokenizer (or another dtype)"
