@@ -87,7 +87,9 @@ def test_a_compressed_jsonl_corpus_trains_like_the_plain_one_and_a_damaged_file_
 
     import zstandard
 
-    from raysc.data.prepare import file_sha256_dir
+    from raysc.data.corpus import jsonl_files
+    from raysc.data.special_tokens import RAYSC
+    from raysc.data.text_cache import cache_key
 
     docs = [{"text": d["text"]} for d in iter_documents(0.3)]
     lines = [json.dumps(d).encode() + b"\n" for d in docs]
@@ -101,9 +103,9 @@ def test_a_compressed_jsonl_corpus_trains_like_the_plain_one_and_a_damaged_file_
     (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third : 2 * third])))
     (packed / "part-2.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(b"".join(lines[2 * third :])))
     assert list(read_documents(packed)) == list(read_documents(plain)) == docs
-    before = file_sha256_dir(packed)
+    before = cache_key(jsonl_files(packed), "", "{}", RAYSC)
     (packed / "part-1.jsonl.gz").write_bytes(gzip.compress(b"".join(lines[third : 2 * third - 1])))
-    assert file_sha256_dir(packed) != before
+    assert cache_key(jsonl_files(packed), "", "{}", RAYSC) != before
     cut = zstandard.ZstdCompressor().compress(b"".join(lines[2 * third :]))
     (packed / "part-2.jsonl.zst").write_bytes(cut[: len(cut) // 2])
     with pytest.raises(ValueError, match=r"part-2.jsonl.zst': corrupt or truncated zstd file .*fetch it again"):

@@ -164,32 +164,43 @@ def corpus_meta(path: str | Path) -> dict:
 JSONL_NAMES = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
 
 
-def read_documents(source: str | Path) -> Iterator[dict]:
-    """Records from a JSONL file (plain, ``.gz`` or ``.zst``) or every such file in a directory (sorted);
-    each needs 'text'. Training input must be whole: a damaged compressed file raises, naming it."""
+def jsonl_files(source: str | Path) -> list[Path]:
+    """The JSONL files (plain, ``.gz`` or ``.zst``) of a plain-text ``data.source``: the file itself, or every
+    such file in the directory, sorted by name."""
     p = Path(source)
     if p.is_dir():
         files = sorted(f for pattern in JSONL_NAMES for f in p.glob(pattern))
         if not files:
             raise FileNotFoundError(f"data.source directory {str(p)!r} holds no {', '.join(JSONL_NAMES)} files")
-    elif p.is_file():
-        files = [p]
-    else:
-        raise FileNotFoundError(f"data.source {str(p)!r} does not exist; use 'bundled' or a JSONL file/directory")
-    for f in files:
+        return files
+    if p.is_file():
+        return [p]
+    raise FileNotFoundError(f"data.source {str(p)!r} does not exist; use 'bundled' or a JSONL file/directory")
+
+
+def read_documents(source: str | Path) -> Iterator[dict]:
+    """Records from a JSONL file (plain, ``.gz`` or ``.zst``) or every such file in a directory (sorted);
+    each needs 'text'. Training input must be whole: a damaged compressed file raises, naming it."""
+    for f in jsonl_files(source):
         data, damaged = read_bytes(str(f))
         if damaged:
             raise ValueError(
                 f"data.source file {str(f)!r}: {damaged}; fetch it again, or run `raysc curate` over "
                 f"the corpus, which counts damaged files in its report and keeps what they hold"
             )
-        for n, line in enumerate(data.decode("utf-8").split("\n"), 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{f}:{n}: not valid JSON ({e.msg})") from None
-            if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
-                raise ValueError(f"{f}:{n}: each record needs a string field 'text'")
-            yield rec
+        yield from parse_records(data, f)
+
+
+def parse_records(data: bytes, name: str | Path, first_line: int = 1) -> Iterator[dict]:
+    """The records of JSONL ``data`` (whole lines of file ``name``, the first of them line ``first_line``),
+    blank lines skipped; a line that is not a JSON object with a string 'text' raises, naming file and line."""
+    for n, line in enumerate(data.decode("utf-8").split("\n"), first_line):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{name}:{n}: not valid JSON ({e.msg})") from None
+        if not isinstance(rec, dict) or not isinstance(rec.get("text"), str):
+            raise ValueError(f"{name}:{n}: each record needs a string field 'text'")
+        yield rec

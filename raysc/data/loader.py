@@ -22,7 +22,7 @@ import torch
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
-from raysc.data.order import SampleOrder, StoredPermutation, block_rows
+from raysc.data.order import SampleOrder, StoredPermutation, block_rows, keeps_stored_order
 
 ORDERS_KEPT = 4  # epochs' orders kept per loader: the epochs a batch can straddle, with room for a resume
 
@@ -53,12 +53,13 @@ class BatchLoader:
         self._orders: dict[int, SampleOrder] = {}  # epoch -> its order, oldest first
 
     def _order(self, epoch: int):
-        """The order of ``epoch``: rows in memory keep the seeded numpy permutation of before (the data
-        order every run and test before issue 57 used); a ``RowSource`` read where the corpus lies gets the
-        block-and-window bijection (``raysc.data.order``), which needs no O(rows) array."""
+        """The order of ``epoch``: rows in memory (and a plain-text corpus's, ``keeps_stored_order``) keep the
+        seeded numpy permutation of before (the data order every run and test before issue 57 used); a
+        ``RowSource`` read where the corpus lies gets the block-and-window bijection (``raysc.data.order``),
+        which needs no O(rows) array."""
         order = self._orders.get(epoch)
         if order is None:
-            if isinstance(self.rows, np.ndarray):
+            if keeps_stored_order(self.rows):
                 order = StoredPermutation(np.random.default_rng([self.seed, epoch]).permutation(len(self.rows)))
             else:
                 order = SampleOrder(len(self.rows), self.global_batch, self.block, (self.seed, epoch))

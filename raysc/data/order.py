@@ -145,6 +145,17 @@ class StoredPermutation:
         return self.perm[np.asarray(positions, dtype=np.int64)]
 
 
+STORED_ORDER_ROWS = 1 << 22  # rows of a plain-text corpus up to which it keeps numpy's stored order (32 MiB)
+
+
+def keeps_stored_order(rows) -> bool:
+    """Whether ``rows`` are read in numpy's stored seeded permutation (``StoredPermutation``) rather than
+    ``SampleOrder``: rows in memory, and the rows of a plain-text corpus of at most ``STORED_ORDER_ROWS``
+    rows (``stored_order``: the order every plain-text run had when its rows were held in memory, so
+    such a run resumes onto the same batches; a larger one could not be held and gets the computed order)."""
+    return isinstance(rows, np.ndarray) or bool(getattr(rows, "stored_order", False))
+
+
 def block_rows(seq_len: int, block_kib: int) -> int:
     """Rows per shuffle block: the fewest rows of ``seq_len + 1`` uint16 tokens that fill ``block_kib`` KiB
     (a block is one GET on an object store: at least that many bytes, so at most one GET per

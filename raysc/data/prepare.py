@@ -18,24 +18,31 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
+
+import numpy as np
 
 from raysc.config.schema import Config
 from raysc.config.syntax import parse_schedule
 from raysc.data import token_arrays
-from raysc.data.corpus import JSONL_NAMES, build_bundled_corpus, corpus_meta, read_documents
+from raysc.data.corpus import build_bundled_corpus, corpus_meta, jsonl_files
 from raysc.data.indexed_rows import indexed_prefix, indexed_rows
-from raysc.data.packing import PackedData, build_packed, val_every
+from raysc.data.order import STORED_ORDER_ROWS
+from raysc.data.packing import PackedData, val_every
+from raysc.data.ranged import identity
 from raysc.data.row_source import ConcatRows, RowSource, SplitRows
 from raysc.data.shards import MEGATRON, read_index
 from raysc.data.special_tokens import SpecialTokens, read_special_tokens
 from raysc.data.streamed import identity_digest, list_token_files, packed_rows, token_rows
-from raysc.data.tokenizer import build_tokenizer, load_tokenizer
+from raysc.data.text_cache import text_cache, tokenizer_documents
+from raysc.data.tokenizer import build_tokenizer, load_tokenizer, tokenizer_path
 from raysc.hashing import file_sha256
 
 
-def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
-    """Return the packed rows, the tokenizer.json path and a description of the data."""
+def prepare_data(cfg: Config, progress: Callable[[str], None] | None = None) -> tuple[PackedData, Path, dict]:
+    """Return the packed rows, the tokenizer.json path and a description of the data; ``progress`` hears
+    how tokenizing a plain-text corpus goes."""
     d = cfg.data
     index = read_index(d.source, dict(d.storage_options)) if d.source != "bundled" else None
     if index is not None:
@@ -51,33 +58,41 @@ def prepare_data(cfg: Config) -> tuple[PackedData, Path, dict]:
             f"data.schedule needs per-domain token shards, but data.source={d.source!r} is a plain "
             f"corpus; run `raysc curate` and `raysc pack` and set data.source to the packed directory"
         )
+    return prepare_text(cfg, progress)
+
+
+def prepare_text(cfg: Config, progress: Callable[[str], None] | None = None) -> tuple[PackedData, Path, dict]:
+    """Rows of a plain-text corpus (the bundled one, or JSONL files): tokenized once by Ray tasks into token
+    files under ``data.cache_dir`` (``raysc.data.text_cache``), which each rank reads its own rows from.
+    A tokenizer is trained first unless ``data.tokenizer`` names one."""
+    d = cfg.data
     if d.source == "bundled":
         corpus = build_bundled_corpus(d.cache_dir, d.max_corpus_mb)
         meta = corpus_meta(corpus)
     else:
         corpus = Path(d.source)
         meta = {"path": str(corpus)}
-    docs = list(read_documents(corpus))
-    if not docs:
-        raise ValueError(f"data.source {d.source!r} holds no documents")
-    texts = [doc["text"] for doc in docs]
-    corpus_sha = meta.get("sha256") or (file_sha256(corpus) if corpus.is_file() else file_sha256_dir(corpus))
+    files = jsonl_files(corpus)
+    corpus_sha = meta.get("sha256") or identity_digest([identity(str(f.resolve())) for f in files])
     if d.tokenizer:
         tok_path = Path(d.tokenizer)
         special = check_tokenizer(cfg, tok_path)
     else:
-        tok_path = build_tokenizer(
-            texts, cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed, d.cache_dir, corpus_sha
-        )
+        tok_path = tokenizer_path(cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed, d.cache_dir, corpus_sha)
+        if not tok_path.is_file():
+            texts = tokenizer_documents(files, d.tokenizer_sample_mb, cfg.train.seed)
+            if not texts:
+                raise ValueError(f"data.source {d.source!r} holds no documents")
+            build_tokenizer(texts, cfg.model.vocab_size, d.tokenizer_sample_mb, cfg.train.seed, d.cache_dir, corpus_sha)
         special = special_tokens(cfg, tok_path)
-    packed = build_packed(texts, tok_path, corpus_sha, cfg.train.seq_len, d.val_fraction, d.cache_dir, special)
-    info = {
-        "corpus": meta,
-        "corpus_sha256": corpus_sha,
-        "tokenizer": str(tok_path),
-        **packed.info,
-        "special_tokens": special.to_dict(),
-    }
+    cache = text_cache(files, corpus_sha, tok_path, special, d.cache_dir, progress)
+    if not cache["documents"]:
+        raise ValueError(f"data.source {d.source!r} holds no documents")
+    # the parts are numpy files: their headers give the dtype (the raw dtype is never used)
+    rows, _ = token_rows(cache["parts"], cfg.train.seq_len, np.dtype(np.uint32), cfg.model.vocab_size)
+    rows.stored_order = len(rows) <= STORED_ORDER_ROWS
+    packed, _, info = _streamed_rows(cfg, rows, meta, cache["documents"], special, tok_path)
+    info.update(corpus_sha256=corpus_sha, key=cache["key"], text_cache=cache["dir"])
     return packed, tok_path, info
 
 
@@ -272,12 +287,3 @@ def _packed_tokenizer(cfg: Config, index: dict) -> Path:
         local.with_suffix(".tmp").write_bytes(blob)
         local.with_suffix(".tmp").replace(local)
     return local
-
-
-def file_sha256_dir(path: Path) -> str:
-    """One SHA-256 over the name and content hash of every file ``read_documents`` reads in ``path``."""
-    h = hashlib.sha256()
-    for f in sorted(f for pattern in JSONL_NAMES for f in path.glob(pattern)):
-        h.update(f.name.encode())
-        h.update(file_sha256(f).encode())
-    return h.hexdigest()

@@ -36,6 +36,7 @@ class RowSource:
     dtype: np.dtype
     vocab_size: int | None = None
     read_unit: int = 0  # rows per read unit (the loader's shuffle block): an object store's GET covers one
+    stored_order: bool = False  # read in numpy's stored permutation (raysc.data.order.keeps_stored_order)
 
     def __len__(self) -> int:
         raise NotImplementedError
@@ -49,6 +50,11 @@ class RowSource:
         return (self.seq_len + 1) * np.dtype(self.dtype).itemsize
 
     def __getitem__(self, key):
+        if isinstance(key, tuple):  # rows, then columns of them (rows[idx, :seq], as on an array)
+            first, *rest = key
+            return self[first][
+                tuple(rest) if np.ndim(first) == 0 and not isinstance(first, slice) else (slice(None), *rest)
+            ]
         if isinstance(key, slice):
             return self.take(np.arange(*key.indices(len(self))))
         if np.ndim(key) == 0:
@@ -239,6 +245,10 @@ class SplitRows(RowSource):
     @property
     def vocab_size(self):  # type: ignore[override]
         return self.source.vocab_size
+
+    @property
+    def stored_order(self) -> bool:  # type: ignore[override]
+        return self.source.stored_order
 
     @property
     def read_unit(self) -> int:  # type: ignore[override]

@@ -52,12 +52,17 @@ def train_tokenizer(texts: Iterable[str], vocab_size: int) -> Tokenizer:
     return tok
 
 
+def tokenizer_path(vocab_size: int, sample_mb: float, seed: int, cache_dir: str | Path, corpus_sha: str) -> Path:
+    """Where ``build_tokenizer`` caches the tokenizer it trains for these inputs."""
+    key = hashlib.sha256(f"{corpus_sha}:{vocab_size}:{sample_mb}:{seed}".encode()).hexdigest()[:16]
+    return Path(cache_dir) / "tokenizers" / key / "tokenizer.json"
+
+
 def build_tokenizer(
     texts: list[str], vocab_size: int, sample_mb: float, seed: int, cache_dir: str | Path, corpus_sha: str
 ) -> Path:
     """Train (or reuse from the cache) a tokenizer for this corpus; return its tokenizer.json path."""
-    key = hashlib.sha256(f"{corpus_sha}:{vocab_size}:{sample_mb}:{seed}".encode()).hexdigest()[:16]
-    out = Path(cache_dir) / "tokenizers" / key / "tokenizer.json"
+    out = tokenizer_path(vocab_size, sample_mb, seed, cache_dir, corpus_sha)
     if out.is_file():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)

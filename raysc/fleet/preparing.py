@@ -69,7 +69,7 @@ class RunPreparation:
         if self.cfg.model.init_from:
             self._init_from()
         self.book.phase = "preparing data"
-        packed, tok_path, data_info = prepare_data(self.cfg)
+        packed, tok_path, data_info = prepare_data(self.cfg, self._data_progress)
         # the tokenizer as it came (with the files beside it that name its special tokens) and the special
         # tokens this run packed with: exports, generation and serving read them from the run directory
         copy_tokenizer(tok_path, self.run_dir)
@@ -96,6 +96,10 @@ class RunPreparation:
             "val": ray.put(packed.val),
             "eos_id": int(data_info["special_tokens"]["eos_id"]),
         }
+
+    def _data_progress(self, message: str) -> None:
+        """How tokenizing a plain-text corpus goes, in the run's phase (``raysc status``, the dashboard)."""
+        self.book.phase = f"preparing data: {message}"
 
     def _start_size(self) -> None:
         """An elastic run starts with the largest allowed size the alive nodes hold (the configured
