@@ -277,3 +277,60 @@ def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_di
     assert rep["committed_checkpoints_lost"] == [] and rep["unscheduled_restarts"] == 0, rep
     assert not set(chaos.outage_steps(schedule)) & set(committed)  # the refused save was never committed
     assert _events(run_dir, "node_lost") and rep["params_equal_reference"], rep
+
+
+def test_a_corpus_larger_than_the_clusters_object_stores_trains_and_heals_a_kill_exactly(cluster, cache_dir, tmp_path):
+    """A token file several times larger than every object store of the cluster together (and, at the
+    24 bytes of memory per token that holding a corpus took before issue 57, larger than this machine's
+    memory): two replicas on two nodes read their own rows from it, a rank killed at step 6 heals from the
+    checkpoint, and every step run twice saw the same rows (data_fp) and gave the same loss."""
+    import numpy as np
+
+    from raysc.data.tokenizer import train_tokenizer
+
+    code = "import ray; ray.init(logging_level='ERROR'); print(int(ray.cluster_resources()['object_store_memory']))"
+    stores = int(
+        subprocess.run(
+            [sys.executable, "-c", code], env=cluster["env"], capture_output=True, text=True, check=True
+        ).stdout.split()[-1]
+    )
+    tokens = 1_200_000_000  # 2.4 GB of uint16
+    assert tokens * 2 > 2 * stores and tokens * 24 > 24 << 30, stores
+    corpus = tmp_path / "tokens.npy"
+    ids = np.lib.format.open_memmap(corpus, mode="w+", dtype=np.uint16, shape=(tokens,))
+    step = 50_000_000
+    base = np.random.default_rng(0).integers(0, 511, size=step, dtype=np.uint16)
+    for k, lo in enumerate(range(0, tokens, step)):
+        chunk = (base[: min(step, tokens - lo)] + k) % 511 + 1  # ids 1..511, each chunk its own
+        chunk[::500] = 0  # an EOS every 500 tokens
+        ids[lo : lo + len(chunk)] = chunk
+    ids.flush()
+    del ids
+    tok = tmp_path / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 512).save(str(tok))
+    try:
+        run_dir = tmp_path / "big"
+        run = _train(
+            cluster,
+            cache_dir,
+            run_dir,
+            f'data.source="{corpus}"',
+            f'data.tokenizer="{tok}"',
+            "parallel.dp_replicate=2",
+            'supervisor.inject="kill@6:1"',
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert len(_events(run_dir, "recovered")) == 1
+        ready = _events(run_dir, "data_ready")[0]
+        assert ready["tokens"] == tokens
+        seen: dict[int, tuple] = {}
+        again = 0
+        for m in read_jsonl(run_dir / "metrics.jsonl"):
+            got = (m["data_fp"], m["loss"])
+            if m["step"] in seen:
+                again += 1
+                assert seen[m["step"]] == got, m["step"]
+            seen[m["step"]] = got
+        assert again >= 1 and sorted(seen) == list(range(1, 13))
+    finally:
+        corpus.unlink()

@@ -7,16 +7,14 @@ Mistral; ``raysc.data.special_tokens``), concatenated in corpus order and cut in
 so no token is lost as a target. Every ``round(1/val_fraction)``-th row is held
 out for validation, which spreads the held-out set over every domain.
 
-The packed arrays are cached as ``.npy`` keyed by (corpus, tokenizer, seq_len),
-so a second run on the same data starts at once.
+A plain-text corpus is encoded by Ray tasks into token files (``raysc.data.text_cache``) that are cut
+into rows as they are read; ``pack_tokens`` and ``split_rows`` are the in-memory definitions of those
+rows (``raysc.data.row_source`` computes the same ones).
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer
@@ -78,43 +76,3 @@ def split_rows(rows: np.ndarray, val_fraction: float) -> tuple[np.ndarray, np.nd
     every = val_every(val_fraction)
     mask = (np.arange(len(rows)) % every) == every - 1
     return rows[~mask], rows[mask]
-
-
-def build_packed(
-    texts: list[str],
-    tokenizer_path: str | Path,
-    corpus_sha: str,
-    seq_len: int,
-    val_fraction: float,
-    cache_dir: str | Path,
-    special: SpecialTokens = RAYSC,
-) -> PackedData:
-    """Encode, pack and split ``texts``; cached under ``cache_dir/packed``."""
-    tok_bytes = Path(tokenizer_path).read_bytes()
-    # the special tokens are part of the key: the same tokenizer with BOS added packs other rows
-    bos = special.bos_id if special.add_bos else None
-    marks = "" if (special.eos_id, bos) == (RAYSC.eos_id, None) else f":{bos}:{special.eos_id}"
-    key = hashlib.sha256(
-        f"{corpus_sha}:{hashlib.sha256(tok_bytes).hexdigest()}:{seq_len}:{val_fraction}{marks}".encode()
-    ).hexdigest()[:16]
-    base = Path(cache_dir) / "packed" / key
-    if (base / "info.json").is_file():
-        return PackedData(
-            np.load(base / "train.npy"), np.load(base / "val.npy"), json.loads((base / "info.json").read_text())
-        )
-    tok = Tokenizer.from_str(tok_bytes.decode())
-    stream = encode_corpus(texts, tok, tok.get_vocab_size(), special)
-    train, val = split_rows(pack_tokens(stream, seq_len), val_fraction)
-    info = {
-        "key": key,
-        "tokens": int(len(stream)),
-        "documents": len(texts),
-        "seq_len": seq_len,
-        "train_sequences": int(len(train)),
-        "val_sequences": int(len(val)),
-    }
-    base.mkdir(parents=True, exist_ok=True)
-    np.save(base / "train.npy", train)
-    np.save(base / "val.npy", val)
-    (base / "info.json").write_text(json.dumps(info, indent=2))  # written last: marks the cache complete
-    return PackedData(train, val, info)

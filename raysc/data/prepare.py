@@ -10,8 +10,9 @@ loader, with that directory's tokenizer; ``data.schedule`` is checked against it
 in the supervisor (``prepare_data`` runs in its actor), before any worker starts. A Megatron
 indexed dataset (``PREFIX.bin``/``.idx``, ``raysc.data.indexed_rows``) and OLMo-style token files
 (``.npy``, ``raysc.data.streamed``) are read as already-tokenized documents with ``data.tokenizer``
-naming their tokenizer. Every source but a plain-text corpus (tokenized and packed here, in memory) is
-described from its files' metadata, not read: each rank reads its own rows where the files lie.
+naming their tokenizer. A plain-text corpus is tokenized once by Ray tasks into token files under
+``data.cache_dir`` (``raysc.data.text_cache``). Every source is then described from its files'
+metadata, not read: each rank reads its own rows where the files lie.
 """
 
 from __future__ import annotations
@@ -93,7 +94,25 @@ def prepare_text(cfg: Config, progress: Callable[[str], None] | None = None) -> 
     rows.stored_order = len(rows) <= STORED_ORDER_ROWS
     packed, _, info = _streamed_rows(cfg, rows, meta, cache["documents"], special, tok_path)
     info.update(corpus_sha256=corpus_sha, key=cache["key"], text_cache=cache["dir"])
+    if not cache["shared"]:
+        packed = _shipped(cfg, packed, cache["dir"])
+        info["streamed"] = False
     return packed, tok_path, info
+
+
+def _shipped(cfg: Config, packed: PackedData, where: str) -> PackedData:
+    """The rows in memory, for Ray's object store to carry to the ranks: the tokenized corpus is on a disk
+    that only this node sees (a node-local ``data.cache_dir`` on a cluster of several machines). Rows in
+    memory keep the order they have when read in place (``keeps_stored_order``), so the run's batches are
+    the same; a corpus too large for that is refused with the fix."""
+    if len(packed.train) + len(packed.val) > STORED_ORDER_ROWS:
+        raise ValueError(
+            f"the tokenized corpus at {where} is on a disk that other nodes of the cluster do not see, and at "
+            f"{len(packed.train) + len(packed.val):,} rows it is too large to ship to them through Ray's object "
+            f"store; set data.cache_dir to a path every node shares (an NFS or Lustre mount), or `raysc pack` "
+            f"the corpus to object storage and set data.source to it"
+        )
+    return PackedData(np.asarray(packed.train), np.asarray(packed.val), packed.info)
 
 
 def check_tokenizer(cfg: Config, tok_path: str | Path) -> SpecialTokens:

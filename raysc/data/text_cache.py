@@ -12,6 +12,11 @@ cut in memory. ``manifest.json``, written last by the caller, marks the cache co
 is the files' identities (path, size, modification time: no byte hashed), the tokenizer's SHA-256 and
 the special tokens, so a changed file or tokenizer is a new cache and a second run starts at once.
 
+On a cluster of several machines the cache must be where every node sees it: ``unseen_by`` asks each
+node whether the cache directory exists there. Where a node does not (a node-local ``data.cache_dir``),
+the tasks run on this node only and ``raysc.data.prepare`` ships a small corpus's rows through Ray's
+object store (the same rows in the same order) or refuses a large one, naming the fix.
+
 Why tasks and not Ray Data (which ``raysc pack`` uses): the parts must keep the corpus order (part
 ``i`` is chunk ``i``; pack's shards need no order), and inside a run the fleet has already reserved the
 CPUs it uses, so the tasks ask for none (``num_cpus=0``) and at most as many run at once as the cluster
@@ -48,8 +53,9 @@ class Chunk:
     end: int
 
 
-def chunks(files: list[Path], chunk_bytes: int = CHUNK_BYTES) -> list[Chunk]:
-    """The corpus's chunks, in corpus order."""
+def chunks(files: list[Path], chunk_bytes: int | None = None) -> list[Chunk]:
+    """The corpus's chunks (of about ``chunk_bytes``, default ``CHUNK_BYTES``), in corpus order."""
+    chunk_bytes = chunk_bytes or CHUNK_BYTES
     out = []
     for f in files:
         size = f.stat().st_size
@@ -140,12 +146,16 @@ def text_cache(
     base = Path(cache_dir) / "text" / key
     manifest = base / "manifest.json"
     if manifest.is_file():
-        return _resolved(json.loads(manifest.read_text()), base)
+        return _resolved(json.loads(manifest.read_text()), base, not unseen_by(manifest))
     base.mkdir(parents=True, exist_ok=True)
+    probe = base / f".probe-{os.urandom(8).hex()}"  # new: no other node can have one of its own
+    probe.touch()
+    shared = not unseen_by(probe)
+    probe.unlink()
     todo = chunks(files)
     outs = [str(base / f"part-{i:05d}.npy") for i in range(len(todo))]
     args = [(c, tokenizer_json, special.to_dict(), o) for c, o in zip(todo, outs)]
-    counts = _run(args, progress)
+    counts = _run(args, progress, anywhere=shared)
     kept = [(Path(o).name, c) for o, c in zip(outs, counts) if c["tokens"]]
     meta = {
         "format": FORMAT,
@@ -163,17 +173,43 @@ def text_cache(
     tmp = manifest.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(json.dumps(meta, indent=1))
     tmp.replace(manifest)  # last: the cache is complete
-    return _resolved(meta, base)
+    return _resolved(meta, base, shared)
 
 
-def _resolved(meta: dict, base: Path) -> dict:
-    return {**meta, "dir": str(base), "parts": [str(base / p) for p in meta["parts"]]}
+def _resolved(meta: dict, base: Path, shared: bool) -> dict:
+    """The manifest with the parts' paths, and whether every node of the cluster sees them (``shared``)."""
+    return {**meta, "dir": str(base), "parts": [str(base / p) for p in meta["parts"]], "shared": shared}
 
 
-def _run(args: list[tuple], progress: Callable[[str], None] | None) -> list[dict]:
-    """``encode_chunk`` of every chunk: Ray tasks (at most the cluster's CPUs at once) when Ray is up, else
-    here; the counts in chunk order. A task's error is raised as itself (it names the file)."""
+def unseen_by(path: Path, timeout_s: float = 60.0) -> list[str]:
+    """The alive Ray nodes (ids) on which ``path``, written on this node, does not exist: a node-local
+    ``data.cache_dir`` on a cluster of several machines (nodes sharing a file system, or on one machine,
+    see it). Empty without Ray or on one node; a node that does not answer in ``timeout_s`` counts as not
+    seeing it."""
     import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if not ray.is_initialized():
+        return []
+    nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+    if len(nodes) <= 1:
+        return []
+    probe = ray.remote(num_cpus=0)(os.path.exists)
+    refs = {
+        probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote(str(path)): n
+        for n in nodes
+    }
+    ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=timeout_s)
+    seen = {refs[r] for r in ready if ray.get(r)}
+    return [n for n in nodes if n not in seen]
+
+
+def _run(args: list[tuple], progress: Callable[[str], None] | None, anywhere: bool = True) -> list[dict]:
+    """``encode_chunk`` of every chunk: Ray tasks (at most the cluster's CPUs at once; on this node unless
+    ``anywhere``, when the cache is on a disk only this node sees) when Ray is up, else here; the counts in
+    chunk order. A task's error is raised as itself (it names the file)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     say = progress or (lambda _msg: None)
     if not ray.is_initialized():
@@ -184,6 +220,11 @@ def _run(args: list[tuple], progress: Callable[[str], None] | None) -> list[dict
         return out
     task = ray.remote(num_cpus=0, max_retries=2)(encode_chunk)  # the fleet holds the CPUs; see the docstring
     width = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    if not anywhere:
+        here = ray.get_runtime_context().get_node_id()
+        task = task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(here, soft=False))
+        cpus = [n["Resources"].get("CPU", 1) for n in ray.nodes() if n["NodeID"] == here]
+        width = max(1, int(cpus[0] if cpus else 1))
     results: dict[int, dict] = {}
     pending: dict = {}
     nxt = 0
