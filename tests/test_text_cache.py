@@ -106,3 +106,17 @@ def test_a_node_that_cannot_see_the_cache_gets_the_same_rows_through_the_object_
     monkeypatch.setattr(prepare, "STORED_ORDER_ROWS", 10)
     with pytest.raises(ValueError, match="other nodes of the cluster do not see.*set data.cache_dir to a path every"):
         prepare_data(cfg)
+
+
+def test_a_parquet_source_reads_its_text_column_and_names_a_file_without_one(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    texts = [f"document {i} " * (i + 1) for i in range(50)]
+    pq.write_table(pa.table({"id": list(range(50)), "text": texts}), tmp_path / "docs.parquet", row_group_size=16)
+    (tmp_path / "later.jsonl").write_text(json.dumps({"text": "after"}) + "\n")
+    cut = text_cache.chunks(jsonl_files(tmp_path))
+    assert [t for c in cut for t in text_cache.chunk_texts(c)] == [*texts, "after"]
+    pq.write_table(pa.table({"body": texts}), tmp_path / "other.parquet")
+    with pytest.raises(ValueError, match=r"other.parquet: a Parquet data.source needs a string column 'text'"):
+        text_cache.chunk_texts(text_cache.chunks([tmp_path / "other.parquet"])[0])

@@ -14,7 +14,7 @@ class DataConfig:
     source: str = opt(
         "bundled",
         "'bundled' (Python stdlib corpus), a JSONL file / directory with a 'text' field "
-        "(plain, .jsonl.gz or .jsonl.zst), a Megatron indexed dataset (PREFIX of "
+        "(plain, .jsonl.gz or .jsonl.zst) or Parquet files with a 'text' column, a Megatron indexed dataset (PREFIX of "
         "PREFIX.bin + PREFIX.idx, with data.tokenizer), OLMo-style token files (.npy, "
         "a file or directory, with data.tokenizer), or the output of `raysc pack` (a directory or URL with index.json: per-domain "
         "token shards fed by the mixture loader)",

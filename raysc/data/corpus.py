@@ -161,12 +161,12 @@ def corpus_meta(path: str | Path) -> dict:
     return {"path": str(p), "sha256": file_sha256(p)}
 
 
-JSONL_NAMES = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst")
+JSONL_NAMES = ("*.jsonl", "*.jsonl.gz", "*.jsonl.zst", "*.parquet")  # the files of a plain-text source
 
 
 def jsonl_files(source: str | Path) -> list[Path]:
-    """The JSONL files (plain, ``.gz`` or ``.zst``) of a plain-text ``data.source``: the file itself, or every
-    such file in the directory, sorted by name."""
+    """The files of a plain-text ``data.source`` (JSONL, plain, ``.gz`` or ``.zst``, or Parquet with a 'text'
+    column): the file itself, or every such file in the directory, sorted by name."""
     p = Path(source)
     if p.is_dir():
         files = sorted(f for pattern in JSONL_NAMES for f in p.glob(pattern))
@@ -182,6 +182,9 @@ def read_documents(source: str | Path) -> Iterator[dict]:
     """Records from a JSONL file (plain, ``.gz`` or ``.zst``) or every such file in a directory (sorted);
     each needs 'text'. Training input must be whole: a damaged compressed file raises, naming it."""
     for f in jsonl_files(source):
+        if f.suffix == ".parquet":
+            yield from ({"text": t} for t in parquet_texts(f))
+            continue
         data, damaged = read_bytes(str(f))
         if damaged:
             raise ValueError(
@@ -189,6 +192,19 @@ def read_documents(source: str | Path) -> Iterator[dict]:
                 f"the corpus, which counts damaged files in its report and keeps what they hold"
             )
         yield from parse_records(data, f)
+
+
+def parquet_texts(path: str | Path) -> list[str]:
+    """The 'text' column of a Parquet file (``raysc curate``'s ``documents/``, or a dump's); a file without
+    one raises, naming it and its columns."""
+    import pyarrow.parquet as pq
+
+    f = pq.ParquetFile(path)
+    if "text" not in f.schema_arrow.names:
+        raise ValueError(
+            f"{path}: a Parquet data.source needs a string column 'text'; its columns are {f.schema_arrow.names}"
+        )
+    return [t for t in f.read(columns=["text"]).column(0).to_pylist() if t is not None]
 
 
 def parse_records(data: bytes, name: str | Path, first_line: int = 1) -> Iterator[dict]:

@@ -1,8 +1,8 @@
-"""A plain-text corpus (JSONL, ``.gz``, ``.zst``) tokenized once, in parallel Ray tasks, into token files
+"""A plain-text corpus (JSONL, ``.gz``, ``.zst``, Parquet) tokenized once, in parallel Ray tasks, into token files
 that the ranks read where they lie.
 
 The corpus is cut into chunks: a plain ``.jsonl`` file into byte ranges of about ``CHUNK_BYTES`` ending
-at line ends (found by reading a line at each cut, not the file), a compressed file whole. A Ray task per
+at line ends (found by reading a line at each cut, not the file), a compressed or Parquet file whole. A Ray task per
 chunk reads its lines, encodes the documents with ``raysc.data.packing.encode_corpus`` (each document
 ``[BOS] ids EOS``, the tokenizer's own post-processor not run) and writes them as one flat ``.npy`` of
 ids, ``part-<chunk>.npy``, under ``<data.cache_dir>/text/<key>``; only counts come back. The parts
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from raysc.data.compressed import read_bytes, split_codec
-from raysc.data.corpus import parse_records
+from raysc.data.corpus import parquet_texts, parse_records
 from raysc.data.special_tokens import SpecialTokens
 
 CHUNK_BYTES = 64 << 20  # plain JSONL bytes per task
@@ -59,8 +59,9 @@ def chunks(files: list[Path], chunk_bytes: int | None = None) -> list[Chunk]:
     out = []
     for f in files:
         size = f.stat().st_size
-        if split_codec(f.name)[1] or size <= chunk_bytes:
-            out.append(Chunk(str(f), 0, -1 if split_codec(f.name)[1] else size))
+        whole = bool(split_codec(f.name)[1]) or f.suffix == ".parquet"
+        if whole or size <= chunk_bytes:
+            out.append(Chunk(str(f), 0, -1 if whole else size))
             continue
         cuts = [0]
         with open(f, "rb") as fh:
@@ -76,6 +77,8 @@ def chunks(files: list[Path], chunk_bytes: int | None = None) -> list[Chunk]:
 def chunk_texts(chunk: Chunk) -> list[str]:
     """The documents' texts of ``chunk``; a damaged compressed file or a bad line raises, naming the file
     (and the line, counted from the file's start)."""
+    if chunk.path.endswith(".parquet"):
+        return parquet_texts(chunk.path)
     if chunk.end < 0:
         data, damaged = read_bytes(chunk.path)
         if damaged:
