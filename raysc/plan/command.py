@@ -33,6 +33,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile", action="store_true", help="run the top candidates for a few steps and compare")
     p.add_argument("--profile-top", type=int, default=3, help="candidates to profile")
     p.add_argument("--profile-steps", type=int, default=6, help="steps per profiled candidate")
+    g = p.add_argument_group("goodput under failures (--goodput)")
+    g.add_argument(
+        "--goodput",
+        action="store_true",
+        help="only the expected goodput with whole-job restarts and with peer healing, at --gpus and at "
+        "1k/16k/100k devices (raysc.plan.goodput)",
+    )
+    g.add_argument(
+        "--failure-rate",
+        default="llama3",
+        help="failures per 1,000 device-days, or llama3 (0.47), rsc1 (0.81), rsc2 (0.29) (default llama3)",
+    )
+    g.add_argument("--from-run", help="a run directory whose events and metrics give the measured costs below")
+    g.add_argument("--save-stall-s", type=float, help="seconds a checkpoint save stalls training (C)")
+    g.add_argument("--restart-s", type=float, help="seconds of a whole-job restart to the next completed step (R)")
+    g.add_argument("--peer-heal-s", type=float, help="seconds every survivor loses to a peer heal (s)")
+    g.add_argument("--step-s", type=float, help="seconds per training step (t)")
+    g.add_argument("--interval-s", type=float, help="the run's checkpoint interval in seconds (T)")
+    g.add_argument(
+        "--uncovered", type=float, default=0.0, help="share of failures no peer covers (healed by a restart)"
+    )
     p.add_argument(
         "--serve",
         action="store_true",
@@ -88,6 +109,8 @@ def run(args: argparse.Namespace) -> int:
     dtype = "fp32" if cluster.device == "cpu" or cfg.train.dtype == "fp32" else "bf16"
     gb = cfg.train.global_batch_sequences
     result = plan(cfg, cluster, dtype)
+    if args.goodput:
+        return _goodput(args, cluster, result)
     print(
         f"plan: {cfg.model.n_layers} layers × {cfg.model.dim}, seq {cfg.train.seq_len}, global batch {gb} on "
         f"{cluster.gpus} × {cluster.gpu_mem_gb:.0f} GB ({cluster.gpus_per_node} per node), {dtype}",
@@ -154,6 +177,22 @@ def run(args: argparse.Namespace) -> int:
         }
     if args.json:
         print(json.dumps(out, default=str))
+    return 0
+
+
+def _goodput(args: argparse.Namespace, cluster: Cluster, result: dict) -> int:
+    """``raysc plan --goodput``: the goodput table (``raysc.plan.goodput``)."""
+    from raysc.plan import goodput
+
+    rate, rate_source = goodput.failure_rate(args.failure_rate)
+    measured = goodput.from_run(args.from_run) if args.from_run else {}
+    planned = result["ranked"][0]["estimate"]["step_s"] if result["ranked"] else None
+    rec = goodput.recovery_from(args, measured, planned)
+    rec = goodput.Recovery(**{**rec.__dict__, "sources": (("failure rate", rate_source), *rec.sources)})
+    rows = goodput.table(cluster.gpus, rate, rec)
+    print(goodput.format_table(rows, rate, rec), flush=True)
+    if args.json:
+        print(json.dumps({"goodput": rows, "failure_rate": rate, "costs": dict(rec.sources)}, default=str))
     return 0
 
 
