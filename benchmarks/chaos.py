@@ -134,6 +134,7 @@ def main() -> None:
     from raysc.cluster import local
     from raysc.fleet import chaos
     from raysc.fleet.records import read_jsonl
+    from raysc.plan import goodput
     from s3_fault_proxy import FaultProxy
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -201,6 +202,8 @@ def main() -> None:
             outage_start={s: first_refused[p] for s, p in patterns.items() if p in first_refused},
             params_equal=equal,
         )
+        # raysc plan --goodput's model at the drill's own failure rate and costs, beside what it measured
+        model = goodput.drill(events, read_jsonl(tmp / "chaos" / "metrics.jsonl"), EVERY)
     finally:
         local.down(state)
         proxy.close()
@@ -225,6 +228,7 @@ def main() -> None:
                 "reference_inject": chaos.reference_spec(schedule),
                 **{k: v for k, v in rep.items() if k != "per_fault"},
                 "reference": {k: ref_end[0].get(k) for k in ("goodput", "wall_s")} if ref_end else None,
+                "goodput_model": model,
                 "per_fault": [
                     {k: r[k] for k in ("fault", "fired", "detected", "healed", "mttr_s", "steps_lost")}
                     for r in rep["per_fault"]

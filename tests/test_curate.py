@@ -257,7 +257,7 @@ def test_curated_corpus_trains_on_a_schedule_and_resumes_it_exactly(packed_corpu
     ]
     ref = make_cfg(*base, run="ref")
     train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="kill@15"', "supervisor.restart_backoff_s=0.1", run="kill")
+    cfg = make_cfg(*base, 'supervisor.inject="kill@15/clip"', "supervisor.restart_backoff_s=0.1", run="kill")
     summary = train(cfg, progress=False)
     assert summary["restarts"] == 1 and summary["steps"] == 20
     # a resume from the step-10 checkpoint (not a restart from step 0): steps 11..14 were lost and re-run

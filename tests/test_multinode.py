@@ -21,6 +21,7 @@ from raysc.cluster import local
 from raysc.export.restore import load_run
 from raysc.fleet import chaos
 from raysc.fleet.records import read_jsonl
+from raysc.plan import goodput
 
 ROOT = Path(__file__).resolve().parents[1]
 RAYSC = str(Path(sys.executable).parent / "raysc")
@@ -159,7 +160,7 @@ QUARANTINE = [
     "parallel.cpus_per_worker=2",
     "train.global_batch=6",
     "supervisor.sdc_every_steps=2",
-    'supervisor.inject="bitflip@3:1,kill@6:0"',
+    'supervisor.inject="bitflip@3:1,kill@6:0/end"',
 ]
 
 
@@ -277,6 +278,10 @@ def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_di
     assert rep["committed_checkpoints_lost"] == [] and rep["unscheduled_restarts"] == 0, rep
     assert not set(chaos.outage_steps(schedule)) & set(committed)  # the refused save was never committed
     assert _events(run_dir, "node_lost") and rep["params_equal_reference"], rep
+    # raysc plan --goodput's model at this drill's own failure rate and costs predicts its goodput (issue 60)
+    model = goodput.drill(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), schedule.every)
+    print("goodput model vs drill:", model)
+    assert model["restarts"] >= 2 and abs(model["measured"] - model["predicted"]) <= 0.05, model
 
 
 def test_a_corpus_larger_than_the_clusters_object_stores_trains_and_heals_a_kill_exactly(cluster, cache_dir, tmp_path):
@@ -317,7 +322,7 @@ def test_a_corpus_larger_than_the_clusters_object_stores_trains_and_heals_a_kill
     sets = [f'data.source="{corpus}"', f'data.tokenizer="{tok}"', "parallel.dp_replicate=2"]
     try:
         run_dir = tmp_path / "big"
-        run = _train(cluster, cache_dir, run_dir, *sets, 'supervisor.inject="kill@10:1"')
+        run = _train(cluster, cache_dir, run_dir, *sets, 'supervisor.inject="kill@10:1/data"')
         assert run.returncode == 0, run.stderr[-3000:]
         assert [e["resumed_step"] for e in _events(run_dir, "recovered")] in ([4], [8])
         assert _events(run_dir, "data_ready")[0]["tokens"] == tokens

@@ -170,7 +170,7 @@ def test_a_run_on_token_files_in_s3_heals_a_kill_bit_exact_and_records_its_data_
     assert ready["tokens"] == 300_000 and ready["documents"] is None
     metrics = read_jsonl(Path(ref.run_dir) / "metrics.jsonl")
     assert all(m["data_wait_s"] >= 0 for m in metrics) and len(metrics) == 8
-    killed = make_cfg(*sets, 'supervisor.inject="kill@5:1"', run="killed")
+    killed = make_cfg(*sets, 'supervisor.inject="kill@5:1/forward"', run="killed")
     healed = train(killed, progress=False)
     assert healed["restarts"] == 1 and summary["steps"] == healed["steps"] == 8
     a, b = (dict(load_run(c.run_dir).model.named_parameters()) for c in (ref, killed))

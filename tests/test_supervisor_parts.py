@@ -83,6 +83,27 @@ def test_fault_injector_hooks():
     assert math.isnan(other.after_loss(loss).item())
 
 
+def test_a_phased_fault_fires_at_its_phase_of_its_step_and_bad_phases_are_refused():
+    """``KIND@STEP:RANK/PHASE``: the fault fires inside the step at that phase, not at its start; a phase
+    on a kind that acts elsewhere (nan, kill_save) and an unknown phase are config errors."""
+    from raysc.config.faults import parse_faults
+
+    announced = []
+    faults = FaultInjector("raise@4:0/backward,kill@6:0/update", rank=0, announce=announced.append)
+    faults.before_step(4, [torch.ones(1)])
+    faults.at_phase(4, "data")
+    assert not announced
+    with pytest.raises(InjectedFault):
+        faults.at_phase(4, "backward")
+    faults.at_phase(4, "backward")  # fired once
+    assert [f.spec for f in announced] == ["raise@4:0/backward"]
+    assert parse_faults("kill@6:0/update")[0].phase == "update" and parse_faults("kill@6")[0].phase == "start"
+    with pytest.raises(ValueError, match="unknown phase 'later'"):
+        parse_faults("kill@6:0/later")
+    with pytest.raises(ValueError, match="a nan fault acts where it acts"):
+        parse_faults("nan@6/backward")
+
+
 def test_bitflip_fault_flips_one_bit_of_the_first_parameter():
     params = [torch.ones(4), torch.ones(2)]
     FaultInjector("bitflip@7", rank=0, announce=lambda f: None).before_step(7, params)

@@ -301,8 +301,8 @@ def test_fleet_recovers_from_kill_raise_and_hang_bit_exact(ray_session, make_cfg
     train(ref, progress=False)
     cfg = make_cfg(
         *base,
-        'supervisor.inject="slow_upload@6:0,disk_loss@7:0,kill@7:1,'
-        'slow_upload@12:2,disk_loss@13:0,raise@13:3,slow_upload@18:1,disk_loss@19:0,hang@19:2"',
+        'supervisor.inject="slow_upload@6:0,disk_loss@7:0,kill@7:1/backward,'
+        'slow_upload@12:2,disk_loss@13:0,raise@13:3/update,slow_upload@18:1,disk_loss@19:0,hang@19:2/totals"',
         run="faulty",
     )
     summary = train(cfg, progress=False)

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from raysc.config.faults import KINDS as FAULT_KINDS
+from raysc.config.faults import PHASES as FAULT_PHASES
 from raysc.config.options import opt
 
 
@@ -117,6 +118,7 @@ class SupervisorConfig:
     )
     inject: str = opt(
         "",
-        "fault injection for drills and tests: comma-separated KIND@STEP[:RANK], "
-        f"KIND one of {', '.join(FAULT_KINDS)} (e.g. 'kill@50:0')",
+        "fault injection for drills and tests: comma-separated KIND@STEP[:RANK][/PHASE], "
+        f"KIND one of {', '.join(FAULT_KINDS)}, PHASE (where in the step) one of {', '.join(FAULT_PHASES)} "
+        "(e.g. 'kill@50:0' or 'kill@50:0/backward')",
     )

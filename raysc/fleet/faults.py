@@ -2,7 +2,8 @@
 
 ``KIND@STEP[:RANK]`` makes worker ``RANK`` (default 0) fail just before it runs
 optimizer step ``STEP`` (``STEP`` = ``train.steps + 1``: at the start of the final validation,
-after the last step and its checkpoint):
+after the last step and its checkpoint); ``/PHASE`` moves a raise, kill, hang, slow or node_loss
+inside the step (``raysc.config.faults.PHASES``, fired from the trainer's ``phase_hook``):
 - ``raise``: an exception inside the step;
 - ``kill``: the worker process gets SIGKILL (as when the OOM killer or a node dies);
 - ``hang``: the worker process stops itself with SIGSTOP (a stuck collective or driver);
@@ -96,7 +97,10 @@ class FaultInjector:
         self, spec: str, rank: int, announce: Callable[[Fault], None], local_copies: Path | None = None
     ) -> None:
         mine = [f for f in parse_faults(spec) if f.rank == rank]
-        self._step_faults = {f.step: f for f in mine if f.kind not in ("kill_save", "slow_upload")}
+        self._step_faults = {
+            f.step: f for f in mine if f.kind not in ("kill_save", "slow_upload") and f.phase == "start"
+        }
+        self._phase_faults = {(f.step, f.phase): f for f in mine if f.phase != "start"}
         self._save_faults = {f.step: f for f in mine if f.kind == "kill_save"}
         self._upload_holds = {f.step: f for f in mine if f.kind == "slow_upload"}
         self._announce = announce
@@ -115,6 +119,13 @@ class FaultInjector:
         elif fault.kind == "bitflip":
             flip_bit(params[0])
         else:
+            fire(fault, self._local_copies)
+
+    def at_phase(self, step: int, phase: str) -> None:
+        """Inside optimizer step ``step``, at ``phase`` (``raysc.config.faults.PHASES``): fire its fault."""
+        fault = self._phase_faults.pop((step, phase), None)
+        if fault is not None:
+            self._announce(fault)
             fire(fault, self._local_copies)
 
     def after_loss(self, loss: torch.Tensor) -> torch.Tensor:

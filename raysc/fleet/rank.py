@@ -79,6 +79,7 @@ class RankWorker:
         """Fire this rank's injected faults from inside the trainer's step (and its loss)."""
         self.trainer.step_hook = lambda step: self.faults.before_step(step, self.trainer.params)
         self.trainer.loss_hook = self.faults.after_loss
+        self.trainer.phase_hook = self.faults.at_phase
 
     def address(self) -> tuple[str, int, str]:
         return rendezvous_address()

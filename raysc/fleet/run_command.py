@@ -154,7 +154,7 @@ TRAIN = Command(
         arg("--no-progress", action="store_true", help="no progress bar (log lines only)"),
         arg(
             "--inject",
-            metavar="KIND@STEP[:RANK]",
+            metavar="KIND@STEP[:RANK][/PHASE]",
             default=None,
             help=f"fault injection drill, same as --set supervisor.inject=... (kinds: {', '.join(FAULT_KINDS)}; "
             "comma-separated)",

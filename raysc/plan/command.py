@@ -52,7 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--step-s", type=float, help="seconds per training step (t)")
     g.add_argument("--interval-s", type=float, help="the run's checkpoint interval in seconds (T)")
     g.add_argument(
-        "--uncovered", type=float, default=0.0, help="share of failures no peer covers (healed by a restart)"
+        "--uncovered", type=float, help="share of failures no peer covers, healed by a restart (default 0.01)"
     )
     p.add_argument(
         "--serve",

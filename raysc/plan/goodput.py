@@ -12,9 +12,10 @@ renewal model (Young / Daly):
 - whole-job restart: every failure stops every device for ``R`` and loses ``T/2`` of work on average,
   ``G = (1 − C/T) / (1 + Λ (R + T/2))``, best at Young's ``T = max(√(2C/Λ), t)``;
 - peer healing: nothing is rolled back; every survivor loses ``s`` and the interrupted step (``t/2`` on
-  average), ``G = (1 − C/T) / (1 + Λ (s + t/2))``; checkpoints are then for the failures no peer covers
-  (the share ``uncovered``, healed by the whole-job restart; 0 by default) and everything else a
-  checkpoint is for, so the run's own interval is kept.
+  average); the share ``uncovered`` of failures that no peer covers (a whole replica group lost at
+  once, a heal that fails) is healed by the whole-job restart,
+  ``G = (1 − C/T) / (1 + Λ ((1 − u)(s + t/2) + u (R + T/2)))``, with checkpoints only for those: Young's
+  interval at their rate ``Λu`` (or the run's own interval when given).
 
 The model leaves out what it cannot know: the per-step cost of being ready to heal, failures that
 strike during a recovery, and correlated failures. The research behind the defaults
@@ -39,6 +40,8 @@ FAILURE_RATES = {  # failures per 1,000 device-days, and where the figure comes 
     "rsc2": (0.29, "Meta RSC-2, 8k A100, 11 months: 2.34 failures per 1,000 node-days of 8 GPUs (arXiv 2410.21680)"),
 }
 SIZES = (1_024, 16_384, 100_000)
+UNCOVERED = 0.01  # share of failures no peer covers, assumed (no published figure)
+UNCOVERED_SOURCE = "assumed: 1 % (a whole replica group lost at once, or a heal that fails)"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,8 @@ def whole_job(lam: float, stall_s: float, interval_s: float, restart_s: float) -
 def peer_healed(lam: float, rec: Recovery, interval_s: float) -> float:
     """Goodput with failures healed from a peer (``uncovered`` of them by a whole-job restart instead)."""
     u = rec.uncovered
+    if math.isinf(interval_s):  # no checkpoint needed for failures (u = 0)
+        return 1 / (1 + lam * (rec.peer_heal_s + rec.step_s / 2))
     lost = (1 - u) * (rec.peer_heal_s + rec.step_s / 2) + u * (rec.restart_s + interval_s / 2)
     return max(0.0, (1 - rec.save_stall_s / interval_s) / (1 + lam * lost))
 
@@ -88,6 +93,8 @@ def table(devices: int, rate: float, rec: Recovery) -> list[dict]:
         lam = failures_per_s(n, rate)
         best = best_interval(rec.save_stall_s, lam, rec.step_s)
         own = rec.interval_s or best
+        # with peer healing, checkpoints are for the failures no peer covers: Young's interval at their rate
+        peer_t = rec.interval_s or best_interval(rec.save_stall_s, lam * rec.uncovered, rec.step_s)
         rows.append(
             {
                 "devices": n,
@@ -97,7 +104,8 @@ def table(devices: int, rate: float, rec: Recovery) -> list[dict]:
                 "whole_job_best": whole_job(lam, rec.save_stall_s, best, rec.restart_s),
                 "interval_s": own,
                 "whole_job": whole_job(lam, rec.save_stall_s, own, rec.restart_s),
-                "peer_heal": peer_healed(lam, rec, own),
+                "peer_interval_s": peer_t,
+                "peer_heal": peer_healed(lam, rec, peer_t),
             }
         )
     return rows
@@ -108,12 +116,16 @@ def format_table(rows: list[dict], rate: float, rec: Recovery) -> str:
         f"goodput at {rate:g} failures per 1,000 device-days: save stall C {rec.save_stall_s:g} s, whole-job "
         f"restart R {rec.restart_s:g} s, peer heal s {rec.peer_heal_s:g} s, step t {rec.step_s:g} s",
         *(f"  {name}: {where}" for name, where in rec.sources),
-        f"{'devices':>9} {'job MTBF':>10} {'restart, best T':>22} {'restart, run T':>20} {'peer heal, run T':>18}",
+        f"{'devices':>9} {'job MTBF':>9} {'whole-job restart, best T':>28}"
+        + (f" {'restart, run T':>22}" if rec.interval_s else "")
+        + f" {'peer healing':>24}",
     ]
     for r in rows:
         lines.append(
-            f"{'*' if r['yours'] else ' '}{r['devices']:>8,} {r['mtbf_h']:>9.1f}h {r['whole_job_best'] * 100:>12.1f}% (T {_dur(r['best_interval_s'])})"
-            f" {r['whole_job'] * 100:>10.1f}% (T {_dur(r['interval_s'])}) {r['peer_heal'] * 100:>17.1f}%"
+            f"{'*' if r['yours'] else ' '}{r['devices']:>8,} {r['mtbf_h']:>8.1f}h"
+            f" {r['whole_job_best'] * 100:>15.1f}% (T {_dur(r['best_interval_s']):>8})"
+            + (f" {r['whole_job'] * 100:>9.1f}% (T {_dur(r['interval_s']):>8})" if rec.interval_s else "")
+            + f" {r['peer_heal'] * 100:>11.1f}% (T {_dur(r['peer_interval_s']):>8})"
         )
     return "\n".join(lines)
 
@@ -189,7 +201,9 @@ def recovery_from(args, run_costs: dict[str, tuple[float, str]], planned_step_s:
         else:
             continue
         sources.append((name, where))
-    return Recovery(**values, uncovered=args.uncovered, sources=tuple(sources))
+    sources.append(("uncovered", "given" if args.uncovered is not None else UNCOVERED_SOURCE))
+    uncovered = UNCOVERED if args.uncovered is None else args.uncovered
+    return Recovery(**values, uncovered=uncovered, sources=tuple(sources))
 
 
 def failure_rate(value: str) -> tuple[float, str]:
@@ -206,3 +220,44 @@ def failure_rate(value: str) -> tuple[float, str]:
     if rate < 0:
         raise ValueError(f"--failure-rate {value}: a rate cannot be negative")
     return rate, "given"
+
+
+def drill(events: list[dict], metrics: list[dict], every_steps: int) -> dict:
+    """A fault drill's measured goodput beside the model's prediction at the drill's own failure rate and
+    costs. Both over its training: from its first step's start to its last step's end (start-up and the
+    final validation are not what the model is about). Measured: the kept steps' time (the last attempt
+    of each step, skipped updates left out) over that span. Predicted: ``whole_job`` with Λ the restarts
+    (``recovered``) per second of kept step time, R the median stall of a restart (from the last step
+    completed before it to the first after, less one step), C the median save stall and T =
+    ``every_steps`` steps of the median step."""
+    timed = [m for m in metrics if "time" in m and m.get("step_time")]
+    if not timed:
+        raise ValueError("the drill has no timed steps (metrics.jsonl records with time and step_time)")
+    kept: dict[int, dict] = {m["step"]: m for m in timed}
+    useful = sum(m["step_time"] for m in kept.values() if not m.get("skipped"))
+    span = max(m["time"] for m in timed) - (min(m["time"] for m in timed) - timed[0]["step_time"])
+    t = statistics.median(m["step_time"] for m in kept.values())
+    stamps = sorted(m["time"] for m in timed)
+    stalls = []
+    for e in events:
+        if e["kind"] != "recovered":
+            continue
+        begun = next(b["time"] for b in reversed(events) if b["kind"] == "recovery_start" and b["time"] <= e["time"])
+        before = [s for s in stamps if s <= begun]
+        after = [s for s in stamps if s > e["time"]]
+        if before and after:
+            stalls.append(after[0] - before[-1] - t)
+    saves = [e["stall_s"] for e in events if e["kind"] == "checkpoint_saved" and "stall_s" in e]
+    lam = len(stalls) / useful
+    restart = statistics.median(stalls) if stalls else 0.0
+    stall = statistics.median(saves) if saves else 0.0
+    return {
+        "measured": useful / span,
+        "predicted": whole_job(lam, stall, every_steps * t, restart),
+        "restarts": len(stalls),
+        "restart_s": restart,
+        "save_stall_s": stall,
+        "step_s": t,
+        "kept_step_s": useful,
+        "span_s": span,
+    }

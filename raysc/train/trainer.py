@@ -87,6 +87,8 @@ class Trainer:
         # applied to every training loss
         self.step_hook: Callable[[int], None] | None = None
         self.loss_hook: Callable[[torch.Tensor], torch.Tensor] | None = None
+        # phase_hook(step, phase) at each phase inside a step (raysc.config.faults.PHASES), for drills
+        self.phase_hook: Callable[[int, str], None] | None = None
         self.model_parts = self.shard.parts
         for part in self.model_parts:
             part.restart_positions = cfg.train.document_positions
@@ -156,7 +158,13 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (passed through ``loss_hook`` when one is set)."""
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+        self._phase("forward")
         return loss if self.loss_hook is None else self.loss_hook(loss)
+
+    def _phase(self, phase: str, step: int | None = None) -> None:
+        """The drills' hook at ``phase`` of the step under way (``step``: after it was counted)."""
+        if self.phase_hook is not None:
+            self.phase_hook(self.step + 1 if step is None else step, phase)
 
     def _inputs(self, batch: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Inputs, targets (this CP rank's chunks of them) and, with document masking, the document ids of
@@ -231,14 +239,18 @@ class Trainer:
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
         rows = self.loader.next_batch()
+        self._phase("data")
         fingerprint = rows_fingerprint(rows)  # on the host copy: no device sync before the forward
         batch = rows.to(self.device, non_blocking=True)
         x, y, docs = self._inputs(batch)
         with self._loss_ctx(), self._autocast():
             local_loss = self._forward_backward(x, y, docs)
+        self._phase("backward")
         grad_norm = clip_grad_norm(self.params, self.cfg.optim.clip_norm or math.inf, self.pp_group)
+        self._phase("clip")
         lr = self.scheduler.get_last_lr()[0]
         loss_value, fingerprint = self._step_totals(local_loss, fingerprint)  # the same on every rank
+        self._phase("totals")
         spike = None
         if self.cfg.supervisor.spike_policy != "off":
             spike = self.detector.check(loss_value, float(grad_norm))
@@ -246,9 +258,11 @@ class Trainer:
             self.optimizer.step()
         else:
             self.skipped_steps += 1  # every rank skips: the same inputs give the same decision
+        self._phase("update")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self._phase("end", self.step)
         self.tokens += self.tokens_per_step
         dt = time.perf_counter() - t0
         tps = self.tokens_per_step / dt
