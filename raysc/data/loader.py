@@ -115,8 +115,10 @@ def build_loader(cfg: Config, rows: np.ndarray | dict[str, np.ndarray], dp_rank:
             source.read_unit = block
     if not isinstance(rows, dict):
         loader = BatchLoader(rows, cfg.train.seed, gb, dp_rank, dp_size, block)
-        # rows in memory: one gather a batch, in the training thread; rows read from files: in a thread ahead
-        return loader if isinstance(rows, np.ndarray) else Prefetcher(loader, cfg.data.prefetch)
+        # rows in memory, and a plain-text corpus's rows in its local cache (single rows at random, from
+        # the page cache: keeps_stored_order), are gathered in the training thread, a batch at a time;
+        # rows read from token files where they lie, in a thread ahead
+        return loader if keeps_stored_order(rows) else Prefetcher(loader, cfg.data.prefetch)
     schedule = cfg.data.schedule or natural_schedule({k: len(v) for k, v in rows.items()})
     mixture = MixtureLoader(
         rows, parse_schedule(schedule, list(rows)), cfg.train.seed, gb, cfg.train.seq_len, dp_rank, dp_size, block

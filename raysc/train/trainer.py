@@ -158,7 +158,8 @@ class Trainer:
     def _loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross-entropy (passed through ``loss_hook`` when one is set)."""
         loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-        self._phase("forward")
+        if self.model_parts[0].training:  # a training step's, not validation's
+            self._phase("forward")
         return loss if self.loss_hook is None else self.loss_hook(loss)
 
     def _phase(self, phase: str, step: int | None = None) -> None:
