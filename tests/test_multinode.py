@@ -82,29 +82,89 @@ def test_a_tp_group_that_cannot_stay_on_a_node_fails_before_step_1(cluster, cach
     assert not (tmp_path / "tp4" / "metrics.jsonl").exists() or not read_jsonl(tmp_path / "tp4" / "metrics.jsonl")
 
 
+BIG_TOKENS = 1_200_000_000  # 2.4 GB of uint16
+
+
+def _big_corpus(cluster: dict, root: Path) -> list[str]:
+    """A token file several times larger than every object store of the cluster together (and, at the 24
+    bytes of memory per token that holding a corpus took before issue 57, larger than this machine's
+    memory), with its tokenizer: the ``--set``s that train on it."""
+    import numpy as np
+
+    from raysc.data.tokenizer import train_tokenizer
+
+    code = "import ray; ray.init(logging_level='ERROR'); print(int(ray.cluster_resources()['object_store_memory']))"
+    out = subprocess.run([sys.executable, "-c", code], env=cluster["env"], capture_output=True, text=True, check=True)
+    stores = int(out.stdout.split()[-1])
+    assert BIG_TOKENS * 2 > 2 * stores and BIG_TOKENS * 24 > 24 << 30, stores
+    corpus = root / "tokens.npy"
+    chunk = np.random.default_rng(0).integers(1, 512, size=50_000_000, dtype=np.uint16)
+    chunk[::500] = 0  # an EOS every 500 tokens
+    blob = chunk.tobytes()
+    with open(corpus, "wb") as f:  # the chunk over and over: 24 x 100 MB, written without a copy each
+        header = np.lib.format.header_data_from_array_1_0(chunk)
+        header["shape"] = (BIG_TOKENS,)
+        np.lib.format.write_array_header_1_0(f, header)
+        for _ in range(BIG_TOKENS // len(chunk)):
+            f.write(blob)
+    tok = root / "tokenizer.json"
+    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 512).save(str(tok))
+    return [f'data.source="{corpus}"', f'data.tokenizer="{tok}"']
+
+
+def _batches_as_ordered(run_dir: Path, sets: list[str], cache_dir: str) -> None:
+    """Every step of the run, before a failure and after its heal, trained on exactly the global batch
+    the data order names: its data_fp equals the fingerprint of those rows, read here from the file."""
+    from raysc.config.load import load_config
+    from raysc.data.fingerprint import rows_fingerprint
+    from raysc.data.loader import BatchLoader
+    from raysc.data.order import block_rows
+    from raysc.data.prepare import prepare_data
+
+    cfg = load_config(ROOT / "jobs/configs/tiny.toml", [*BASE, *sets, f'data.cache_dir="{cache_dir}"'])
+    rows = prepare_data(cfg)[0].train
+    block = block_rows(cfg.train.seq_len, cfg.data.shuffle_block_kib)
+    order = BatchLoader(rows, cfg.train.seed, cfg.train.global_batch_sequences, block=block)
+    want = {s: rows_fingerprint(order.next_batch()) for s in range(1, cfg.train.steps + 1)}
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert sorted({m["step"] for m in metrics}) == sorted(want)
+    assert all(m["data_fp"] == want[m["step"]] for m in metrics), [(m["step"], m["data_fp"]) for m in metrics]
+
+
 def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path):
     """tp=2 × dp_replicate=2 on 2-CPU nodes: each TP group on one node, the replicas on two. The node
     of rank 3 dies before step 11 (its raylet SIGKILLed: every process and object on it gone) while
     the checkpoint of step 8 is still uploading (``slow_upload`` holds rank 0's upload); the
     supervisor abandons that save, records node_lost, re-places the fleet on the surviving nodes and
     restores step 4 from the bucket (the hot copy of that node's files died with it). That the healed
-    run ends bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below."""
+    run ends bit-equal to an uninterrupted one, node loss included, is the chaos drill's assertion below.
+
+    The run trains on a 2.4 GB token file, four times the cluster's object stores (``_big_corpus``): the
+    ranks read their own rows from it, and every step, the ones re-run after the heal (the node lost
+    while its rank was reading its batch) included, trained on the batch the data order names."""
     run_dir = tmp_path / "lost"
-    run = _train(
-        cluster,
-        cache_dir,
-        run_dir,
-        "parallel.tp=2",
-        "parallel.dp_replicate=2",
-        'supervisor.inject="slow_upload@8:0,node_loss@11:3"',
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    try:
+        data = _big_corpus(cluster, tmp_path)
+        run = _train(
+            cluster,
+            cache_dir,
+            run_dir,
+            *data,
+            "parallel.tp=2",
+            "parallel.dp_replicate=2",
+            'supervisor.inject="slow_upload@8:0,node_loss@11:3/data"',
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        assert _events(run_dir, "data_ready")[0]["tokens"] == BIG_TOKENS
+        _batches_as_ordered(run_dir, data, cache_dir)
+    finally:
+        (tmp_path / "tokens.npy").unlink(missing_ok=True)
     first, second = (e["node_ids"] for e in _events(run_dir, "layout"))
     for nodes in (first, second):
         assert nodes[0] == nodes[1] and nodes[2] == nodes[3]  # a TP group is consecutive ranks, on one node
         assert nodes[0] != nodes[2]  # the two replicas on different nodes
     assert not _events(run_dir, "layout_warning")
-    assert [e["fault"] for e in _events(run_dir, "fault_injected")] == ["slow_upload@8:0", "node_loss@11:3"]
+    assert [e["fault"] for e in _events(run_dir, "fault_injected")] == ["slow_upload@8:0", "node_loss@11:3/data"]
     assert [e["step"] for e in _events(run_dir, "checkpoint_save_abandoned")] == [8]
     lost = _events(run_dir, "node_lost")
     assert len(lost) == 1 and lost[0]["node_id"] == first[3] and lost[0]["ranks"] == [2, 3]
@@ -282,61 +342,3 @@ def test_a_seeded_chaos_drill_loses_nothing_and_ends_bit_exact(cluster, cache_di
     model = goodput.drill(read_jsonl(run_dir / "events.jsonl"), read_jsonl(run_dir / "metrics.jsonl"), schedule.every)
     print("goodput model vs drill:", model)
     assert model["restarts"] >= 2 and abs(model["measured"] - model["predicted"]) <= 0.05, model
-
-
-def test_a_corpus_larger_than_the_clusters_object_stores_trains_and_heals_a_kill_exactly(cluster, cache_dir, tmp_path):
-    """A token file several times larger than every object store of the cluster together (and, at the
-    24 bytes of memory per token that holding a corpus took before issue 57, larger than this machine's
-    memory): two replicas on two nodes read their own rows from it, a rank killed at step 10 heals from a
-    checkpoint (the loader's position restored), and every step, before the kill and after, trained on exactly the global batch the data order names
-    (its rows' data_fp, computed here from the file)."""
-    import numpy as np
-
-    from raysc.config.load import load_config
-    from raysc.data.fingerprint import rows_fingerprint
-    from raysc.data.loader import BatchLoader
-    from raysc.data.order import block_rows
-    from raysc.data.prepare import prepare_data
-    from raysc.data.tokenizer import train_tokenizer
-
-    code = "import ray; ray.init(logging_level='ERROR'); print(int(ray.cluster_resources()['object_store_memory']))"
-    stores = int(
-        subprocess.run(
-            [sys.executable, "-c", code], env=cluster["env"], capture_output=True, text=True, check=True
-        ).stdout.split()[-1]
-    )
-    tokens = 1_200_000_000  # 2.4 GB of uint16
-    assert tokens * 2 > 2 * stores and tokens * 24 > 24 << 30, stores
-    corpus = tmp_path / "tokens.npy"
-    ids = np.lib.format.open_memmap(corpus, mode="w+", dtype=np.uint16, shape=(tokens,))
-    step = 50_000_000
-    base = np.random.default_rng(0).integers(0, 511, size=step, dtype=np.uint16)
-    for k, lo in enumerate(range(0, tokens, step)):
-        chunk = (base[: min(step, tokens - lo)] + k) % 511 + 1  # ids 1..511, each chunk its own
-        chunk[::500] = 0  # an EOS every 500 tokens
-        ids[lo : lo + len(chunk)] = chunk
-    ids.flush()
-    del ids
-    tok = tmp_path / "tokenizer.json"
-    train_tokenizer(["def f(x):\n    return x + 1\n"] * 50, 512).save(str(tok))
-    sets = [f'data.source="{corpus}"', f'data.tokenizer="{tok}"', "parallel.dp_replicate=2"]
-    try:
-        run_dir = tmp_path / "big"
-        run = _train(cluster, cache_dir, run_dir, *sets, 'supervisor.inject="kill@10:1/data"')
-        assert run.returncode == 0, run.stderr[-3000:]
-        assert [e["resumed_step"] for e in _events(run_dir, "recovered")] in ([4], [8])
-        assert _events(run_dir, "data_ready")[0]["tokens"] == tokens
-        cfg = load_config(ROOT / "jobs/configs/tiny.toml", [*BASE, *sets, f'data.cache_dir="{cache_dir}"'])
-        rows = prepare_data(cfg)[0].train
-        order = BatchLoader(
-            rows,
-            cfg.train.seed,
-            cfg.train.global_batch_sequences,
-            block=block_rows(cfg.train.seq_len, cfg.data.shuffle_block_kib),
-        )
-        want = {s: rows_fingerprint(order.next_batch()) for s in range(1, 13)}
-        metrics = read_jsonl(run_dir / "metrics.jsonl")
-        assert sorted({m["step"] for m in metrics}) == list(range(1, 13))
-        assert all(m["data_fp"] == want[m["step"]] for m in metrics), [(m["step"], m["data_fp"]) for m in metrics]
-    finally:
-        corpus.unlink()
