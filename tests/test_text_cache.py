@@ -103,7 +103,7 @@ def test_a_node_that_cannot_see_the_cache_gets_the_same_rows_through_the_object_
     assert np.array_equal(shipped.train, np.asarray(read.train)) and np.array_equal(shipped.val, np.asarray(read.val))
     import raysc.data.prepare as prepare
 
-    monkeypatch.setattr(prepare, "STORED_ORDER_ROWS", 10)
+    monkeypatch.setattr(prepare, "SHIP_BYTES", 100_000)
     with pytest.raises(ValueError, match="other nodes of the cluster do not see.*set data.cache_dir to a path every"):
         prepare_data(cfg)
 

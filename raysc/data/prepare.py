@@ -29,7 +29,7 @@ from raysc.config.syntax import parse_schedule
 from raysc.data import token_arrays
 from raysc.data.corpus import build_bundled_corpus, corpus_meta, jsonl_files
 from raysc.data.indexed_rows import indexed_prefix, indexed_rows
-from raysc.data.order import STORED_ORDER_ROWS
+from raysc.data.order import STORED_ORDER_ROWS, keeps_stored_order
 from raysc.data.packing import PackedData, val_every
 from raysc.data.ranged import identity
 from raysc.data.row_source import ConcatRows, RowSource, SplitRows
@@ -100,17 +100,22 @@ def prepare_text(cfg: Config, progress: Callable[[str], None] | None = None) -> 
     return packed, tok_path, info
 
 
+SHIP_BYTES = 2 << 30  # the largest tokenized corpus shipped through the object store (a node-local cache)
+
+
 def _shipped(cfg: Config, packed: PackedData, where: str) -> PackedData:
     """The rows in memory, for Ray's object store to carry to the ranks: the tokenized corpus is on a disk
     that only this node sees (a node-local ``data.cache_dir`` on a cluster of several machines). Rows in
     memory keep the order they have when read in place (``keeps_stored_order``), so the run's batches are
-    the same; a corpus too large for that is refused with the fix."""
-    if len(packed.train) + len(packed.val) > STORED_ORDER_ROWS:
+    the same; a corpus larger than ``SHIP_BYTES`` (or past the stored order's rows) is refused with the fix."""
+    rows = len(packed.train) + len(packed.val)
+    size = rows * packed.val.row_bytes
+    if not keeps_stored_order(packed.train) or size > SHIP_BYTES:
         raise ValueError(
             f"the tokenized corpus at {where} is on a disk that other nodes of the cluster do not see, and at "
-            f"{len(packed.train) + len(packed.val):,} rows it is too large to ship to them through Ray's object "
-            f"store; set data.cache_dir to a path every node shares (an NFS or Lustre mount), or `raysc pack` "
-            f"the corpus to object storage and set data.source to it"
+            f"{rows:,} rows ({size / 2**30:.1f} GiB) it is too large to ship to them through Ray's object store "
+            f"(at most {SHIP_BYTES / 2**30:.0f} GiB); set data.cache_dir to a path every node shares (an NFS or "
+            f"Lustre mount), or `raysc pack` the corpus to object storage and set data.source to it"
         )
     return PackedData(np.asarray(packed.train), np.asarray(packed.val), packed.info)
 
