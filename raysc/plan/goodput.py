@@ -24,11 +24,13 @@ strike during a recovery, and correlated failures. The research behind the defau
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
+
+from raysc.fleet.records import read_jsonl
+from raysc.fleet.status import goodput as kept_share
 
 DAY_S = 86_400.0
 FAILURE_RATES = {  # failures per 1,000 device-days, and where the figure comes from
@@ -144,8 +146,8 @@ def from_run(run_dir: str | Path) -> dict[str, tuple[float, str]]:
     (``checkpoint.every_steps`` × step). Each as (value, where it came from); a cost the run did not
     measure is left out."""
     run = Path(run_dir)
-    events = _jsonl(run / "events.jsonl")
-    steps = [m["step_time"] for m in _jsonl(run / "metrics.jsonl") if m.get("step_time")]
+    events = read_jsonl(run / "events.jsonl")
+    steps = [m["step_time"] for m in read_jsonl(run / "metrics.jsonl") if m.get("step_time")]
     out: dict[str, tuple[float, str]] = {}
     if steps:
         t = statistics.median(steps)
@@ -168,12 +170,6 @@ def from_run(run_dir: str | Path) -> dict[str, tuple[float, str]]:
     if every and "step_s" in out:
         out["interval_s"] = (every * out["step_s"][0], f"checkpoint.every_steps {every} x the median step")
     return out
-
-
-def _jsonl(path: Path) -> list[dict]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def recovery_from(args, run_costs: dict[str, tuple[float, str]], planned_step_s: float | None) -> Recovery:
@@ -234,8 +230,9 @@ def drill(events: list[dict], metrics: list[dict], every_steps: int) -> dict:
     if not timed:
         raise ValueError("the drill has no timed steps (metrics.jsonl records with time and step_time)")
     kept: dict[int, dict] = {m["step"]: m for m in timed}
-    useful = sum(m["step_time"] for m in kept.values() if not m.get("skipped"))
     span = max(m["time"] for m in timed) - (min(m["time"] for m in timed) - timed[0]["step_time"])
+    measured = kept_share(timed, span)  # raysc status's goodput (the last attempt of each step), over the span
+    useful = measured * span
     t = statistics.median(m["step_time"] for m in kept.values())
     stamps = sorted(m["time"] for m in timed)
     stalls = []
@@ -252,7 +249,7 @@ def drill(events: list[dict], metrics: list[dict], every_steps: int) -> dict:
     restart = statistics.median(stalls) if stalls else 0.0
     stall = statistics.median(saves) if saves else 0.0
     return {
-        "measured": useful / span,
+        "measured": measured,
         "predicted": whole_job(lam, stall, every_steps * t, restart),
         "restarts": len(stalls),
         "restart_s": restart,
