@@ -73,6 +73,14 @@ class SupervisorConfig:
         "keep one idle, warm replacement worker per rank (no resources of its own, "
         "in the rank's bundle) so a restart skips process start-up",
     )
+    peer_heal: bool = opt(
+        False,
+        "heal a dead or raising rank from a surviving data-parallel replica (parallel.dp_replicate >= 2, "
+        "no tp/pp/cp yet): the other ranks keep their processes and state, only the lost rank is "
+        "replaced, its state is copied from the peer and the interrupted step runs again, with no "
+        "rollback; where no peer holds its shard, or the heal fails, the run restarts from its "
+        "newest checkpoint as without it",
+    )
     prepare_spares: bool = opt(
         True,
         "on CPU, the warm spares also join a process group of their own and build "

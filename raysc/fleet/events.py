@@ -97,8 +97,21 @@ class EventKind(str, Enum):
     WORKER_ERROR = "worker_error", "a worker raised an exception"
     WORKER_HANG = "worker_hang", "no progress from some ranks for longer than the hang timeout"
     WORKER_TIMEOUT = "worker_timeout", "some ranks did not finish a bounded operation in time"
-    RECOVERY_START = "recovery_start", "replacing the fleet after a failure"
-    RECOVERED = "recovered", "a new fleet resumed from the newest checkpoint"
+    RECOVERY_START = (
+        "recovery_start",
+        (
+            "healing a failure: healed_by peer (only the lost ranks replaced, supervisor.peer_heal) or "
+            "checkpoint (the whole fleet replaced; peer_heal: why a peer heal did not apply)"
+        ),
+    )
+    RECOVERED = (
+        "recovered",
+        (
+            "training goes on: healed_by checkpoint (a new fleet resumed from the newest checkpoint) or "
+            "peer (the lost ranks replaced, their state from surviving replicas: ranks_replaced, sources, "
+            "discarded (survivors that undid the interrupted step), bytes_moved, phases_s, pids)"
+        ),
+    )
     RESTARTS_EXHAUSTED = "restarts_exhausted", "supervisor.max_restarts failures without progress: giving up"
     NODE_LOST = "node_lost", "Ray reports a node of the fleet dead: its ranks, processes and objects are gone"
     RESIZED = (

@@ -36,6 +36,9 @@ class Fleet:
         self.supervisor = supervisor  # the actor handle workers report to
         self.placement = Placement(cfg, run_dir, event)  # the placement group and the quarantine
         self.workers: list = []
+        self.train_calls: list | None = (
+            None  # the ranks' calls of the chunk of steps under way (a peer heal drains them)
+        )
         self.warm_spares = WarmSpares(cfg, event, partial(self._new_worker, spare=True))
         self.data: dict | None = None  # the run's data (object refs) the workers set up with
         self.infos: list[WorkerInfo] = []
@@ -102,6 +105,12 @@ class Fleet:
             ),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
+    def replacement(self, rank: int) -> tuple[object, bool]:
+        """A worker to replace ``rank`` alone (a peer heal): the warm spare in its bundle when it answers
+        (True), else a new worker there (False)."""
+        spare = self.warm_spares.take_one(rank)
+        return (spare, True) if spare is not None else (self._new_worker(rank), False)
+
     def spawn(self) -> None:
         """Create the first fleet's workers in the reserved bundles now: their processes start and
         import torch while the supervisor prepares the data; ``start`` then sets them up."""
@@ -142,7 +151,7 @@ class Fleet:
         spares) and form their process group; ``wait`` watches the setup calls, whose hang clock
         ``touch`` restarts."""
         self.data = data
-        cfg_dict = self._cfg_dict()
+        cfg_dict = self.cfg_dict()
         spares, prepared = (self.warm_spares.take(cfg_dict) if warm else None) or (None, None)
         gpu_ids = [i.gpu_ids for i in self.infos] if spares and len(self.infos) == self.world else [None] * self.world
         spawned, self._spawned = self._spawned, False
@@ -236,7 +245,7 @@ class Fleet:
         ip, port, _ = address
         return ip, port
 
-    def _cfg_dict(self) -> dict:
+    def cfg_dict(self) -> dict:
         """The config workers get at setup: the run's, with the first fleet's measured peak FLOP/s."""
         cfg_dict = config_to_dict(self.cfg)
         cfg_dict["train"]["peak_flops"] = self.peak_flops
@@ -245,7 +254,7 @@ class Fleet:
     def ensure_spares(self) -> None:
         """Start the next set of warm spares in the background (after a chunk of training, so their
         start-up does not compete with a restore): ``WarmSpares.ensure``, prepared on CPU."""
-        self.warm_spares.ensure(self.data, self._cfg_dict)
+        self.warm_spares.ensure(self.data, self.cfg_dict)
 
     def _settle(self, ended: list) -> None:
         """Give the pool back the workers of ``ended`` it lent, on this node, that detach within 30 s; the

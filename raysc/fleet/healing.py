@@ -1,5 +1,7 @@
 """``Healer``: carries out what ``classify`` decided about a failure, and bounds how often.
 
+- peer heal (``supervisor.peer_heal``): replace only the lost rank, its state copied from a surviving
+  replica, no rollback (``raysc.fleet.peer_healing``); where it does not apply, a restart:
 - restart: replace the whole fleet (warm spares when ready, away from quarantined nodes),
   restore the newest checkpoint of this run, skip the injected faults that already fired;
 - rollback: restore, in place, the checkpoint before a loss spike and skip data (PaLM-style);
@@ -19,6 +21,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
+import ray
+
 from raysc.config.faults import consume_faults
 from raysc.config.schema import Config
 from raysc.fleet.actions import Action, classify
@@ -27,6 +31,7 @@ from raysc.fleet.elastic import Elastic
 from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
+from raysc.fleet.peer_healing import PeerHealer, PeerHealRefused
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.train.signals import SilentCorruption
@@ -68,10 +73,12 @@ class Healer:
         touch: Callable[[], None],
         fired: Callable[[], set[str]],
         elastic: Elastic | None = None,
+        peer: PeerHealer | None = None,
     ) -> None:
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
         self.elastic = elastic
+        self.peer = peer  # supervisor.peer_heal: a lost rank healed from a replica, before any restart
         self.repaired_in_place = False  # the last heal restored replicas without leaving their step
 
     def heal(self, err: RunFailed, data: dict, set_phase: Callable[[str], None]) -> int:
@@ -85,7 +92,24 @@ class Healer:
             return self.rollback(err.failure.cause)
         if action is Action.REPAIR:
             return self.repair(err.failure.cause)
-        return self.restart(err, data)
+        if self.peer is None:
+            return self.restart(err, data)
+        why = self.peer.why_not(err)
+        if why is None:
+            self._strike(err)
+            try:
+                return self._healed_in_place(self.peer.heal(err, data, self.stats.restarts))
+            except (PeerHealRefused, RunFailed, ray.exceptions.RayError) as e:
+                why = f"the peer heal failed: {e}"
+        return self.restart(err, data, why=why, struck=why.startswith("the peer heal failed"))
+
+    def _healed_in_place(self, step: int) -> int:
+        """After a peer heal to ``step``: a checkpoint boundary whose save was lost with the rank is saved
+        again before training goes on (``repaired_in_place``)."""
+        every = self.cfg.checkpoint.every_steps or self.cfg.train.steps
+        ckpt = self.ckpt
+        self.repaired_in_place = step % every == 0 and ckpt.durable_step != step and ckpt.inflight is None
+        return step
 
     def _strike(self, err: RunFailed) -> None:
         """Count a restart or rollback; past supervisor.max_restarts of them with no chunk of
@@ -96,14 +120,18 @@ class Healer:
             self.event(EventKind.RESTARTS_EXHAUSTED, restarts=self.stats.strikes - 1, error=str(err))
             raise err
 
-    def restart(self, err: RunFailed, data: dict) -> int:
+    def restart(self, err: RunFailed, data: dict, why: str | None = None, struck: bool = False) -> int:
         """Replace the whole fleet and continue from the newest checkpoint (the hot copy makes
-        the restore fast). Returns the step training resumes from."""
-        self._strike(err)
+        the restore fast). Returns the step training resumes from. ``why``: why a peer heal did not
+        do it (supervisor.peer_heal); ``struck``: this failure was counted already."""
+        if not struck:
+            self._strike(err)
         t0 = time.monotonic()
         failed_at = self.stats.failed_step()
         self.ckpt.salvage(timeout_s=5.0)
-        self.event(EventKind.RECOVERY_START, attempt=self.stats.restarts, failed_step=failed_at, error=str(err))
+        peer = {"healed_by": "checkpoint", "peer_heal": why} if why else {"healed_by": "checkpoint"}
+        self.fleet.train_calls = None
+        self.event(EventKind.RECOVERY_START, attempt=self.stats.restarts, failed_step=failed_at, error=str(err), **peer)
         lost = self._lost_nodes(err)
         self.fleet.stop_workers()
         if self.stats.strikes > 1:  # the first restart is immediate; repeated failures back off
@@ -121,6 +149,7 @@ class Healer:
             resumed_step=step,
             steps_lost=failed_at - 1 - step,
             seconds=seconds,
+            healed_by="checkpoint",
         )
         if size is not None and self.elastic.size != size:
             self._resized(

@@ -22,6 +22,7 @@ import os
 import threading
 import time
 import warnings
+from collections import deque
 from datetime import timedelta
 
 import ray
@@ -36,6 +37,7 @@ from raysc.fleet import rank_collectives
 from raysc.fleet.faults import Fault, FaultInjector
 from raysc.fleet.messages import REPORT_EVERY_S, WorkerInfo
 from raysc.fleet.rank_checkpoint import RankCheckpoints
+from raysc.fleet.rank_heal import RankHeal, peer_failed
 from raysc.fleet.reuse import forget_rank_caches
 from raysc.fleet.stopping import StepVote
 from raysc.parallel.describe import describe_shard
@@ -44,6 +46,8 @@ from raysc.train.cpu_threads import own_intraop_threads
 from raysc.train.memory import PeakMemory
 from raysc.train.signals import SilentCorruption
 from raysc.train.trainer import Trainer
+
+RECENT_STEPS = 64
 
 
 def rendezvous_address() -> tuple[str, int, str]:
@@ -62,6 +66,12 @@ class RankWorker:
         self._pending_reports: list[dict] = []
         self._training = threading.Lock()  # held while train() runs: repairs wait for it
         self.vote: StepVote | None = None
+        self.rows: tuple = ()  # (train rows, validation rows, EOS id): a peer heal rebuilds the trainer on them
+        self.gpu_ids: list = []
+        # every rank's newest step metrics (loss and grad norm are global): a peer heal recovers from a
+        # survivor the reports a lost rank 0 had not sent
+        self.recent: deque[dict] = deque(maxlen=RECENT_STEPS)
+        self.heal = RankHeal(self)
         self._configure(cfg_dict)
 
     def _configure(self, cfg_dict: dict) -> None:
@@ -89,11 +99,17 @@ class RankWorker:
         self._configure(cfg_dict)
 
     def setup(
-        self, master: tuple[str, int], data: dict, cfg_dict: dict | None = None, gpu_ids: list | None = None
+        self,
+        master: tuple[str, int],
+        data: dict,
+        cfg_dict: dict | None = None,
+        gpu_ids: list | None = None,
+        init_weights: bool = True,
     ) -> WorkerInfo:
         """Join the process group and build this rank's model shard. A warm spare (started without
         resources, in the bundle of the rank it replaces) gets the current config (injected faults that
-        fired are gone) and, on GPU, the device of the worker it replaces, before CUDA is first touched."""
+        fired are gone) and, on GPU, the device of the worker it replaces, before CUDA is first touched.
+        ``init_weights=False``: the shard is allocated, not drawn (a peer heal sends its state)."""
         t_setup = [time.perf_counter()]
         if cfg_dict is not None:
             self._configure(cfg_dict)
@@ -101,6 +117,18 @@ class RankWorker:
         own_intraop_threads(max(1, int(self.cfg.parallel.cpus_per_worker)))
         if gpu_ids:
             os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
+        self.join(master)
+        t_setup.append(time.perf_counter())
+        self.rows = (ray.get(data["train"]), ray.get(data["val"]), data["eos_id"])
+        t_setup.append(time.perf_counter())
+        self.build(init_weights)
+        t_setup.append(time.perf_counter())
+        self.side_groups()
+        self.gpu_ids = gpu_ids or [str(g) for g in ray.get_gpu_ids()]
+        return self.info(master, ("process_group", "data", "model", "checkpoint_group"), t_setup)
+
+    def join(self, master: tuple[str, int]) -> None:
+        """Join the run's default process group, whose store rank 0 hosts at ``master``."""
         backend = "nccl" if self.cfg.parallel.device == "cuda" else "gloo"
         if self.cfg.parallel.device == "cuda":
             torch.cuda.set_device(0)  # Ray exposes exactly the GPU assigned to this actor
@@ -111,37 +139,46 @@ class RankWorker:
             world_size=self.world_size,
             timeout=timedelta(seconds=self.cfg.supervisor.start_timeout_s),
         )
-        t_setup.append(time.perf_counter())
-        train_rows = ray.get(data["train"])
-        val_rows = ray.get(data["val"])
-        t_setup.append(time.perf_counter())
+
+    def build(self, init_weights: bool = True) -> None:
+        """The device mesh, the ``Trainer`` over this rank's rows, and the hooks and meters on it."""
+        train_rows, val_rows, eos_id = self.rows
         dims = self.cfg.parallel.dims
         warnings.filterwarnings("ignore", message="Slicing a flattened dim")  # our flattened dims are stable
         mesh = (
             build_mesh(dims, "cuda" if self.cfg.parallel.device == "cuda" else "cpu") if dims.world_size > 1 else None
         )
-        self.trainer = Trainer(self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh, eos_id=data["eos_id"])
+        self.trainer = Trainer(
+            self.cfg, train_rows, val_rows, rank=self.rank, mesh=mesh, eos_id=eos_id, init_weights=init_weights
+        )
         self._hook_faults()
         self.memory = (
             PeakMemory(self.trainer.model_parts, self.trainer.optimizer, self.trainer.device)
             if self.cfg.parallel.device == "cuda" or self.cfg.train.measure_memory
             else None
         )
-        t_setup.append(time.perf_counter())
+
+    def side_groups(self, flags: list[int] | None = None) -> None:
+        """The checkpoint group, the stop/checkpoint vote's group (``flags``: requests it carries over)
+        and the checkpoint store."""
         # checkpoint I/O gets its own gloo group: it cannot deadlock with training collectives
         self.checkpoints.group = dist.new_group(backend="gloo")
         # and stop / checkpoint-now requests theirs (raysc.fleet.stopping)
         self.vote = StepVote(dist.new_group(backend="gloo") if self.world_size > 1 else None)
+        if flags:
+            self.vote.flags = list(flags)
         self.checkpoints.store = CheckpointStore.for_config(self.cfg)
-        phases = ("process_group", "data", "model", "checkpoint_group")
+
+    def info(self, master: tuple[str, int], phases: tuple[str, ...], t_setup: list[float]) -> WorkerInfo:
+        """What the supervisor learns of this rank once set up: ``phases`` timed by ``t_setup``."""
         return WorkerInfo(
             rank=self.rank,
             pid=os.getpid(),
             node=ray.util.get_node_ip_address(),
             node_id=ray.get_runtime_context().get_node_id(),
             replicas=self.trainer.replicas.enabled,
-            gpu_ids=gpu_ids or [str(g) for g in ray.get_gpu_ids()],
-            coords=dims.coords(self.rank),
+            gpu_ids=self.gpu_ids,
+            coords=self.cfg.parallel.dims.coords(self.rank),
             built=describe_shard(self.trainer.shard, self.trainer.schedule),
             threads=torch.get_num_threads(),
             device=str(self.trainer.device),
@@ -192,7 +229,13 @@ class RankWorker:
         (``raysc.train.sdc``); a mismatch raises ``SilentCorruption`` on every rank.
         """
         with self._training:
-            return self._train(until_step)
+            try:
+                return self._train(until_step)
+            except Exception as e:
+                if self.cfg.supervisor.peer_heal and peer_failed(e):
+                    self.heal.leave()  # a peer is gone: its replicas may heal it; closing our sockets now
+                    # ends the other survivors' waits on this rank (gloo has no abort)
+                raise
 
     def _train(self, until_step: int) -> dict | None:
         last = None
@@ -206,6 +249,7 @@ class RankWorker:
             if self.memory is not None:
                 self.memory.before_step()
             last = self.trainer.train_step()
+            self.recent.append(last)
             self.faults.after_step()
             if self.memory is not None:
                 self.memory.after_step()
@@ -293,5 +337,7 @@ class RankWorker:
             halt()
         self.shutdown()
         self.trainer = self.memory = self.vote = self.checkpoints.store = None
+        self.rows = ()
+        self.recent.clear()
         forget_rank_caches()
         gc.collect()

@@ -64,6 +64,28 @@ class WarmSpares:
             ray.kill(s, no_restart=True)
         return None
 
+    def take_one(self, rank: int):
+        """The spare in the bundle of ``rank``, for a peer heal that replaces that rank alone, if it
+        answers (prepared: its set-up is done) and leaves its spares' process group; else None. The
+        rest of the set is killed (its process group lost a member): ``ensure`` starts a new set after
+        the next chunk of training."""
+        spares, prepared, self.workers, self.setup = self.workers, self.setup, [], []
+        spare = None
+        if len(spares) == self.world:
+            probe = prepared[rank] if prepared else spares[rank].address.remote()
+            ready, _ = ray.wait([probe], timeout=0.5)
+            try:
+                if ready and ray.get(ready[0]) is not None:
+                    spare = spares[rank]
+            except ray.exceptions.RayError:
+                spare = None
+        for s in spares:
+            if s is not spare:
+                ray.kill(s, no_restart=True)
+        if spare is not None and prepared:
+            spare.detach.remote()  # leaves its own group before the run's set-up (calls run in order)
+        return spare
+
     def ensure(self, data: dict | None, cfg_dict: Callable[[], dict]) -> None:
         """Start the next set of warm spares in the background, unless a set is up. On CPU
         (``supervisor.prepare_spares``, once the run's ``data`` is known) they are also prepared: they

@@ -47,6 +47,7 @@ class RunStats:
     sdc: SdcCounts = field(default_factory=SdcCounts)
     restarts: int = 0  # every restart and rollback of the run
     rollbacks: int = 0
+    peer_heals: int = 0  # restarts healed from a surviving replica (no rollback)
     strikes: int = 0  # restarts and rollbacks since training last made progress
     memory: list[dict] | None = None  # per-rank peak memory (CUDA, or train.measure_memory)
     fault_step: int = 0  # the latest step an injected fault fired before
@@ -133,6 +134,7 @@ class RunStats:
             "params": params,
             "restarts": self.restarts - self.rollbacks,
             "rollbacks": self.rollbacks,
+            "peer_heals": self.peer_heals,
             "sdc": self.sdc.summary(),
             "goodput": self.goodput(),
             "skipped_updates": self.skipped(),

@@ -35,6 +35,7 @@ from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.healing import Healer
+from raysc.fleet.peer_healing import PeerHealer
 from raysc.fleet.preparing import RunPreparation
 from raysc.fleet.records import RunRecords
 from raysc.fleet.stats import RunStats
@@ -177,6 +178,7 @@ class Supervisor:
             self.stats.touch,
             self.book.fired_faults,
             self.elastic,
+            self._peer_healer() if self.cfg.supervisor.peer_heal else None,
         )
         self.book.phase = "training"
         t_train = time.perf_counter()
@@ -222,6 +224,18 @@ class Supervisor:
                 repaired = healer.repaired_in_place
                 self.book.phase = "training"
 
+    def _peer_healer(self) -> PeerHealer:
+        return PeerHealer(
+            self.cfg,
+            self.fleet,
+            self.ckpt,
+            self.stats,
+            self.book.event,
+            self.watch.wait,
+            self.report,  # (a plain call inside this actor: metrics a lost rank 0 had not sent)
+            self.book.fired_faults,
+        )
+
     def _heal(self, healer: Healer, err: RunFailed, data: dict) -> int:
         """Heal ``err``; a worker failure while healing (a replacement that dies in set-up, a rank
         lost during the restore) is healed in turn, each attempt a strike bounded by
@@ -256,11 +270,11 @@ class Supervisor:
         if fresh:  # kept after the chunk: rank 0's report of the step may arrive after it returns
             self._warmup_step = step + 1
         self.stats.touch()
+        self.fleet.train_calls = [w.train.remote(target) for w in workers]
         results = self.watch.wait(
-            [w.train.remote(target) for w in workers],
-            f"steps {step + 1}..{target}",
-            hang_s=None if fresh else self.timeouts.hang_s,
+            self.fleet.train_calls, f"steps {step + 1}..{target}", hang_s=None if fresh else self.timeouts.hang_s
         )
+        self.fleet.train_calls = None
         if fresh and not calibrating:
             self.timeouts.apply(workers)
         self._trained_on = workers

@@ -71,16 +71,18 @@ class TrainWorker:
         gpu_ids: list | None = None,
         attach: tuple[int, int, ray.actor.ActorHandle] | None = None,
         *peers_up: Any,
+        init_weights: bool = True,
     ) -> WorkerInfo:
         """Join the run's process group and build the shard; ``attach`` = (rank, world size,
         supervisor) gives a pooled process its rank first. ``peers_up``: unused; passed as object refs
         (the peers' ``address`` calls), which Ray resolves before this call runs, they hold it back until
-        every peer's process is up."""
+        every peer's process is up. ``init_weights=False``: a peer heal's replacement, whose state comes
+        from a replica (``heal_transfer``)."""
         if attach is not None:
             from raysc.fleet.rank import RankWorker
 
             self._rank = _portably(RankWorker, cfg_dict, *attach)
-        return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids)
+        return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids, init_weights)
 
     def activate(self, cfg_dict: dict) -> None:
         """A prepared warm spare takes over a failed fleet's rank (``RankWorker.activate``)."""
@@ -128,6 +130,19 @@ class TrainWorker:
 
     def val_loss(self) -> float | None:
         return _portably(self._rank.val_loss)
+
+    # ---- peer healing (raysc.fleet.rank_heal) ----
+    def heal_prepare(self) -> dict:
+        return _portably(self._rank.heal.prepare)
+
+    def heal_small_state(self) -> Any:
+        return _portably(self._rank.heal.small_state)
+
+    def heal_regroup(self, master: tuple[str, int]) -> WorkerInfo:
+        return _portably(self._rank.heal.regroup, master)
+
+    def heal_transfer(self, sources: dict[int, int], small: Any = None) -> dict:
+        return _portably(self._rank.heal.transfer, sources, small)
 
     # ---- silent data corruption ----
     def sdc_verdict(self) -> dict:

@@ -105,13 +105,17 @@ def materialise(
     seed: int,
     device: torch.device,
     source: HFCheckpoint | None = None,
+    init_weights: bool = True,
 ) -> None:
     """Allocate ``parts`` (meta modules: pipeline stages of one rank, or the model) on ``device`` and
     initialise them to exactly this rank's share of ``build_model(cfg, ..., seed)``, or of the
-    checkpoint ``source`` when one is given (checked against ``order`` before)."""
+    checkpoint ``source`` when one is given (checked against ``order`` before); ``init_weights=False``
+    stops after the allocation and the buffers (the caller copies the parameters in)."""
     for part in parts:
         _to_empty_keeping_ties(part, device)
         part.reset_buffers()
+    if not init_weights:
+        return
     held = {name: p for part in parts for name, p in part.named_parameters()}
     if source is not None:
         for name, p in held.items():

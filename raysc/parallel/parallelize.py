@@ -57,16 +57,20 @@ class ModelShard:
         return self.num_stages - 1 in self.stage_ids
 
 
-def build_model_shard(cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device, bf16: bool) -> ModelShard:
+def build_model_shard(
+    cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device, bf16: bool, init_weights: bool = True
+) -> ModelShard:
+    """This rank's shard of the model, initialised as ``materialise`` says; ``init_weights=False``
+    leaves the parameters allocated but undrawn (a peer heal copies them in from a replica)."""
     with torch.device("meta"):
         full = Llama(cfg.model, cfg.rope_len)
     order = init_order(full)
     source = None
-    if cfg.model.init_from:
+    if cfg.model.init_from and init_weights:
         source = HFCheckpoint(init_dir(cfg.model.init_from, cfg.model.init_from_options, cfg.data.cache_dir), cfg.model)
         source.check(order)
     parts, ids, num_stages = _plan_meta(full, cfg, dims, rank, mesh, device, bf16)
-    materialise(parts, order, cfg.model, cfg.train.seed, device, source)
+    materialise(parts, order, cfg.model, cfg.train.seed, device, source, init_weights)
     return ModelShard(parts, ids, num_stages)
 
 

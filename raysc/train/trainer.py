@@ -69,8 +69,10 @@ class Trainer:
         mesh=None,
         measure_peak: bool = True,
         eos_id: int | None = None,
+        init_weights: bool = True,
     ) -> None:
-        """``eos_id``: the token that ends every packed document (needed with ``train.document_mask``)."""
+        """``eos_id``: the token that ends every packed document (needed with ``train.document_mask``);
+        ``init_weights=False``: the parameters are allocated, not drawn (a peer heal copies them in)."""
         self.cfg = cfg
         if cfg.train.document_mask and eos_id is None:
             raise ValueError("train.document_mask needs the tokenizer's EOS id (the Trainer got none)")
@@ -81,7 +83,7 @@ class Trainer:
         self.coords = self.dims.coords(rank)
         self.device = resolve_device(cfg)
         torch.manual_seed(cfg.train.seed)
-        self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg))
+        self.shard = build_model_shard(cfg, self.dims, rank, mesh, self.device, use_bf16(cfg), init_weights)
         # the worker's fault injector (drills) sets these, else None: step_hook(step) runs at the start
         # of each step, inside its timing (a straggler's delay shows in step_time); loss_hook(loss) is
         # applied to every training loss
@@ -140,6 +142,9 @@ class Trainer:
         # it falls back to the skip policy, whose patience bound accepts a persistent level. Kept in
         # this process, not in checkpoints (a restore must not forget it).
         self.rolled_back_at = 0
+        # what a step changes outside the parameters and optimizer state, as it was when the step under way
+        # began: ``discard_partial_step`` puts it back (a peer heal re-runs the step a lost rank interrupted)
+        self._step_start: dict | None = None
         # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
         self.replicas = ReplicaCheck(
             self.params, mesh["dp_replicate"].get_group() if mesh is not None and self.dims.dp_replicate > 1 else None
@@ -237,6 +242,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
+        self._step_start = self._progress_state()
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
         rows = self.loader.next_batch()
@@ -342,6 +348,34 @@ class Trainer:
                 )
             total += sum((_local(loss) for loss in losses[:real]), torch.zeros((), device=self.device))
         return total
+
+    # ---- a step interrupted by a peer's failure ----
+    def _progress_state(self) -> dict:
+        """The state a step advances before its update: the step count, the data position, the spike
+        detector, the skip count and the RNG."""
+        return {
+            "step": self.step,
+            "loader": self.loader.state_dict(),
+            "detector": self.detector.state_dict(),
+            "skipped_steps": self.skipped_steps,
+            "torch_rng": torch.get_rng_state(),
+        }
+
+    def discard_partial_step(self) -> bool:
+        """Undo a step that a failed collective interrupted before its update: gradients dropped, the data
+        position, spike detector, skip count and RNG as they were at the step's start (the parameters and
+        optimizer state are untouched until the update, which no collective follows inside a step).
+        False when no step was under way (the last one completed)."""
+        start = self._step_start
+        if start is None or start["step"] != self.step:
+            return False
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loader.load_state_dict(start["loader"])
+        self.detector.load_state_dict(start["detector"])
+        self.skipped_steps = start["skipped_steps"]
+        torch.set_rng_state(start["torch_rng"])
+        self._step_start = None
+        return True
 
     # ---- state outside the model/optimizer tensors (saved beside the DCP shards) ----
     def extra_state(self) -> dict:
