@@ -4,6 +4,9 @@ One Ray instance, one S3-compatible store (moto on 127.0.0.1), the same tiny Lla
 workers with one CPU each, a checkpoint every ``EVERY`` steps, and worker rank 1 SIGKILLed just
 before step ``KILL``. Each side restores from a named tier, reported next to its MTTR:
 
+0. ``peer``: raysc with ``supervisor.peer_heal``: only rank 1 is replaced (its warm spare), its state
+   broadcast from rank 0, which keeps its process; nothing is restored and no step re-run (issue 60:
+   MTTR at most 1 s median and at most a third of ``warm_hot``'s);
 1. ``warm_hot``: raysc with warm spare workers, restoring from the hot copy (the newest checkpoint
    in Ray's object store): the node lost its local copies one step before the kill (``disk_loss``);
    the spares were prepared (``supervisor.prepare_spares``, the default: past the rendezvous and the
@@ -20,7 +23,9 @@ before step ``KILL``. Each side restores from a named tier, reported next to its
 The cold ratio (Ray Train / raysc cold) compares the same storage and no spares on either side; the
 warm ratio (Ray Train / raysc warm_hot) is what spares and the hot tier buy over Ray Train's restart
 from the bucket. MTTR = wall time from the SIGKILL to the next completed optimizer step; each figure
-is the median of ``BENCH_RECOVERY_REPEATS`` (default 3) runs, the scenarios interleaved. Steps of
+is the median of ``BENCH_RECOVERY_REPEATS`` (default 3) runs; ``regain_s`` is the wall time from the
+SIGKILL until the interrupted step is done again (a restart re-runs the steps after its checkpoint
+first; a peer heal re-runs only that step), the scenarios interleaved. Steps of
 work lost = steps re-run because they came after the newest checkpoint. Goodput of raysc with a kill
 every ``GOODPUT_EVERY`` steps is measured once (``BENCH_RECOVERY_GOODPUT=0`` skips it). Targets:
 warm MTTR <= 3 s and >= 3x faster than Ray Train (issue 5); the hot-copy MTTR at most half of 3.78 s,
@@ -90,6 +95,7 @@ def raysc_cfg(tmp: Path, bucket: str, opts: str, name: str, *extra: str):
 
 # scenario -> (warm spares and hot copy on, node-local copies lost one step before the kill, more overrides)
 RAYSC_SCENARIOS = {
+    "peer": (True, False, ("supervisor.peer_heal=true",)),
     "warm_hot": (True, True, ()),
     "warm_hot_unprepared": (True, True, ("supervisor.prepare_spares=false",)),
     "warm_local": (True, False, ()),
@@ -119,14 +125,21 @@ def raysc_mttr(tmp: Path, bucket: str, opts: str, scenario: str, rep: int) -> di
     metrics = read_jsonl(tmp / name / "metrics.jsonl")
     killed = next(e for e in events if e["kind"] == "fault_injected" and e["fault"].startswith("kill"))["time"]
     rec = next(e for e in events if e["kind"] == "recovered")
-    resumed = next(e for e in events if e["kind"] == "resumed" and e["time"] >= killed)
     first = [m for m in metrics if m["step"] == rec["resumed_step"] + 1][-1]["time"]
-    return {
+    regained = [m for m in metrics if m["step"] == KILL][-1]["time"]  # the interrupted step done, after any re-run
+    out = {
         "mttr_s": round(first - killed, 3),
+        "regain_s": round(regained - killed, 3),
         "steps_lost": rec["steps_lost"],
-        "tier": resumed["source"],
-        "fetch_s": resumed["fetch_s"],
+        "healed_by": rec["healed_by"],
     }
+    if rec["healed_by"] == "peer":  # nothing restored: the state came from the surviving replica
+        ready = next(e for e in events if e["kind"] == "workers_ready")
+        survivors = [p for r, p in enumerate(rec["pids"]) if r not in rec["ranks_replaced"]]
+        kept = survivors == [p for r, p in enumerate(ready["pids"]) if r not in rec["ranks_replaced"]]
+        return {**out, "tier": ["peer"], "survivors_kept_pids": kept, "phases_s": rec["phases_s"]}
+    resumed = next(e for e in events if e["kind"] == "resumed" and e["time"] >= killed)
+    return {**out, "tier": resumed["source"], "fetch_s": resumed["fetch_s"]}
 
 
 def raysc_goodput(tmp: Path, bucket: str, opts: str) -> dict:
@@ -234,9 +247,11 @@ def ray_train_mttr(tmp: Path, endpoint: str, bucket: str, rep: int) -> dict:
 
 def summary(runs: list[dict]) -> dict:
     """Median MTTR of ``runs``, every run's MTTR and the tiers they restored from."""
+    regain = [r["regain_s"] for r in runs if "regain_s" in r]
     return {
         "mttr_s": round(statistics.median(r["mttr_s"] for r in runs), 3),
         "runs_s": [r["mttr_s"] for r in runs],
+        "regain_s": round(statistics.median(regain), 3) if regain else None,
         "tiers": sorted({t for r in runs for t in r["tier"]}),
         "steps_lost": sorted({r["steps_lost"] for r in runs}),
     }
@@ -250,21 +265,28 @@ def main() -> None:
     ray.init(num_cpus=4, include_dashboard=False, configure_logging=False, log_to_driver=False)
     server, endpoint, bucket, opts = start_s3()
     tmp = Path(tempfile.mkdtemp(prefix="raysc-bench-recovery-"))
-    runs: dict[str, list[dict]] = {k: [] for k in (*RAYSC_SCENARIOS, "ray_train_bucket")}
+    only = os.environ.get("BENCH_RECOVERY_ONLY")  # development: these raysc scenarios, no Ray Train or goodput
+    scenarios = only.split(",") if only else list(RAYSC_SCENARIOS)
+    runs: dict[str, list[dict]] = {k: [] for k in (*scenarios, "ray_train_bucket")}
     gp = {}
     try:
         for rep in range(repeats):
-            for scenario in RAYSC_SCENARIOS:
+            for scenario in scenarios:
                 runs[scenario].append(raysc_mttr(tmp, bucket, opts, scenario, rep))
                 print(f"raysc {scenario} #{rep}: {runs[scenario][-1]}", flush=True)
+            if only:
+                continue
             runs["ray_train_bucket"].append(ray_train_mttr(tmp, endpoint, bucket, rep))
             print(f"Ray Train (bucket) #{rep}: {runs['ray_train_bucket'][-1]}", flush=True)
-        if os.environ.get("BENCH_RECOVERY_GOODPUT", "1") != "0":
+        if os.environ.get("BENCH_RECOVERY_GOODPUT", "1") != "0" and not only:
             gp = raysc_goodput(tmp, bucket, opts)
     finally:
         server.stop()
         ray.shutdown()
-    med = {k: summary(v) for k, v in runs.items()}
+    med = {k: summary(v) for k, v in runs.items() if v}
+    if only:
+        print(json.dumps({"benchmark": "recovery", "only": scenarios, "mttr": med, "runs": runs}))
+        return
     rt = med["ray_train_bucket"]["mttr_s"]
     print(
         json.dumps(
@@ -278,11 +300,16 @@ def main() -> None:
                 "ray_train_over_raysc_warm": round(rt / med["warm_hot"]["mttr_s"], 2),
                 "ray_train_over_raysc_cold": round(rt / med["cold_bucket"]["mttr_s"], 2),
                 "warm_hot_over_unprepared": round(med["warm_hot"]["mttr_s"] / med["warm_hot_unprepared"]["mttr_s"], 2),
+                "peer_over_warm_hot": round(med["peer"]["mttr_s"] / med["warm_hot"]["mttr_s"], 2),
+                "peer_over_warm_hot_regain": round(med["peer"]["regain_s"] / med["warm_hot"]["regain_s"], 2),
+                "peer_survivors_kept_pids": all(r["survivors_kept_pids"] for r in runs["peer"]),
                 **gp,
                 "targets": {
                     "warm_hot_mttr_s": "<= 3 (issue 5); <= 1.89, half of 3.78 (issue 31)",
                     "ray_train_over_raysc_warm": ">= 3",
                     "warm_hot_over_unprepared": "<= 0.5",
+                    "peer_mttr_s": "<= 1 (issue 60)",
+                    "peer_over_warm_hot": "<= 0.33 (issue 60)",
                 },
             }
         )

@@ -105,11 +105,11 @@ class Fleet:
             ),
         ).remote(config_to_dict(self.cfg), rank, self.world, self.supervisor)
 
-    def replacement(self, rank: int) -> tuple[object, bool]:
-        """A worker to replace ``rank`` alone (a peer heal): the warm spare in its bundle when it answers
-        (True), else a new worker there (False)."""
-        spare = self.warm_spares.take_one(rank)
-        return (spare, True) if spare is not None else (self._new_worker(rank), False)
+    def replacements(self, ranks: list[int]) -> tuple[dict[int, object], list[int]]:
+        """Workers to replace ``ranks`` alone (a peer heal): the warm spare in each one's bundle when it
+        answers, else a new worker there; and the ranks that got a spare."""
+        spares = self.warm_spares.take_some(ranks)
+        return {r: spares.get(r) or self._new_worker(r) for r in ranks}, sorted(spares)
 
     def spawn(self) -> None:
         """Create the first fleet's workers in the reserved bundles now: their processes start and

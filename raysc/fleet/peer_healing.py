@@ -4,13 +4,15 @@ When a rank dies or raises during a chunk of training steps and a surviving rank
 its shard (the ranks that differ only in ``dp_replicate``), only the lost rank is replaced. In order:
 
 1. **drain**: the lost rank is killed (a raising one is alive: its sockets must close); every other
-   rank's step then fails in its next collective and the rank leaves its process groups at once
-   (``raysc.fleet.rank_heal``), so the survivors' calls return within ``DRAIN_S``;
+   rank's step then fails in its next collective and the rank leaves its process groups
+   (``raysc.fleet.rank_heal``). A rank whose collective waits on a survivor that has left (HSDP: a
+   shard peer of the lost rank) does not fail, because gloo cannot abort: after ``STUCK_S`` it is
+   replaced too, when a rank that left holds its shard (plain DP: always), else the heal is refused;
 2. **cover**: each lost rank needs a survivor with the same coordinates but ``dp_replicate``;
 3. **decide**: each survivor undoes the step it had under way; all must stand at the same step T
    (a survivor that applied an update another lost is the mixed case: the checkpoint restart runs);
 4. **salvage**: a save in flight finishes on the survivors and is committed or abandoned as usual;
-5. **replace**: a warm spare of the lost rank's bundle (``WarmSpares.take_one``), else a new worker;
+5. **replace** (before 3, so that a spare leaves its own group meanwhile): a warm spare of the lost rank's bundle (``WarmSpares.take_one``), else a new worker;
 6. **regroup**: survivors re-join a new process group in their processes and rebuild their trainer
    around the state they held; replacements set up without drawing weights;
 7. **transfer**: the survivor's state goes to the replacement, tensors by broadcast over the replica
@@ -39,7 +41,7 @@ from raysc.fleet.start_bound import START_BOUND
 from raysc.fleet.stats import RunStats
 from raysc.fleet.watch import is_peer_failure
 
-DRAIN_S = 10.0  # how long survivors get to leave a step that a lost peer broke
+STUCK_S = 2.0  # how long survivors get to leave the step a lost peer broke
 UPLOAD_WAIT_S = 60.0  # how long survivors' uploads of a save in flight get to finish
 
 
@@ -97,6 +99,13 @@ class PeerHealer:
         phases["drain"] = time.monotonic() - t0
         survivors = [r for r in range(len(workers)) if r not in lost]
         sources = self._cover(lost, survivors)
+        mark = time.monotonic()  # the replacements first: a spare leaves its own group while the survivors decide
+        self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
+        new = list(workers)
+        replacing, spares_used = self.fleet.replacements(sorted(lost))
+        for r, w in replacing.items():
+            new[r] = w
+        phases["replace"] = time.monotonic() - mark
         mark = time.monotonic()
         self._finish_uploads(workers, survivors)
         self.ckpt.salvage(timeout_s=5.0)
@@ -114,14 +123,6 @@ class PeerHealer:
         step = steps.pop()
         self._recover_reports(accounts, step)
         phases["decide"] = time.monotonic() - mark
-        mark = time.monotonic()
-        self.cfg.supervisor.inject = consume_faults(self.cfg.supervisor.inject, self.fired())
-        new, spares_used = list(workers), []
-        for r in sorted(lost):
-            new[r], warm = self.fleet.replacement(r)
-            if warm:
-                spares_used.append(r)
-        phases["replace"] = time.monotonic() - mark
         mark = time.monotonic()
         infos = self._regroup(new, lost, data)
         phases["regroup"] = time.monotonic() - mark
@@ -150,43 +151,62 @@ class PeerHealer:
             warm_spares=spares_used,
             bytes_moved=sum(s["sent"] for s in sent),
             phases_s={k: round(v, 3) for k, v in phases.items()},
+            leave_s=max(a["leave_s"] for a in accounts),
+            setup_s=[i.setup_s for i in infos],
             pids=[i.pid for i in infos],
         )
         return step
 
     def _drain(self, workers: list, calls: list, lost: set[int]) -> set[int]:
-        """Kill the lost ranks, then wait for every other rank's training call to end: a rank found
-        dead meanwhile is lost too; one still in its step after DRAIN_S, or one that raised anything
-        but a peer's failure, refuses the heal."""
+        """Kill the lost ranks, then wait for every other rank's training call to end; returns the ranks
+        lost besides ``lost``. A rank found dead meanwhile is lost too; one that raised anything but a
+        peer's failure refuses the heal. A rank still in its step after STUCK_S is waiting on a survivor
+        that left the step (gloo cannot abort its collective, and torch keeps the left groups' sockets
+        open once FSDP is imported): it is killed and replaced too when a rank that left holds its shard,
+        else the heal is refused."""
         for r in lost:
             ray.kill(workers[r], no_restart=True)
         others = {calls[r]: r for r in range(len(workers)) if r not in lost}
-        done, pending = ray.wait(list(others), num_returns=len(others), timeout=DRAIN_S)
-        if pending:
-            late = sorted(others[ref] for ref in pending)
-            raise PeerHealRefused(f"ranks {late} were still in their step {DRAIN_S:g}s after the loss")
-        more = set()
+        done, pending = ray.wait(list(others), num_returns=len(others), timeout=STUCK_S)
+        more = self._outcomes(done, others)
+        drained = {others[ref] for ref in done} - more
+        stuck = {others[ref] for ref in pending}
+        bare = sorted(r for r in stuck if not any(self._shard(q) == self._shard(r) for q in drained))
+        if bare:
+            raise PeerHealRefused(
+                f"ranks {bare} were still in their step {STUCK_S:g}s after the loss, waiting in a collective "
+                "on a rank that had left it (gloo cannot abort one), and no other replica of their shard left "
+                "its step to replace them from"
+            )
+        for r in stuck:
+            ray.kill(workers[r], no_restart=True)
+        return more | stuck
+
+    @staticmethod
+    def _outcomes(done: list, rank_of: dict) -> set[int]:
+        """The ranks of ``done`` calls whose worker died; a call that raised anything but a peer's
+        failure refuses the heal."""
+        dead = set()
         for ref in done:
             try:
                 ray.get(ref)
             except ray.exceptions.RayActorError:
-                more.add(others[ref])
+                dead.add(rank_of[ref])
             except ray.exceptions.RayTaskError as e:
                 if not is_peer_failure(e.cause):
-                    raise PeerHealRefused(f"rank {others[ref]} raised too: {e.cause}") from None
-        return more
+                    raise PeerHealRefused(f"rank {rank_of[ref]} raised too: {e.cause}") from None
+        return dead
+
+    def _shard(self, r: int) -> tuple:
+        """Rank ``r``'s coordinates but ``dp_replicate``: the ranks with the same hold replicas of its state."""
+        coords = self.cfg.parallel.dims.coords(r)
+        return tuple(sorted((k, v) for k, v in coords.items() if k != "dp_replicate"))
 
     def _cover(self, lost: set[int], survivors: list[int]) -> dict[int, int]:
-        """The survivor that sends each lost rank its state: the lowest rank with the same coordinates
-        but ``dp_replicate``."""
-        dims = self.cfg.parallel.dims
-
-        def shard(r: int) -> tuple:
-            return tuple(sorted((k, v) for k, v in dims.coords(r).items() if k != "dp_replicate"))
-
+        """The survivor that sends each lost rank its state: the lowest with the same shard."""
         sources = {}
         for r in sorted(lost):
-            peers = [q for q in survivors if shard(q) == shard(r)]
+            peers = [q for q in survivors if self._shard(q) == self._shard(r)]
             if not peers:
                 raise PeerHealRefused(f"no surviving replica holds rank {r}'s shard")
             sources[r] = peers[0]

@@ -233,8 +233,7 @@ class RankWorker:
                 return self._train(until_step)
             except Exception as e:
                 if self.cfg.supervisor.peer_heal and peer_failed(e):
-                    self.heal.leave()  # a peer is gone: its replicas may heal it; closing our sockets now
-                    # ends the other survivors' waits on this rank (gloo has no abort)
+                    self.heal.leave()  # a peer is gone and its replicas may heal it: the state held, groups left
                 raise
 
     def _train(self, until_step: int) -> dict | None:
@@ -321,10 +320,11 @@ class RankWorker:
         if dist.is_initialized():
             dist.destroy_process_group()
 
-    def detach(self) -> None:
+    def detach(self, collect: bool = True) -> None:
         """Leave the run so that this process can serve another (``raysc.fleet.pool``): refused while a
         save is in flight or on a GPU (the CUDA context stays with the process); the prefetch and
-        memory threads stop, every process group is destroyed and the model and optimizer freed."""
+        memory threads stop, every process group is destroyed and the model and optimizer freed
+        (``collect``: collected now; a spare that takes over a rank at once leaves it to Python)."""
         if self.save_pending():
             raise RuntimeError(f"rank {self.rank}: a checkpoint save is still in flight")
         if self.cfg.parallel.device != "cpu":
@@ -340,4 +340,5 @@ class RankWorker:
         self.rows = ()
         self.recent.clear()
         forget_rank_caches()
-        gc.collect()
+        if collect:
+            gc.collect()

@@ -2,8 +2,9 @@
 
 A survivor whose step failed because a peer was lost keeps its process and its state: it undoes the
 interrupted step (``Trainer.discard_partial_step``), takes its state out of the trainer as plain
-tensors (``raysc.train.peer_state.hold``), and leaves its broken process groups at once, which closes
-its sockets so that ranks waiting on it fail too instead of waiting out a timeout. On ``regroup`` it
+tensors (``raysc.train.peer_state.hold``), and leaves its broken process groups. (That does not close
+its gloo sockets while torch still holds the groups: a rank waiting on it keeps waiting, and the
+supervisor replaces that rank too, ``raysc.fleet.peer_healing``.) On ``regroup`` it
 joins the new process group, rebuilds its trainer without drawing weights and puts its state back.
 A replacement rank sets up like any worker (``init_weights=False``) and then receives the state of
 a surviving replica of its shard in ``transfer``: the small state through Ray, the tensors by
@@ -16,7 +17,6 @@ here: this machine has no GPU).
 
 from __future__ import annotations
 
-import gc
 import time
 from typing import TYPE_CHECKING
 
@@ -42,6 +42,7 @@ class RankHeal:
         self.kept: HeldState | None = None  # its state without tensors after ``regroup``, for ``small_state``
         self.discarded = False  # the failed step was under way and was undone
         self._flags: list[int] = []  # the stop / checkpoint requests its vote carried
+        self.leave_s = 0.0
 
     def leave(self) -> None:
         """After a peer failure: undo the step under way, hold the state, drop the trainer and leave
@@ -49,6 +50,7 @@ class RankHeal:
         w = self.worker
         if w.trainer is None or self.held is not None:
             return
+        t0 = time.perf_counter()
         w._flush_reports()
         self.discarded = w.trainer.discard_partial_step()
         self.held = hold(w.trainer)
@@ -60,9 +62,9 @@ class RankHeal:
             halt()
         w.trainer = w.memory = w.vote = None
         w.checkpoints.group = None
-        gc.collect()
         if dist.is_initialized():
             dist.destroy_process_group()
+        self.leave_s = time.perf_counter() - t0
 
     def prepare(self) -> dict:
         """The survivor's account: the step its state is at (every survivor must agree), whether it undid
@@ -76,6 +78,7 @@ class RankHeal:
             "discarded": self.discarded,
             "recent": list(w.recent),
             "bytes": self.held.nbytes,
+            "leave_s": round(self.leave_s, 4),
         }
 
     def small_state(self) -> HeldState:

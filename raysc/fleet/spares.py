@@ -64,27 +64,30 @@ class WarmSpares:
             ray.kill(s, no_restart=True)
         return None
 
-    def take_one(self, rank: int):
-        """The spare in the bundle of ``rank``, for a peer heal that replaces that rank alone, if it
-        answers (prepared: its set-up is done) and leaves its spares' process group; else None. The
-        rest of the set is killed (its process group lost a member): ``ensure`` starts a new set after
-        the next chunk of training."""
+    def take_some(self, ranks: list[int]) -> dict[int, object]:
+        """The spares in the bundles of ``ranks``, for a peer heal that replaces those ranks alone, that
+        answer (prepared: their set-up is done); each leaves its spares' process group. The rest of the
+        set is killed (its process group lost members): ``ensure`` starts a new set after the next
+        chunk of training."""
         spares, prepared, self.workers, self.setup = self.workers, self.setup, [], []
-        spare = None
+        taken: dict[int, object] = {}
         if len(spares) == self.world:
-            probe = prepared[rank] if prepared else spares[rank].address.remote()
-            ready, _ = ray.wait([probe], timeout=0.5)
-            try:
-                if ready and ray.get(ready[0]) is not None:
-                    spare = spares[rank]
-            except ray.exceptions.RayError:
-                spare = None
+            probes = {r: prepared[r] if prepared else spares[r].address.remote() for r in ranks}
+            ready, _ = ray.wait(list(probes.values()), num_returns=len(probes), timeout=0.5)
+            for r, probe in probes.items():
+                try:
+                    if probe in ready and ray.get(probe) is not None:
+                        taken[r] = spares[r]
+                except ray.exceptions.RayError:
+                    pass
+        kept = {id(s) for s in taken.values()}
         for s in spares:
-            if s is not spare:
+            if id(s) not in kept:
                 ray.kill(s, no_restart=True)
-        if spare is not None and prepared:
-            spare.detach.remote()  # leaves its own group before the run's set-up (calls run in order)
-        return spare
+        if prepared:
+            for spare in taken.values():
+                spare.detach.remote(False)  # leaves its own group before the run's set-up (calls run in order)
+        return taken
 
     def ensure(self, data: dict | None, cfg_dict: Callable[[], dict]) -> None:
         """Start the next set of warm spares in the background, unless a set is up. On CPU

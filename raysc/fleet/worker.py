@@ -82,17 +82,19 @@ class TrainWorker:
             from raysc.fleet.rank import RankWorker
 
             self._rank = _portably(RankWorker, cfg_dict, *attach)
+            cfg_dict = None  # (configured just now)
         return _portably(self._rank.setup, master, data, cfg_dict, gpu_ids, init_weights)
 
     def activate(self, cfg_dict: dict) -> None:
         """A prepared warm spare takes over a failed fleet's rank (``RankWorker.activate``)."""
         _portably(self._rank.activate, cfg_dict)
 
-    def detach(self) -> bool:
-        """Leave the run (process groups, model, threads) so that the pool can lend this process again."""
+    def detach(self, collect: bool = True) -> bool:
+        """Leave the run (process groups, model, threads) so that the pool can lend this process again;
+        ``collect=False`` skips the garbage collection (a spare taking over a rank at once)."""
         rank, self._rank = self._rank, None
         if rank is not None:
-            _portably(rank.detach)
+            _portably(rank.detach, collect)
         return True
 
     # ---- checkpoints ----
