@@ -11,6 +11,7 @@ import torch
 from raysc.data.prepare import prepare_data
 from raysc.export.restore import load_run
 from raysc.fleet.records import read_jsonl
+from raysc.fleet.status import run_status
 from raysc.train.peer_state import hold, install
 from raysc.train.trainer import Trainer
 
@@ -57,6 +58,23 @@ def test_a_step_undone_and_the_state_moved_into_a_rebuilt_trainer_train_on_bit_e
     assert [g["lr"] for g in ref.optimizer.param_groups] == [g["lr"] for g in rebuilt.optimizer.param_groups]
 
 
+def _healed_beside_uninterrupted(make_cfg, base: list[str], faults: str) -> tuple:
+    """Train ``base`` without faults and with ``faults``; the faulty run's summary, events and config,
+    after checking that it ended with the uninterrupted run's parameters, bit for bit, and reported every
+    step once."""
+    from raysc.fleet.driver import train
+
+    ref = make_cfg(*base, run="ref")
+    train(ref, progress=False)
+    cfg = make_cfg(*base, f'supervisor.inject="{faults}"', run="healed")
+    summary = train(cfg, progress=False)
+    a, b = (dict(load_run(c.run_dir).model.named_parameters()) for c in (ref, cfg))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    metrics = [m["step"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")]
+    assert sorted(metrics) == list(range(1, cfg.train.steps + 1)), metrics
+    return summary, read_jsonl(Path(cfg.run_dir) / "events.jsonl"), cfg
+
+
 def test_lost_ranks_are_healed_from_their_replicas_with_no_step_lost_bit_exact(ray_session, make_cfg):
     """HSDP (dp_replicate=2 x dp_shard=2) at the default asynchronous saves and warm spares: rank 3 is
     SIGKILLed at the start of step 6 (the save of step 4 may still be uploading), rank 0 (the rendezvous
@@ -66,24 +84,11 @@ def test_lost_ranks_are_healed_from_their_replicas_with_no_step_lost_bit_exact(r
     replica of its own shard. The other survivors keep their processes and undo the interrupted step; no
     checkpoint is restored; every step is reported once; the final parameters equal the uninterrupted
     run's, bit for bit."""
-    from raysc.fleet.driver import train
-
-    base = [
-        "train.steps=12",
-        "checkpoint.every_steps=4",
-        "parallel.dp_replicate=2",
-        "parallel.dp_shard=2",
-        "supervisor.peer_heal=true",
-    ]
-    ref = make_cfg(*base, run="ref")
-    train(ref, progress=False)
-    cfg = make_cfg(*base, 'supervisor.inject="kill@6:3,raise@10:0"', run="healed")
-    summary = train(cfg, progress=False)
+    base = ["train.steps=12", "checkpoint.every_steps=4", "parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    summary, events, cfg = _healed_beside_uninterrupted(
+        make_cfg, [*base, "supervisor.peer_heal=true"], "kill@6:3,raise@10:0"
+    )
     assert summary["restarts"] == 2 and summary["peer_heals"] == 2, summary
-    a, b = (dict(load_run(c.run_dir).model.named_parameters()) for c in (ref, cfg))
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert [e["healed_by"] for e in recovered] == ["peer", "peer"], recovered
     assert [e["resumed_step"] for e in recovered] == [5, 9] and [e["steps_lost"] for e in recovered] == [0, 0]
@@ -101,8 +106,7 @@ def test_lost_ranks_are_healed_from_their_replicas_with_no_step_lost_bit_exact(r
         pids = e["pids"]
     kinds = [e["kind"] for e in events]
     assert "resumed" not in kinds  # nothing was restored from a checkpoint
-    metrics = [m["step"] for m in read_jsonl(Path(cfg.run_dir) / "metrics.jsonl")]
-    assert sorted(metrics) == list(range(1, 13)), metrics
+    assert run_status(cfg.run_dir)["peer_heals"] == 2  # `raysc status` counts them
     saved = [e["step"] for e in events if e["kind"] == "checkpoint_saved"]
     assert saved[-2:] == [8, 12] and summary["checkpoint_lag_steps"] == 0, saved  # 4: committed unless lost with 3
 
@@ -127,6 +131,31 @@ def test_a_peer_heal_says_why_it_does_not_apply(make_cfg):
     assert "dp_replicate=1" in why(died, calls=[1])
     assert "tp/pp/cp" in why(died, "parallel.dp_replicate=2", "parallel.tp=2", calls=[1] * 4)
     assert "outside a chunk" in why(died, "parallel.dp_replicate=2")
-    assert "a hung failure" in why(Failure(FailureKind.HUNG, 1), "parallel.dp_replicate=2", calls=[1, 2])
+    assert why(Failure(FailureKind.HUNG, 0), "parallel.dp_replicate=2", calls=[1, 2]) is None  # the culprit is probed
+    assert "a timed_out failure" in why(Failure(FailureKind.TIMED_OUT, 1), "parallel.dp_replicate=2", calls=[1, 2])
     peer = RankError(("torch.distributed.DistError",), "Connection closed by peer")
-    assert "no rank named dead" in why(Failure(FailureKind.RAISED, 0, peer), "parallel.dp_replicate=2", calls=[1, 2])
+    assert why(Failure(FailureKind.RAISED, 0, peer), "parallel.dp_replicate=2", calls=[1, 2]) is None  # probed too
+
+
+PHASE_FAULTS = (
+    "kill@2:1/data,kill@4:0/forward,kill@6:1/backward,kill@8:0/clip,kill@10:1/totals,kill@12:0/update,"
+    "kill@14:1/end,hang@17:1/backward"
+)
+
+
+def test_a_rank_killed_in_each_phase_of_a_step_is_healed_from_its_peer_bit_exact(ray_session, make_cfg):
+    """dp_replicate=2: a rank (0 and 1 in turn) SIGKILLed in each phase of a step (``PHASE_FAULTS``). Killed
+    before the step's last collective (data, forward, backward, clip), its peer undoes the step and both
+    stand at the step before; killed after it (totals, update, end), the peer completes the step alone and
+    it counts. Then a rank
+    hangs (SIGSTOP) after its backward: found by the calibrated hang timeout, named as the rank whose
+    process does not answer, replaced. Each time: a peer heal to that step, nothing lost, and the run ends
+    bit-equal to the uninterrupted one. (A 12 s timeout floor, as test_training's hang drill.)"""
+    base = ["train.steps=18", "checkpoint.every_steps=8", "parallel.dp_replicate=2", "supervisor.timeout_floor_s=12"]
+    summary, events, _ = _healed_beside_uninterrupted(make_cfg, [*base, "supervisor.peer_heal=true"], PHASE_FAULTS)
+    assert summary["peer_heals"] == 8, summary
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [(e["healed_by"], e["steps_lost"]) for e in recovered] == [("peer", 0)] * 8, recovered
+    assert [e["resumed_step"] for e in recovered] == [1, 3, 5, 7, 10, 12, 14, 16]
+    assert [e["ranks_replaced"] for e in recovered] == [[1], [0]] * 3 + [[1], [1]]
+    assert [e["kind"] for e in events if e["kind"].startswith("worker_")][-1] in ("worker_hang", "worker_error")

@@ -115,16 +115,21 @@ class SaveInFlight:
         finally:
             self._polling = False
 
-    def salvage(self, timeout_s: float = 30.0) -> None:
+    def salvage(self, timeout_s: float = 30.0, gone: set[int] = frozenset()) -> None:
         """After a failure: commit the save in flight if every rank finished its upload (as ``poll``
         recorded, as a dead rank's upload receipt in the store says, or within ``timeout_s`` now);
-        else abandon it, its uploaded files deleted and no manifest written."""
+        else abandon it, its uploaded files deleted and no manifest written. The ranks of ``gone`` are
+        known dead: only their receipts are read."""
         if self.inflight is None:
             return
         import ray
 
         kept = dict(self.inflight["results"])
-        asked = {w.save_wait.remote(): r for r, w in enumerate(self.workers) if r not in kept}
+        for rank in sorted(gone - set(kept)):
+            files = self.store.read_receipt(self.inflight["step"], rank)
+            if files is not None:
+                kept[rank] = {"rank": rank, "ok": True, "files": files, "retries": []}
+        asked = {w.save_wait.remote(): r for r, w in enumerate(self.workers) if r not in kept and r not in gone}
         deadline = time.monotonic() + timeout_s
         while asked:
             done, _ = ray.wait(list(asked), num_returns=1, timeout=max(0.0, deadline - time.monotonic()))

@@ -123,8 +123,8 @@ class CheckpointCoordinator:
     def poll(self) -> None:
         self.saving.poll()
 
-    def salvage(self, timeout_s: float = 30.0) -> None:
-        self.saving.salvage(timeout_s)
+    def salvage(self, timeout_s: float = 30.0, gone: set[int] = frozenset()) -> None:
+        self.saving.salvage(timeout_s, gone)
 
     def finish(self) -> None:
         self.saving.finish()

@@ -79,6 +79,7 @@ class Healer:
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
         self.elastic = elastic
         self.peer = peer  # supervisor.peer_heal: a lost rank healed from a replica, before any restart
+        self._peer_resumed_at = -1  # the step the last peer heal resumed from
         self.repaired_in_place = False  # the last heal restored replicas without leaving their step
 
     def heal(self, err: RunFailed, data: dict, set_phase: Callable[[str], None]) -> int:
@@ -96,9 +97,12 @@ class Healer:
             return self.restart(err, data)
         why = self.peer.why_not(err)
         if why is None:
+            if self.stats.failed_step() - 1 > self._peer_resumed_at:
+                self.stats.strikes = 0  # steps were trained since the last peer heal (within a chunk): progress
             self._strike(err)
             try:
-                return self._healed_in_place(self.peer.heal(err, data, self.stats.restarts))
+                self._peer_resumed_at = self.peer.heal(err, data, self.stats.restarts)
+                return self._healed_in_place(self._peer_resumed_at)
             except (PeerHealRefused, RunFailed, ray.exceptions.RayError) as e:
                 why = f"the peer heal failed: {e}"
         return self.restart(err, data, why=why, struck=why.startswith("the peer heal failed"))

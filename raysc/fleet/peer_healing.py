@@ -3,6 +3,8 @@
 When a rank dies or raises during a chunk of training steps and a surviving rank holds a replica of
 its shard (the ranks that differ only in ``dp_replicate``), only the lost rank is replaced. In order:
 
+0. **culprit** of a hang (or of a collective that timed out): the ranks whose process does not answer
+   (stopped, or stuck outside Python);
 1. **drain**: the lost rank is killed (a raising one is alive: its sockets must close); every other
    rank's step then fails in its next collective and the rank leaves its process groups
    (``raysc.fleet.rank_heal``). A rank whose collective waits on a survivor that has left (HSDP: a
@@ -20,7 +22,7 @@ its shard (the ranks that differ only in ``dp_replicate``), only the lost rank i
 
 Training then goes on from T: the interrupted step runs again, so the run stays bit-equal to an
 uninterrupted one and no step is lost. Anything that does not fit (no peer for a shard, a layout
-with tp/pp/cp, a hang, a failure outside a training step, a heal step that fails) raises
+with tp/pp/cp, a node loss, a failure outside a training step, a heal step that fails) raises
 ``PeerHealRefused`` with the reason, and ``Healer`` restarts from the newest checkpoint instead.
 """
 
@@ -42,6 +44,7 @@ from raysc.fleet.stats import RunStats
 from raysc.fleet.watch import is_peer_failure
 
 STUCK_S = 2.0  # how long survivors get to leave the step a lost peer broke
+PROBE_S = 1.0  # how long a rank's process gets to answer after a hang (a stopped one never does)
 UPLOAD_WAIT_S = 60.0  # how long survivors' uploads of a save in flight get to finish
 
 
@@ -73,10 +76,8 @@ class PeerHealer:
             return "peer healing covers plain data parallelism and HSDP so far (this run has tp/pp/cp > 1)"
         if self.fleet.train_calls is None:
             return "the failure was outside a chunk of training steps"
-        if f is None or f.rank is None or f.kind not in (FailureKind.DIED, FailureKind.RAISED):
-            return f"a {f.kind.value if f else 'untyped'} failure (peer healing covers dead and raising ranks)"
-        if f.kind is FailureKind.RAISED and is_peer_failure(f.cause):
-            return "every rank failed in a collective with no rank named dead"
+        if f is None or f.rank is None or f.kind not in (FailureKind.DIED, FailureKind.RAISED, FailureKind.HUNG):
+            return f"a {f.kind.value if f else 'untyped'} failure (peer healing covers dead, raising and hung ranks)"
         return None
 
     def heal(self, err: RunFailed, data: dict, attempt: int) -> int:
@@ -86,7 +87,10 @@ class PeerHealer:
         failed_at = self.stats.failed_step()
         workers, calls = list(self.fleet.workers), self.fleet.train_calls
         self.fleet.train_calls = None
-        lost = {err.failure.rank}
+        f = err.failure
+        # a hang, or a collective that timed out (the symptom): the culprit is a rank whose process does not answer
+        unnamed = f.kind is FailureKind.HUNG or (f.kind is FailureKind.RAISED and is_peer_failure(f.cause))
+        lost = self._unresponsive(workers) if unnamed else {f.rank}
         self.event(
             EventKind.RECOVERY_START,
             attempt=attempt,
@@ -95,6 +99,7 @@ class PeerHealer:
             healed_by="peer",
             ranks=sorted(lost),
         )
+        self._nodes_alive(lost)
         lost |= self._drain(workers, calls, lost)
         phases["drain"] = time.monotonic() - t0
         survivors = [r for r in range(len(workers)) if r not in lost]
@@ -108,7 +113,7 @@ class PeerHealer:
         phases["replace"] = time.monotonic() - mark
         mark = time.monotonic()
         self._finish_uploads(workers, survivors)
-        self.ckpt.salvage(timeout_s=5.0)
+        self.ckpt.salvage(timeout_s=5.0, gone=lost)
         phases["salvage"] = time.monotonic() - mark
         mark = time.monotonic()
         accounts = self.wait(
@@ -181,6 +186,32 @@ class PeerHealer:
         for r in stuck:
             ray.kill(workers[r], no_restart=True)
         return more | stuck
+
+    def _nodes_alive(self, lost: set[int]) -> None:
+        """Refuse when a lost rank's node is gone (its raylet does not answer): its bundle must be placed
+        again, which the checkpoint restart does (``Healer._lost_nodes``)."""
+        from raysc.fleet.healing import raylet_answers  # (healing.py imports this module)
+
+        for r in sorted(lost):
+            if r < len(self.fleet.infos) and not raylet_answers(self.fleet.infos[r].node_id):
+                raise PeerHealRefused(f"rank {r}'s node is lost: its bundle must be placed again")
+
+    @staticmethod
+    def _unresponsive(workers: list) -> set[int]:
+        """After a hang: the ranks whose process does not answer within PROBE_S (stopped, or stuck outside
+        Python); the others wait in a collective on them. None refuses the heal (a deadlock among
+        responsive ranks has no culprit to replace)."""
+        probes = {w.address.remote(): r for r, w in enumerate(workers)}
+        ready, _ = ray.wait(list(probes), num_returns=len(probes), timeout=PROBE_S)
+        silent = {r for ref, r in probes.items() if ref not in ready}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayError:
+                silent.add(probes[ref])
+        if not silent:
+            raise PeerHealRefused("every rank's process answers: the hang has no culprit to replace")
+        return silent
 
     @staticmethod
     def _outcomes(done: list, rank_of: dict) -> set[int]:

@@ -96,6 +96,7 @@ def run_status(run_dir: str | Path) -> dict:
         "dp": last.get("dp"),
         "resizes": resizes(events),
         "restarts": sum(1 for e in events if e["kind"] == EventKind.RECOVERED),
+        "peer_heals": sum(1 for e in events if e["kind"] == EventKind.RECOVERED and e.get("healed_by") == "peer"),
         "skipped_updates": sum(1 for e in events if e["kind"] == EventKind.UPDATE_SKIPPED),
         "failed_saves": sum(1 for e in events if e["kind"] == EventKind.CHECKPOINT_SAVE_FAILED),
         "last_checkpoint": saved[-1]["step"] if saved else None,
