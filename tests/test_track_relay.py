@@ -142,3 +142,32 @@ def test_a_tracker_that_is_not_installed_stops_training_before_ray_but_not_readi
     (tmp_path / "config.toml").write_text(dump_config(cfg))
     load_config(tmp_path / "config.toml")
     check_inputs(load_config(None, ["track.tensorboard=true"]))  # installed: accepted
+
+
+def test_a_runs_trackers_open_one_at_a_time(tmp_path):
+    """Opening a tracker imports its library, and two imports parsing source side by side on two
+    threads can fail on CPython 3.11 (gh-106905, seen in CI: wandb half imported for the rest of the
+    run); so a run's relays open their trackers one after the other."""
+    from raysc.config import load_config
+    from raysc.track.run_tracker import RunTracker
+
+    opening: list[str] = []
+    overlaps: list[list[str]] = []
+
+    class SlowOpen(FlakySink):
+        def open(self, run_id):
+            opening.append(self.name)
+            if len(opening) > 1:
+                overlaps.append(list(opening))
+            time.sleep(0.3)
+            opening.remove(self.name)
+            return "id-" + self.name
+
+    sinks = [SlowOpen(), SlowOpen(), SlowOpen()]
+    for i, s in enumerate(sinks):
+        s.name = f"sink{i}"
+    tracker = RunTracker(load_config(None), tmp_path, event=lambda *a, **k: {}, ids={}, sinks=sinks)
+    for r in tracker.relays:
+        assert r.close("FINISHED", timeout_s=5)
+    assert [r.state.run_id for r in tracker.relays] == ["id-sink0", "id-sink1", "id-sink2"]
+    assert overlaps == []

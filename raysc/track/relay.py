@@ -83,8 +83,11 @@ class Relay:
         report: Callable[[str, dict[str, Any]], None],
         run_id: str | None = None,
         on_open: Callable[[str, str], None] | None = None,
+        open_lock: threading.Lock | None = None,
     ) -> None:
+        """``open_lock``: held while the tracker opens (see ``_do``), shared by one run's relays."""
         self.sink = sink
+        self.open_lock = open_lock or threading.Lock()
         self.buffer = buffer
         self.retry_max_s = retry_max_s
         self.report = report  # (event kind, fields): tracker_degraded / tracker_recovered
@@ -191,7 +194,13 @@ class Relay:
 
     def _do(self, op: str, args: tuple) -> None:
         if op == "open":
-            self.state.run_id = self.sink.open(self.state.run_id)
+            # one tracker opens at a time: opening imports its library (and W&B's and MLflow's imports
+            # parse source with ``ast``), and CPython 3.11 keeps the ast constructor's recursion depth per
+            # interpreter, not per thread (gh-106905): two parsed side by side on two relays' threads
+            # failed with "SystemError: AST constructor recursion depth mismatch" and left wandb half
+            # imported for the rest of the process (every retry then failed)
+            with self.open_lock:
+                self.state.run_id = self.sink.open(self.state.run_id)
             if self.on_open is not None:
                 self.on_open(self.sink.name, self.state.run_id)
         else:

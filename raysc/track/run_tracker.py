@@ -119,8 +119,9 @@ class RunTracker:
         self._max_step = 0  # newest step logged in this session
         self._rewound_at: int | None = None
         self._synced = time.monotonic()  # last time the mirrored trackers (tensorboard_uri) were asked to copy
+        opening = threading.Lock()  # the trackers open one at a time (``Relay._do`` says why)
         self.relays = [
-            Relay(s, cfg.track.buffer, cfg.track.retry_max_s, self._report, ids.get(s.name), self._opened)
+            Relay(s, cfg.track.buffer, cfg.track.retry_max_s, self._report, ids.get(s.name), self._opened, opening)
             for s in (build_sinks(cfg, self.run_dir) if sinks is None else sinks)
         ]
 
