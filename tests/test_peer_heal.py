@@ -24,7 +24,7 @@ def test_a_step_undone_and_the_state_moved_into_a_rebuilt_trainer_train_on_bit_e
     """A step that fails after its batch was read and its gradients reduced (the ``totals`` phase) is
     undone, the state is taken out as plain tensors and put into a trainer built without weights: the
     steps after it equal an uninterrupted trainer's, bit for bit (parameters, AdamW moments, LR)."""
-    cfg = make_cfg("train.steps=8")
+    cfg = make_cfg("train.steps=8", "supervisor.peer_heal=true")
     rows = prepare_data(cfg)[0].train
     ref = _trainer(cfg, rows)
     for _ in range(8):

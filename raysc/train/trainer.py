@@ -143,7 +143,9 @@ class Trainer:
         # this process, not in checkpoints (a restore must not forget it).
         self.rolled_back_at = 0
         # what a step changes outside the parameters and optimizer state, as it was when the step under way
-        # began: ``discard_partial_step`` puts it back (a peer heal re-runs the step a lost rank interrupted)
+        # began: ``discard_partial_step`` puts it back (a peer heal re-runs the step a lost rank interrupted).
+        # Kept only where peer healing is on (``supervisor.peer_heal``): no other path undoes a step
+        self._keep_step_start = cfg.supervisor.peer_heal
         self._step_start: dict | None = None
         # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
         self.replicas = ReplicaCheck(
@@ -242,7 +244,8 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
-        self._step_start = self._progress_state()
+        if self._keep_step_start:
+            self._step_start = self._progress_state()
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
         rows = self.loader.next_batch()
