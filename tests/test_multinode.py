@@ -179,7 +179,7 @@ def test_node_loss_is_healed_on_the_surviving_nodes(cluster, cache_dir, tmp_path
 
 
 def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypatch):
-    """healing.raylet_answers, which lets a restart skip the wait for Ray's GCS to declare a node dead:
+    """nodes.raylet_answers, which lets a restart skip the wait for Ray's GCS to declare a node dead:
     yes only for a node the GCS lists alive whose raylet port accepts a connection. (On the local
     cluster the GCS already knows a killed raylet's node is dead when the worker's death arrives, so
     the node-loss test above cannot tell a wrong yes: this one does.)"""
@@ -188,7 +188,7 @@ def test_a_dead_worker_on_a_live_node_needs_no_wait_for_a_node_verdict(monkeypat
     import ray
 
     from raysc.cluster.ports import free_port
-    from raysc.fleet.healing import raylet_answers
+    from raysc.fleet.nodes import raylet_answers
 
     listening = socket.create_server(("127.0.0.1", 0))
     nodes = [

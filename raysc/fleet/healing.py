@@ -31,6 +31,7 @@ from raysc.fleet.elastic import Elastic
 from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
+from raysc.fleet.nodes import raylet_answers
 from raysc.fleet.peer_healing import PeerHealer, PeerHealRefused
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
@@ -38,26 +39,7 @@ from raysc.train.signals import SilentCorruption
 from raysc.train.stability import SpikeRollback
 
 NODE_DEATH_WAIT_S = 3.0
-RAYLET_PROBE_S = 0.5
 PHASES = {Action.RESTART: "recovering", Action.ROLLBACK: "rolling back", Action.REPAIR: "repairing replicas"}
-
-
-def raylet_answers(node_id: str) -> bool:
-    """Whether the raylet of ``node_id`` is alive in Ray's GCS and accepts a TCP connection on its
-    node-manager port (within RAYLET_PROBE_S): its node is up. A killed raylet refuses at once."""
-    import socket
-
-    import ray
-
-    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
-    if node is None or not node.get("Alive"):
-        return False
-    address = (node["NodeManagerAddress"], node["NodeManagerPort"])
-    try:
-        socket.create_connection(address, timeout=RAYLET_PROBE_S).close()
-    except OSError:
-        return False
-    return True
 
 
 class Healer:

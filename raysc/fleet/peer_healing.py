@@ -39,6 +39,7 @@ from raysc.fleet.checkpointing import CheckpointCoordinator
 from raysc.fleet.errors import FailureKind, RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
+from raysc.fleet.nodes import raylet_answers
 from raysc.fleet.start_bound import START_BOUND
 from raysc.fleet.stats import RunStats
 from raysc.fleet.watch import is_peer_failure
@@ -190,8 +191,6 @@ class PeerHealer:
     def _nodes_alive(self, lost: set[int]) -> None:
         """Refuse when a lost rank's node is gone (its raylet does not answer): its bundle must be placed
         again, which the checkpoint restart does (``Healer._lost_nodes``)."""
-        from raysc.fleet.healing import raylet_answers  # (healing.py imports this module)
-
         for r in sorted(lost):
             if r < len(self.fleet.infos) and not raylet_answers(self.fleet.infos[r].node_id):
                 raise PeerHealRefused(f"rank {r}'s node is lost: its bundle must be placed again")
