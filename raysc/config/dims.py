@@ -76,6 +76,10 @@ class ParallelDims:
             rank //= size
         return {name: out[name] for name in DIM_NAMES}
 
+    def shard_of(self, rank: int) -> tuple[tuple[str, int], ...]:
+        """``rank``'s coordinates but ``dp_replicate``: the ranks with the same hold replicas of its state."""
+        return tuple((k, v) for k, v in self.coords(rank).items() if k != "dp_replicate")
+
     def dp_rank(self, rank: int) -> int:
         c = self.coords(rank)
         return c["dp_replicate"] * self.dp_shard + c["dp_shard"]

@@ -42,7 +42,7 @@ from raysc.fleet.fleet import Fleet
 from raysc.fleet.nodes import raylet_answers
 from raysc.fleet.start_bound import START_BOUND
 from raysc.fleet.stats import RunStats
-from raysc.fleet.watch import is_peer_failure
+from raysc.fleet.watch import call_outcome, is_peer_failure
 
 STUCK_S = 2.0  # how long survivors get to leave the step a lost peer broke
 PROBE_S = 1.0  # how long a rank's process gets to answer after a hang (a stopped one never does)
@@ -177,7 +177,8 @@ class PeerHealer:
         more = self._outcomes(done, others)
         drained = {others[ref] for ref in done} - more
         stuck = {others[ref] for ref in pending}
-        bare = sorted(r for r in stuck if not any(self._shard(q) == self._shard(r) for q in drained))
+        shard_of = self.cfg.parallel.dims.shard_of
+        bare = sorted(r for r in stuck if not any(shard_of(q) == shard_of(r) for q in drained))
         if bare:
             raise PeerHealRefused(
                 f"ranks {bare} were still in their step {STUCK_S:g}s after the loss, waiting in a collective "
@@ -214,29 +215,22 @@ class PeerHealer:
 
     @staticmethod
     def _outcomes(done: list, rank_of: dict) -> set[int]:
-        """The ranks of ``done`` calls whose worker died; a call that raised anything but a peer's
+        """The ranks of ``done`` calls whose worker died; a call that failed otherwise than on a peer's
         failure refuses the heal."""
         dead = set()
         for ref in done:
-            try:
-                ray.get(ref)
-            except ray.exceptions.RayActorError:
+            out = call_outcome(ref)
+            if out == "dead":
                 dead.add(rank_of[ref])
-            except ray.exceptions.RayTaskError as e:
-                if not is_peer_failure(e.cause):
-                    raise PeerHealRefused(f"rank {rank_of[ref]} raised too: {e.cause}") from None
+            elif out == "error" or (isinstance(out, BaseException) and not is_peer_failure(out)):
+                raise PeerHealRefused(f"rank {rank_of[ref]} failed too: {out}")
         return dead
-
-    def _shard(self, r: int) -> tuple:
-        """Rank ``r``'s coordinates but ``dp_replicate``: the ranks with the same hold replicas of its state."""
-        coords = self.cfg.parallel.dims.coords(r)
-        return tuple(sorted((k, v) for k, v in coords.items() if k != "dp_replicate"))
 
     def _cover(self, lost: set[int], survivors: list[int]) -> dict[int, int]:
         """The survivor that sends each lost rank its state: the lowest with the same shard."""
-        sources = {}
+        sources, shard_of = {}, self.cfg.parallel.dims.shard_of
         for r in sorted(lost):
-            peers = [q for q in survivors if self._shard(q) == self._shard(r)]
+            peers = [q for q in survivors if shard_of(q) == shard_of(r)]
             if not peers:
                 raise PeerHealRefused(f"no surviving replica holds rank {r}'s shard")
             sources[r] = peers[0]

@@ -30,7 +30,7 @@ def is_peer_failure(exc: BaseException | None) -> bool:
     )
 
 
-def _outcome(ref) -> object:
+def call_outcome(ref) -> object:
     """'ok', 'dead', 'error', or the exception a finished call raised."""
     try:
         ray.get(ref, timeout=0)
@@ -61,11 +61,11 @@ def typed_failure(err: BaseException, event: Callable[..., dict]) -> RunFailed:
 def root_cause_first(done: list, pending: list) -> list:
     """``done`` with dead actors first. When a rank failed inside a collective (its peer
     vanished), the others get a moment to report: a dead peer is the root cause."""
-    results = {ref: _outcome(ref) for ref in done}
+    results = {ref: call_outcome(ref) for ref in done}
     dead = [ref for ref in done if results[ref] == "dead"]
     if not dead and pending and any(is_peer_failure(r) for r in results.values() if not isinstance(r, str)):
         late, _ = ray.wait(pending, num_returns=len(pending), timeout=1.0)
-        dead = [ref for ref in late if _outcome(ref) == "dead"]
+        dead = [ref for ref in late if call_outcome(ref) == "dead"]
     return dead + [ref for ref in done if ref not in dead]
 
 
