@@ -55,12 +55,18 @@ class Healer:
         touch: Callable[[], None],
         fired: Callable[[], set[str]],
         elastic: Elastic | None = None,
-        peer: PeerHealer | None = None,
+        report: Callable[[list[dict]], None] | None = None,
     ) -> None:
+        """``report``: the supervisor's, for the metrics a lost rank 0 had not sent (a peer heal)."""
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
         self.event, self.wait, self.touch, self.fired = event, wait, touch, fired
         self.elastic = elastic
-        self.peer = peer  # supervisor.peer_heal: a lost rank healed from a replica, before any restart
+        # supervisor.peer_heal: a lost rank healed from a replica, before any restart
+        self.peer = (
+            PeerHealer(cfg, fleet, ckpt, stats, event, wait, report, fired)
+            if cfg.supervisor.peer_heal and report is not None
+            else None
+        )
         self._peer_resumed_at = -1  # the step the last peer heal resumed from
         self.repaired_in_place = False  # the last heal restored replicas without leaving their step
 

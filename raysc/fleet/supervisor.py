@@ -35,7 +35,6 @@ from raysc.fleet.errors import RunFailed
 from raysc.fleet.events import EventKind
 from raysc.fleet.fleet import Fleet
 from raysc.fleet.healing import Healer
-from raysc.fleet.peer_healing import PeerHealer
 from raysc.fleet.preparing import RunPreparation
 from raysc.fleet.records import RunRecords
 from raysc.fleet.stats import RunStats
@@ -178,7 +177,7 @@ class Supervisor:
             self.stats.touch,
             self.book.fired_faults,
             self.elastic,
-            self._peer_healer() if self.cfg.supervisor.peer_heal else None,
+            self.report,  # (a plain call inside this actor: metrics a lost rank 0 had not sent)
         )
         self.book.phase = "training"
         t_train = time.perf_counter()
@@ -223,18 +222,6 @@ class Supervisor:
                     return self._finish(start_step, train_time, (None, None))
                 repaired = healer.repaired_in_place
                 self.book.phase = "training"
-
-    def _peer_healer(self) -> PeerHealer:
-        return PeerHealer(
-            self.cfg,
-            self.fleet,
-            self.ckpt,
-            self.stats,
-            self.book.event,
-            self.watch.wait,
-            self.report,  # (a plain call inside this actor: metrics a lost rank 0 had not sent)
-            self.book.fired_faults,
-        )
 
     def _heal(self, healer: Healer, err: RunFailed, data: dict) -> int:
         """Heal ``err``; a worker failure while healing (a replacement that dies in set-up, a rank
