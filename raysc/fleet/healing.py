@@ -54,8 +54,8 @@ class Healer:
         wait: Callable[..., list],
         touch: Callable[[], None],
         fired: Callable[[], set[str]],
+        report: Callable[[list[dict]], None],
         elastic: Elastic | None = None,
-        report: Callable[[list[dict]], None] | None = None,
     ) -> None:
         """``report``: the supervisor's, for the metrics a lost rank 0 had not sent (a peer heal)."""
         self.cfg, self.fleet, self.ckpt, self.stats, self.timeouts = cfg, fleet, ckpt, stats, timeouts
@@ -63,9 +63,7 @@ class Healer:
         self.elastic = elastic
         # supervisor.peer_heal: a lost rank healed from a replica, before any restart
         self.peer = (
-            PeerHealer(cfg, fleet, ckpt, stats, event, wait, report, fired)
-            if cfg.supervisor.peer_heal and report is not None
-            else None
+            PeerHealer(cfg, fleet, ckpt, stats, event, wait, report, fired) if cfg.supervisor.peer_heal else None
         )
         self._peer_resumed_at = -1  # the step the last peer heal resumed from
         self.repaired_in_place = False  # the last heal restored replicas without leaving their step

@@ -176,8 +176,8 @@ class Supervisor:
             self.watch.wait,
             self.stats.touch,
             self.book.fired_faults,
-            self.elastic,
             self.report,  # (a plain call inside this actor: metrics a lost rank 0 had not sent)
+            self.elastic,
         )
         self.book.phase = "training"
         t_train = time.perf_counter()

@@ -78,6 +78,13 @@ def whole_job(lam: float, stall_s: float, interval_s: float, restart_s: float) -
     return max(0.0, (1 - stall_s / interval_s) / (1 + lam * (restart_s + interval_s / 2)))
 
 
+def whole_job_per_kept_second(lam_kept: float, stall_s: float, interval_s: float, restart_s: float) -> float:
+    """``whole_job`` with ``lam_kept`` failures per second of kept work (what a drill counts): the costs add up
+    per kept second, C/T of saves and Λ(R + T/2) of failures, so G = 1 / (1 + C/T + Λ(R + T/2)).
+    ``whole_job`` is its first-order form, with Λ per second of the job."""
+    return 1 / (1 + stall_s / interval_s + lam_kept * (restart_s + interval_s / 2))
+
+
 def peer_healed(lam: float, rec: Recovery, interval_s: float) -> float:
     """Goodput with failures healed from a peer (``uncovered`` of them by a whole-job restart instead)."""
     u = rec.uncovered
@@ -225,11 +232,9 @@ def drill(events: list[dict], metrics: list[dict], every_steps: int) -> dict:
     of each step, skipped updates left out) over that span. Predicted: ``whole_job`` with Λ the restarts
     (``recovered``) per second of kept step time, R the median stall of a restart (from the last step
     completed before it to the first after, less one step), C the median save stall and T =
-    ``every_steps`` steps of the median step. With Λ counted per second of kept work, the model's costs
-    add up per kept second: C/T of saves and Λ(R + T/2) of failures, so G = 1 / (1 + C/T + Λ(R + T/2)).
-    ``whole_job``'s (1 − C/T) / (1 + Λ(R + T/2)), with Λ per second of the job, is its first-order form,
-    which a drill's checkpoint every few 0.1 s steps (C/T near 0.5) is far from: that form read 8.6 %
-    against a measured 13.8 % on one CI run, where this one reads 15.4 %."""
+    ``every_steps`` steps of the median step, in ``whole_job_per_kept_second`` (Λ is counted per second of
+    kept work). ``whole_job``'s first-order form is far off at a drill's checkpoint every few 0.1 s steps
+    (C/T near 0.5): it read 8.6 % against a measured 13.8 % on one CI run, where this one reads 15.4 %."""
     timed = [m for m in metrics if "time" in m and m.get("step_time")]
     if not timed:
         raise ValueError("the drill has no timed steps (metrics.jsonl records with time and step_time)")
@@ -254,7 +259,7 @@ def drill(events: list[dict], metrics: list[dict], every_steps: int) -> dict:
     stall = statistics.median(saves) if saves else 0.0
     return {
         "measured": measured,
-        "predicted": 1 / (1 + stall / (every_steps * t) + lam * (restart + every_steps * t / 2)),
+        "predicted": whole_job_per_kept_second(lam, stall, every_steps * t, restart),
         "restarts": len(stalls),
         "restart_s": restart,
         "save_stall_s": stall,

@@ -145,7 +145,6 @@ class Trainer:
         # what a step changes outside the parameters and optimizer state, as it was when the step under way
         # began: ``discard_partial_step`` puts it back (a peer heal re-runs the step a lost rank interrupted).
         # Kept only where peer healing is on (``supervisor.peer_heal``): no other path undoes a step
-        self._keep_step_start = cfg.supervisor.peer_heal
         self._step_start: dict | None = None
         # replicas of this rank's parameter shard: the ranks that differ only in dp_replicate
         self.replicas = ReplicaCheck(
@@ -244,7 +243,7 @@ class Trainer:
     def train_step(self) -> dict:
         """One optimizer step over this rank's share of the next global batch."""
         t0 = time.perf_counter()
-        if self._keep_step_start:
+        if self.cfg.supervisor.peer_heal:
             self._step_start = self._progress_state()
         if self.step_hook is not None:
             self.step_hook(self.step + 1)
