@@ -140,6 +140,17 @@ def pytest_configure(config):
     config.pluginmanager.register(Lanes(), "raysc-lanes")
 
 
+@pytest.fixture
+def one_torch_thread():
+    """torch's intra-op threads set to 1 for the test (the other lane has the other core), then put back."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def cache_dir(tmp_path_factory) -> str:
     return str(tmp_path_factory.mktemp("raysc-cache"))

@@ -4,7 +4,8 @@ changes scheduling would pass parity even if ignored), plus the rank layout and 
 pieces.
 
 Every layout (and μP under FSDP+TP and CP, Qwen2's biases under FSDP+TP+SP and PP, Llama 3.1's scaled
-rope under CP+TP, block-causal document masking under PP, CP, TP+SP and FSDP+TP+PP) trains 10 steps in forked gloo processes, one group per
+rope under CP+TP, block-causal document masking under PP, CP, TP+SP and FSDP+TP+PP, a mixture of experts
+under FSDP and replicas, its tokens per expert too) trains 10 steps in forked gloo processes, one group per
 world size, against one process's ``Trainer`` on the same packed rows: the numbers of a layout are
 the ``Trainer``'s, wherever it runs. ``RAY_LAYOUTS`` run the same through Ray as users run them
 (``raysc parity``: supervisor, workers, per-step reports), the harness that compares them included."""
@@ -112,6 +113,22 @@ DOC_CASES = [
     ("pp=2,dp_shard=2,tp=2", DOCS),
     ("cp=2,tp=2", DOCS[:1]),
 ]
+# a mixture of experts (issue 58, milestone 1: data parallelism) with both balancing losses and the
+# selection bias: every step's tokens per expert (summed over the ranks) equal one process's, and so does
+# the bias they move. One process takes the ranks' halves of the batch as its two micro-batches, so its
+# gradient sums the same terms (halving is exact): with the whole batch at once its sums ran in another
+# order, and the parameters' last-bit differences sent a near-tied token to another expert at step 2.
+MOE = [
+    "model.moe_experts=4",
+    "model.moe_top_k=2",
+    "model.moe_ffn_dim=64",
+    "model.moe_first_dense_layers=1",
+    "model.moe_aux_loss_coeff=0.01",
+    "model.moe_z_loss_coeff=0.001",
+    "model.moe_bias_update_rate=0.001",
+    "train.micro_batch=4",
+]
+MOE_CASES = [("dp_shard=2", MOE), ("dp_replicate=2", MOE)]
 STEPS = 10
 
 
@@ -200,8 +217,8 @@ def _layout_rank(
         results[f"{layout} {' '.join(extra)}".strip()] = {
             "layout": layout,
             "built": describe_shard(trainer.shard, trainer.schedule),
-            "steps": [{k: m[k] for k in ("loss", "grad_norm")} for m in got],
-            "ref": [{k: m[k] for k in ("loss", "grad_norm")} for m in ref],
+            "steps": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in got],
+            "ref": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in ref],
         }
     dist.destroy_process_group()
     if rank == 0:
@@ -216,8 +233,9 @@ def _world(layout: str) -> int:
 
 @pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
-    """Every layout of LAYOUTS (and μP's, the public families' switches, document masking) with ``world`` ranks: each of 10 steps' loss and grad norm
-    within 1e-4 of one process's, and rank 0 built what the layout implies."""
+    """Every layout of LAYOUTS (and μP's, the public families' switches, document masking, a mixture of
+    experts) with ``world`` ranks: each of 10 steps' loss and grad norm within 1e-4 of one process's (and
+    an MoE's tokens per expert equal to them), and rank 0 built what the layout implies."""
     import json
 
     from raysc.cluster.ports import free_port
@@ -229,6 +247,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     cases += [(lay, MUP) for lay in MUP_LAYOUTS if _world(lay) == world]
     cases += [(lay, extra) for lay, extra in FAMILY_CASES if _world(lay) == world]
     cases += [(lay, extra) for lay, extra in DOC_CASES if _world(lay) == world]
+    cases += [(lay, extra) for lay, extra in MOE_CASES if _world(lay) == world]
     assert cases
     for extra in {tuple(e) for _, e in cases}:
         prepare_data(load_config(None, [*overrides, *extra, f"train.steps={STEPS}"]))  # tokenize once, here
@@ -245,6 +264,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
                 step,
                 "grad_norm",
             )
+            assert got.get("moe_tokens") == want.get("moe_tokens"), (name, step, "tokens per expert")
         check_built_parts(r["layout"], r["built"])
 
 

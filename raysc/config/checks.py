@@ -91,6 +91,37 @@ def check_model(cfg: Config, origin: str) -> None:
         )
 
 
+def check_moe(cfg: Config, origin: str) -> None:
+    """[model] moe_*: top-k within the experts; at least one MoE layer; the layouts MoE runs in so far."""
+    m, par = cfg.model, cfg.parallel
+    if not m.moe_experts:
+        return
+    if m.moe_top_k > m.moe_experts:
+        raise ConfigError(
+            f"{origin}: model.moe_top_k={m.moe_top_k} is more than model.moe_experts={m.moe_experts}; "
+            f"a token is routed to at most every expert."
+        )
+    if not m.moe_layers:
+        raise ConfigError(
+            f"{origin}: model.moe_experts={m.moe_experts} but no layer is MoE (model.moe_first_dense_layers="
+            f"{m.moe_first_dense_layers}, model.moe_every_n_layers={m.moe_every_n_layers}, model.n_layers="
+            f"{m.n_layers}); lower the first two, or set model.moe_experts = 0 for a dense model."
+        )
+    if m.mup:
+        raise ConfigError(
+            f"{origin}: model.mup = true with a mixture of experts is not supported (μP's rules are for raysc's "
+            f"dense Llama, docs/scaling.md); set model.mup = false."
+        )
+    other = {k: getattr(par, k) for k in ("tp", "pp", "cp") if getattr(par, k) > 1}
+    if other:
+        raise ConfigError(
+            f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) trains with data parallelism "
+            f"(parallel.dp_shard, dp_replicate) so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}: "
+            f"expert parallelism and its composition with TP, PP and CP are the next step of issue 58 (docs/moe.md); "
+            f"set them to 1."
+        )
+
+
 def check_checkpoint(cfg: Config, origin: str) -> None:
     """[checkpoint]: kept steps fall on saved steps."""
     if (
@@ -282,6 +313,7 @@ SECTION_CHECKS: tuple[Callable[[Config, str], None], ...] = (
     check_dedup,
     check_quality,
     check_model,
+    check_moe,
     check_checkpoint,
     check_batch,
     check_layout,

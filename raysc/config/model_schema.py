@@ -1,6 +1,6 @@
 """The ``[model]`` section: the transformer's shape (sizes, heads, rotary embedding and its scaling,
-Llama / Qwen2 / Qwen3 variants), its initialisation and μP, and continued pre-training from a Hugging Face
-checkpoint (``init_from``)."""
+Llama / Qwen2 / Qwen3 variants, a mixture of experts in place of the MLP: ``moe_*``), its
+initialisation and μP, and continued pre-training from a Hugging Face checkpoint (``init_from``)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,54 @@ class ModelConfig:
     mup_base_width: int = opt(
         0, "μP base width: the model.dim at which optim.lr and init_std were tuned; 0 = model.dim (multiplier 1)", min=0
     )
+    moe_experts: int = opt(
+        0,
+        "mixture of experts: routed experts in each MoE layer; 0 = a dense model (raysc.model.moe, docs/moe.md)",
+        min=0,
+    )
+    moe_top_k: int = opt(2, "mixture of experts: experts each token is routed to (dropless)", min=1)
+    moe_ffn_dim: int = opt(0, "mixture of experts: hidden size of one expert; 0 = the dense ffn_dim", min=0)
+    moe_shared_experts: int = opt(
+        0, "mixture of experts: shared experts every token also passes through (Qwen2-MoE, DeepSeek)", min=0
+    )
+    moe_shared_expert_gate: bool = opt(
+        False, "mixture of experts: a sigmoid gate on the shared experts' output (Qwen2-MoE)"
+    )
+    moe_score_func: str = opt(
+        "softmax",
+        "mixture of experts: the router's score function (softmax: Qwen, Mixtral, OLMoE; sigmoid: DeepSeek-V3)",
+        choices=["softmax", "sigmoid"],
+    )
+    moe_norm_topk_prob: bool = opt(
+        True,
+        "mixture of experts: renormalise each token's top-k routing weights to sum to 1 (Qwen3-MoE and "
+        "Mixtral: true; Qwen2-MoE and OLMoE: false)",
+    )
+    moe_first_dense_layers: int = opt(
+        0, "mixture of experts: the first N layers keep a dense MLP (DeepSeek's first_k_dense_replace)", min=0
+    )
+    moe_every_n_layers: int = opt(
+        1,
+        "mixture of experts: after the first dense layers, every n-th layer is MoE, the others dense "
+        "(Qwen2/3-MoE's decoder_sparse_step)",
+        min=1,
+    )
+    moe_aux_loss_coeff: float = opt(
+        0.0,
+        "mixture of experts: switch load-balancing loss per layer, Megatron-core's form (1.0 at a uniform "
+        "load); transformers' router_aux_loss_coef is k times larger for the same value (it pools layers "
+        "and counts load summing to k): divide it by top_k",
+        min=0.0,
+    )
+    moe_z_loss_coeff: float = opt(
+        0.0, "mixture of experts: router z-loss (mean squared log-sum-exp of the logits; 1e-3 is usual)", min=0.0
+    )
+    moe_bias_update_rate: float = opt(
+        0.0,
+        "mixture of experts: DeepSeek-V3's auxiliary-loss-free balancing, each step every expert's "
+        "selection bias moves this much toward balance (1e-3 is usual); 0 = off",
+        min=0.0,
+    )
     init_from: str = opt(
         "",
         "continued pre-training: start from this Hugging Face Llama checkpoint (a directory "
@@ -87,6 +135,21 @@ class ModelConfig:
     def mup_width_mult(self) -> float:
         """μP width multiplier m = dim / mup_base_width (1 when the base width is 0 = dim)."""
         return self.dim / (self.mup_base_width or self.dim)
+
+    @property
+    def moe_hidden_dim(self) -> int:
+        """One routed expert's hidden size."""
+        return self.moe_ffn_dim or self.hidden_ffn_dim
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether layer ``layer`` (0-based) has a mixture of experts rather than a dense MLP."""
+        if not self.moe_experts or layer < self.moe_first_dense_layers:
+            return False
+        return (layer - self.moe_first_dense_layers + 1) % self.moe_every_n_layers == 0
+
+    @property
+    def moe_layers(self) -> list[int]:
+        return [i for i in range(self.n_layers) if self.is_moe_layer(i)]
 
     @property
     def hidden_ffn_dim(self) -> int:

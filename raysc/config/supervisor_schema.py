@@ -49,6 +49,20 @@ class SupervisorConfig:
         "that level is accepted and the window moves to it",
         min=1,
     )
+    router_collapse: str = opt(
+        "warn",
+        "a mixture of experts whose router collapsed (a layer's tokens on a few experts, or experts that "
+        "got no token, for router_window steps): warn (a router_collapse event) or stop (save and stop)",
+        choices=["warn", "stop"],
+    )
+    router_window: int = opt(100, "mixture of experts: the steps a router collapse must last to be one", min=2)
+    router_collapse_load: float = opt(
+        0.6,
+        "mixture of experts: a layer collapsed when its busiest expert's load (max/mean) stays at or above "
+        "this fraction of the most it can be (E/top_k, all of a layer's tokens on top_k experts)",
+        gt=0.0,
+        max=1.0,
+    )
     skip_batches: int = opt(200, "batches of data skipped after a rollback (PaLM skipped 200-500)", min=0)
     spike_window: int = opt(128, "steps in the rolling window the spike detector compares against", min=2)
     spike_sigma: float = opt(

@@ -39,7 +39,7 @@ import torch
 
 from raysc.data.special_tokens import SpecialTokens, special_tokens_beside
 from raysc.export.gguf_vocab import add_vocab
-from raysc.model.hf_names import model_type
+from raysc.model.hf_names import model_type, require_dense
 from raysc.model.llama import Llama, rope_inv_freq
 from raysc.model.mup import fold_into_weights
 
@@ -118,6 +118,7 @@ def export_gguf(
     special tokens (default: the run's, read beside ``tokenizer_json``)."""
     if qtype not in TYPES:
         raise ValueError(f"GGUF type {qtype!r} is not one of {', '.join(TYPES)}")
+    require_dense(model.cfg, "GGUF")
     c = model.cfg
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,7 @@ import torch
 from safetensors.torch import save_file
 
 from raysc.data.special_tokens import SpecialTokens, copy_tokenizer, special_tokens_beside
-from raysc.model.hf_names import ARCHITECTURES, hf_name, model_type
+from raysc.model.hf_names import ARCHITECTURES, hf_name, model_type, require_dense
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 
@@ -91,6 +91,7 @@ def export_hf(
     special: SpecialTokens | None = None,
 ) -> Path:
     """``tokenizer_json`` is a run's (its special tokens are read beside it unless ``special`` is given)."""
+    require_dense(model.cfg, "Hugging Face")
     special = special or special_tokens_beside(tokenizer_json)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

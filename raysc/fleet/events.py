@@ -88,6 +88,13 @@ class EventKind(str, Enum):
     UPDATE_SKIPPED = "update_skipped", "the spike/NaN detector skipped an optimizer update"
     DATA_EPOCH = "data_epoch", "a data domain ran out and started a new seeded permutation"
     SLOW_STEP = "slow_step", "a step took several times the calibrated median (a straggler)"
+    ROUTER_COLLAPSE = (
+        "router_collapse",
+        (
+            "a mixture of experts' layer sent its tokens to a few experts, or gave some none, for a whole "
+            "window: the layer, dead and busiest experts, their share; action warn or stop (raysc.fleet.router_watch)"
+        ),
+    )
     SPIKE_ROLLBACK = "spike_rollback", "a loss spike: restored the checkpoint before it and skipped data"
     TIMEOUTS_CALIBRATED = "timeouts_calibrated", "hang and process-group timeouts set from measured step times"
     COLLECTIVE_STRESS = "collective_stress", "the collective stress test under the calibrated timeout"

@@ -23,6 +23,10 @@ DASHBOARD_METRICS = {
     "step": "last completed optimizer step",
     "dp": "data-parallel size of the fleet now (an elastic run's follows the cluster)",
     "data_wait_s": "seconds rank 0's last step waited for its batch (reads from the corpus not hidden by prefetch)",
+    # a mixture of experts' routing (raysc.train.moe_routing); a dense run never sets them
+    "moe_load_max": "mixture of experts: the busiest expert's tokens over the mean, worst layer (1 = balanced)",
+    "moe_dead_experts": "mixture of experts: experts that got no token in the last step, all layers",
+    "moe_aux_loss": "mixture of experts: the load-balancing loss, mean over layers (1 = balanced)",
 }
 HEALTH_METRICS = {
     "restarts": "fleet restarts after a dead, hung or failing worker",

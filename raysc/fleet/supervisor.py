@@ -37,6 +37,7 @@ from raysc.fleet.fleet import Fleet
 from raysc.fleet.healing import Healer
 from raysc.fleet.preparing import RunPreparation
 from raysc.fleet.records import RunRecords
+from raysc.fleet.router_watch import RouterWatch
 from raysc.fleet.stats import RunStats
 from raysc.fleet.timeouts import Timeouts
 from raysc.fleet.watch import Watch, typed_failure
@@ -71,6 +72,8 @@ class Supervisor:
         self._trained_on: list | None = None  # the workers of the last chunk (a new fleet warms up first)
         self._warmup_step: int | None = None  # the step a new fleet is warming up on
         self._final_phase = "evaluating"  # the phase after training that is running (or failed)
+        sup = cfg.supervisor
+        self.router_watch = RouterWatch(sup.router_window, sup.router_collapse_load, cfg.model.moe_top_k)
 
     # ---- called by workers and the driver while run() is busy ----
     @ray.method(concurrency_group="reports")
@@ -95,6 +98,8 @@ class Supervisor:
                     epochs=m["domain_epochs"],
                     note="a domain ran out of sequences and started a new seeded permutation",
                 )
+            if m.get("moe_tokens"):
+                self._check_routing(m["step"], m["moe_tokens"])
             normal = self.timeouts.is_slow(m["step_time"])
             if normal and m["step"] != self._warmup_step:  # a new fleet's first step is no straggler
                 self.book.event(
@@ -105,6 +110,14 @@ class Supervisor:
                     action="none (within the hang timeout)",
                     note="a straggler: every rank waits for the slowest in each collective",
                 )
+
+    def _check_routing(self, step: int, tokens: dict[str, list[int]]) -> None:
+        """A mixture of experts' step: a router collapse is an event, and a stop when the config says so."""
+        action = self.cfg.supervisor.router_collapse
+        for found in self.router_watch.observe(step, tokens):
+            self.book.event(EventKind.ROUTER_COLLAPSE, action=action, **found)
+            if action == "stop":
+                self.book.request_stop(f"router collapse in layer {found['layer']}", self.fleet)
 
     def fault_fired(self, spec: str, rank: int, step: int) -> None:
         """An injected fault is about to fire on ``rank`` before ``step`` (recorded so a restart
@@ -256,6 +269,7 @@ class Supervisor:
             target = min(target, step + 1)
         if fresh:  # kept after the chunk: rank 0's report of the step may arrive after it returns
             self._warmup_step = step + 1
+            self.router_watch.reset()  # a new fleet's steps start a new routing window
         self.stats.touch()
         self.fleet.train_calls = [w.train.remote(target) for w in workers]
         results = self.watch.wait(

@@ -73,3 +73,14 @@ def raysc_name(name: str) -> str | None:
         if len(parts) == 4 and parts[2].isdigit() and parts[3] in _FROM_HF_LAYER:
             return f"layers.{parts[2]}.{_FROM_HF_LAYER[parts[3]]}"
     return None
+
+
+def require_dense(cfg: ModelConfig, target: str) -> None:
+    """Refuse to write a mixture-of-experts model as ``target`` (its experts and router have no names in
+    the dense Llama formats here): a clear error, never a file that loads without its experts."""
+    if cfg.moe_experts:
+        raise ValueError(
+            f"this run is a mixture of experts (model.moe_experts={cfg.moe_experts}): {target} export of MoE "
+            f"models is not built yet (issue 59: Qwen3-MoE, Mixtral, OLMoE and Qwen2-MoE formats, vLLM and "
+            f"llama.cpp); its checkpoints resume, and `raysc generate` samples from it"
+        )

@@ -2,8 +2,9 @@
 
 Token embedding, RMSNorm, rotary position embeddings (the "rotate half" layout
 Hugging Face uses, so exported weights need no permutation), grouped-query
-attention through ``scaled_dot_product_attention`` and a SwiGLU MLP. Public families are
-switches on it: q/k/v biases (Qwen2), an RMSNorm per head on q and k (Qwen3), llama3 rope scaling.
+attention through ``scaled_dot_product_attention`` and a SwiGLU MLP, or in the layers ``model.moe_*``
+names a mixture of experts (``raysc.model.moe``). Public families are switches on it: q/k/v biases (Qwen2),
+an RMSNorm per head on q and k (Qwen3), llama3 rope scaling.
 
 The model knows nothing about parallelism: tensor/sequence/pipeline/context
 parallel plans are applied from outside. To keep that possible:
@@ -32,6 +33,8 @@ from torch import nn
 from raysc.config.schema import ModelConfig
 from raysc.model import mup
 from raysc.model.documents import QueryBlocks, document_mask, positions_in_document
+from raysc.model.feed_forward import FeedForward
+from raysc.model.moe import MoEFeedForward
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -168,24 +171,13 @@ class Attention(nn.Module):
         return self.wo(out.transpose(1, 2).reshape(bsz, seqlen, -1))
 
 
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w_gate = nn.Linear(dim, hidden, bias=False)
-        self.w_up = nn.Linear(dim, hidden, bias=False)
-        self.w_down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w_down(F.silu(self.w_gate(x)) * self.w_up(x))
-
-
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, layer: int = 0) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attn = Attention(cfg)
         self.mlp_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.mlp = FeedForward(cfg.dim, cfg.hidden_ffn_dim)
+        self.mlp = MoEFeedForward(cfg) if cfg.is_moe_layer(layer) else FeedForward(cfg.dim, cfg.hidden_ffn_dim)
 
     def forward(self, x: torch.Tensor, rope: Rope) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), rope)
@@ -213,7 +205,7 @@ def init_value(
 def init_std(cfg: ModelConfig, name: str) -> float:
     """The standard deviation of matrix parameter ``name``'s normal initialisation."""
     std = cfg.init_std
-    if name.endswith(("attn.wo.weight", "mlp.w_down.weight")):
+    if name.endswith(("attn.wo.weight", "mlp.w_down.weight", "experts.w_down", "shared.w_down.weight")):
         std = std / math.sqrt(2 * cfg.n_layers)
     return std * mup.init_mult(name, cfg)
 
@@ -226,7 +218,7 @@ class Llama(nn.Module):
         self.cfg = cfg
         self.max_seq_len = max_seq_len
         self.embed: nn.Embedding | None = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): Block(cfg) for i in range(cfg.n_layers)})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, i) for i in range(cfg.n_layers)})
         self.norm: RMSNorm | None = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output: nn.Linear | None = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -261,10 +253,14 @@ class Llama(nn.Module):
 
     @torch.no_grad()
     def reset_buffers(self) -> None:
-        """Recompute the rotary tables in place (after ``to_empty`` left them uninitialised)."""
+        """Recompute the rotary tables and zero the routers' selection biases in place (after ``to_empty``
+        left them uninitialised; a checkpoint's biases are loaded after)."""
         cos, sin = rope_tables(self.cfg, self.max_seq_len)
         self.rope_cos.copy_(cos)
         self.rope_sin.copy_(sin)
+        for name, buf in self.named_buffers():
+            if name.endswith("router.expert_bias"):
+                buf.zero_()
 
     def forward(
         self, tokens: torch.Tensor, positions: torch.Tensor | None = None, documents: torch.Tensor | None = None

@@ -47,8 +47,11 @@ from raysc.config.schema import ModelConfig, OptimConfig
 
 INPUT, HIDDEN, OUTPUT, VECTOR = "input", "hidden", "output", "vector"
 
-HIDDEN_SUFFIXES: tuple[str, ...] = tuple(
-    f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")
+HIDDEN_SUFFIXES: tuple[str, ...] = (
+    *(f"{m}.weight" for m in ("attn.wq", "attn.wk", "attn.wv", "attn.wo", "mlp.w_gate", "mlp.w_up", "mlp.w_down")),
+    # a mixture of experts (raysc.model.moe): the router, the routed experts' 3-D weights, the shared experts
+    *(f"mlp.{m}.weight" for m in ("router.gate", "shared.w_gate", "shared.w_up", "shared.w_down", "shared_gate")),
+    *(f"mlp.experts.{w}" for w in ("w_gate", "w_up", "w_down")),
 )
 
 

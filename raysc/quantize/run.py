@@ -23,6 +23,7 @@ from raysc.config.secrets import REDACTED
 from raysc.data.prepare import prepare_data
 from raysc.export.hf import hf_name
 from raysc.export.restore import RunModel, load_run
+from raysc.model.hf_names import require_dense
 from raysc.model.llama import Llama
 from raysc.model.mup import fold_into_weights
 from raysc.quantize.awq import CLIP_GRID, MAX_SHRINK
@@ -84,6 +85,7 @@ def quantize_run(
     or an object-store URI)."""
     spec = method_spec(method, bits, group_size)
     run = load_run(run_dir, step)
+    require_dense(run.model.cfg, f"quantized ({method})")
     for n, p in run.model.named_parameters():  # the group size must fit every layer before any work
         if n.startswith("layers.") and p.dim() == 2:
             spec.groups(p.shape[1])

@@ -60,7 +60,20 @@ REWINDS = {
     "spike_rollback": "resumed_step",
     "sdc_rollback": "resumed_step",
 }  # events after which steps are re-run: the field naming the step
-TRAIN_KEYS = ("loss", "grad_norm", "lr", "tokens", "step_time", "tokens_per_s", "mfu")
+TRAIN_KEYS = (
+    "loss",
+    "grad_norm",
+    "lr",
+    "tokens",
+    "step_time",
+    "tokens_per_s",
+    "mfu",
+    # a mixture of experts' routing (raysc.train.moe_routing; absent from a dense run's steps)
+    "moe_aux_loss",
+    "moe_z_loss",
+    "moe_load_max",
+    "moe_dead_experts",
+)
 
 
 def read_track_ids(run_dir: Path) -> dict[str, str]:

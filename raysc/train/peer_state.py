@@ -1,13 +1,14 @@
 """A rank's training state as a peer heal moves it: out of a ``Trainer`` whose process groups are
 broken, into a rebuilt one, and from a surviving replica to the rank that replaces a lost one.
 
-A rank's state is its local parameter shards, its optimizer state and what ``Trainer.extra_state``
+A rank's state is its local parameter shards, its optimizer state, a mixture of experts' selection
+biases and what ``Trainer.extra_state``
 holds (step, tokens, data position, spike detector, LR schedule, RNG), plus the optimizer's
 param-group hyperparameters: ``LambdaLR.load_state_dict`` restores the schedule's counter but not the
 ``lr`` it last set, which the next update reads.
 
 ``state_tensors`` lists the tensors in one fixed order (the trainer's parameters, then each one's
-optimizer state by key), the order a replica broadcasts them in: replicas of a shard differ only in
+optimizer state by key, then the selection biases), the order a replica broadcasts them in: replicas of a shard differ only in
 their ``dp_replicate`` coordinate, so their local shapes are the same and no metadata travels with the
 tensors. The optimizer state's structure (which keys, which are per-element tensors) travels once, in
 ``HeldState.optim`` through Ray, with its 0-dim counters (AdamW's ``step``, kept on the host).
@@ -53,11 +54,14 @@ def _is_moved(value: object) -> bool:
 
 
 def state_tensors(trainer) -> list[torch.Tensor]:
-    """The local tensors of ``trainer``'s parameters, then of their optimizer state (keys sorted)."""
+    """The local tensors of ``trainer``'s parameters, then of their optimizer state (keys sorted), then a
+    mixture of experts' selection biases (buffers a step moves: ``raysc.train.moe_routing``)."""
     tensors = [local_tensor(p).detach() for p in trainer.params]
     for p in trainer.params:
         state = trainer.optimizer.state.get(p, {})
         tensors += [local_tensor(state[k]) for k in sorted(state) if _is_moved(state[k])]
+    for part in trainer.model_parts:
+        tensors += [b for name, b in part.named_buffers() if name.endswith("router.expert_bias")]
     return tensors
 
 

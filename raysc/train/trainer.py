@@ -34,6 +34,7 @@ from raysc.parallel.cp import shard_sequence
 from raysc.parallel.parallelize import build_model_shard
 from raysc.parallel.pp import build_schedule
 from raysc.train.compile import compile_blocks
+from raysc.train.moe_routing import MoERouting
 from raysc.train.optim import build_optimizer, build_scheduler
 from raysc.train.sdc import ReplicaCheck
 from raysc.train.stability import SpikeDetector, SpikeRollback
@@ -124,6 +125,8 @@ class Trainer:
             self.micro = cfg.train.micro_batch or local
             self.n_micro = local // self.micro
             self.schedule = None
+        # a mixture of experts' routing: counts, load-balancing losses, the selection bias (inactive when dense)
+        self.moe = MoERouting(self.model_parts, self.n_micro, cfg.model.moe_bias_update_rate, self.dims.world_size > 1)
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = (
@@ -238,6 +241,8 @@ class Trainer:
             loss = self._loss(logits, yb)
             (loss / self.n_micro).backward()
             total += _local(loss.detach())
+            if self.moe.active:
+                self.moe.after_micro_batch()
         return total / self.n_micro
 
     def train_step(self) -> dict:
@@ -259,6 +264,8 @@ class Trainer:
         self._phase("clip")
         lr = self.scheduler.get_last_lr()[0]
         loss_value, fingerprint = self._step_totals(local_loss, fingerprint)  # the same on every rank
+        if self.moe.active:
+            self.moe.reduce()  # the step's tokens per expert, summed over the ranks (before the update)
         self._phase("totals")
         spike = None
         if self.cfg.supervisor.spike_policy != "off":
@@ -267,6 +274,7 @@ class Trainer:
             self.optimizer.step()
         else:
             self.skipped_steps += 1  # every rank skips: the same inputs give the same decision
+        routing = self.moe.finish(updated=spike is None) if self.moe.active else {}
         self._phase("update")
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -298,6 +306,7 @@ class Trainer:
             "data_fp": fingerprint,
             "data_wait_s": round(getattr(self.loader, "wait_s", 0.0), 6),  # the step waited for its batch
         }
+        metrics.update(routing)
         if self.detector.shift is not None:
             metrics["level_shift"] = self.detector.shift  # a persistent loss level was accepted
         if self._domain_epochs is not None and self.loader.epochs != self._domain_epochs:
@@ -372,6 +381,7 @@ class Trainer:
         if start is None or start["step"] != self.step:
             return False
         self.optimizer.zero_grad(set_to_none=True)
+        self.moe.reset()  # the routing counts the undone step gathered
         self.loader.load_state_dict(start["loader"])
         self.detector.load_state_dict(start["detector"])
         self.skipped_steps = start["skipped_steps"]

@@ -1,0 +1,275 @@
+"""The mixture-of-experts block on one rank (issue 58, milestone 1; docs/moe.md): grouped GEMM equal to a
+loop over experts, routing and combining equal to a per-token reference, the load-balancing losses
+against their definitions and reaching the router's gradient without changing the reported loss, the
+auxiliary-loss-free bias moving load toward balance, parameter counts, the config's refusals, and a tiny
+MoE trained in-process with its routing in the step metrics. The data-parallel layouts are in
+tests/test_parallel.py (MOE_CASES)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from raysc.config import ConfigError, load_config
+from raysc.model.flops import param_count
+from raysc.model.llama import build_model
+from raysc.model.moe import (
+    GroupedExperts,
+    MoEFeedForward,
+    expert_loop,
+    router_z_loss,
+    switch_aux_loss,
+    update_expert_bias,
+)
+
+SHAPE = [
+    "model.vocab_size=512",
+    "model.dim=64",
+    "model.n_heads=4",
+    "model.n_kv_heads=2",
+    "train.seq_len=32",
+]
+MOE = [
+    "model.moe_experts=8",
+    "model.moe_top_k=2",
+    "model.moe_ffn_dim=32",
+]
+
+
+def _cfg(*sets: str):
+    return load_config(None, [*SHAPE, *MOE, *sets])
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread):
+    pass
+
+
+def test_grouped_experts_equal_a_loop_over_experts_forward_and_backward():
+    """Experts with no token included; fp32, the gradients of the input and of every weight."""
+    torch.manual_seed(0)
+    experts = GroupedExperts(64, 32, 8)
+    for w in experts.parameters():
+        torch.nn.init.normal_(w, std=0.1)
+    counts = torch.tensor([5, 0, 3, 9, 0, 1, 2, 0])
+    x = torch.randn(int(counts.sum()), 64, requires_grad=True)
+    grad = torch.randn(int(counts.sum()), 64)
+    got = experts(x, counts)
+    got.backward(grad)
+    got_grads = [x.grad.clone(), *(p.grad.clone() for p in experts.parameters())]
+    x.grad = None
+    experts.zero_grad()
+    want = expert_loop(experts, x, counts)
+    want.backward(grad)
+    want_grads = [x.grad, *(p.grad for p in experts.parameters())]
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    for g, w in zip(got_grads, want_grads):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+    assert experts.w_gate.grad[1].abs().sum() == 0  # an expert without tokens gets no gradient
+
+
+def test_the_block_routes_each_token_to_its_top_k_experts_and_adds_the_gated_shared_expert():
+    """The block against a per-token reference: softmax scores, the top-k of scores + bias chosen, the
+    weights from the unbiased scores (renormalised or not), each chosen expert's SwiGLU, the shared
+    expert times its sigmoid gate; and the counts it reports."""
+    torch.manual_seed(1)
+    for norm, score in ((True, "softmax"), (False, "softmax"), (True, "sigmoid")):
+        cfg = _cfg(
+            "model.moe_shared_experts=1",
+            "model.moe_shared_expert_gate=true",
+            f"model.moe_norm_topk_prob={str(norm).lower()}",
+            f'model.moe_score_func="{score}"',
+        ).model
+        block = MoEFeedForward(cfg)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        block.router.expert_bias.copy_(torch.linspace(-0.05, 0.05, 8))
+        x = torch.randn(2, 5, 64)
+        got = block(x)
+        flat = x.reshape(-1, 64)
+        logits = flat @ block.router.gate.weight.T
+        scores = logits.softmax(-1) if score == "softmax" else logits.sigmoid()
+        want = torch.zeros_like(flat)
+        counts = torch.zeros(8, dtype=torch.long)
+        e = block.experts
+        for t in range(flat.shape[0]):
+            chosen = (scores[t] + block.router.expert_bias).topk(2).indices
+            weights = scores[t][chosen]
+            if norm:
+                weights = weights / weights.sum()
+            for w, i in zip(weights, chosen):
+                counts[i] += 1
+                h = F.silu(flat[t] @ e.w_gate[i].T) * (flat[t] @ e.w_up[i].T)
+                want[t] += w * (h @ e.w_down[i].T)
+        want += block.shared(flat) * torch.sigmoid(block.shared_gate(flat))
+        torch.testing.assert_close(got.reshape(-1, 64), want, rtol=1e-5, atol=1e-6)
+        assert torch.equal(block.last.counts, counts)
+
+
+def test_the_aux_loss_is_megatrons_switch_loss_and_one_at_a_uniform_load():
+    """E/(k·T²)·Σ P_i·c_i, by hand on a small case; exactly 1 when probabilities and counts are uniform."""
+    logits = torch.tensor([[2.0, 0.0, 0.0, 0.0], [0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.0, 3.0]])
+    experts = logits.topk(2, dim=-1).indices
+    counts = torch.bincount(experts.flatten(), minlength=4)
+    p = logits.softmax(-1)
+    hand = sum(4 / (2 * 3 * 3) * float(p[:, i].sum()) * int(counts[i]) for i in range(4))
+    assert float(switch_aux_loss(logits, experts, counts, "softmax")) == pytest.approx(hand, rel=1e-6)
+    uniform = torch.zeros(8, 4)
+    chosen = torch.tensor([[0, 1], [2, 3]] * 4)
+    assert float(switch_aux_loss(uniform, chosen, torch.full((4,), 4), "softmax")) == pytest.approx(1.0)
+    assert float(router_z_loss(logits)) == pytest.approx(float(torch.logsumexp(logits, -1).square().mean()))
+
+
+def test_the_balancing_losses_reach_the_router_gradient_but_not_the_output():
+    """With aux and z coefficients the block's output is unchanged and the router's gradient is that of
+    output·g + coeff·aux + z_coeff·z, the losses scaled by the block's ``loss_scale`` (1/micro-batches)."""
+    torch.manual_seed(2)
+    x = torch.randn(3, 4, 64)
+    g = torch.randn(3, 4, 64)
+    grads, outs = {}, {}
+    for name, sets in (("off", []), ("on", ["model.moe_aux_loss_coeff=0.1", "model.moe_z_loss_coeff=0.01"])):
+        torch.manual_seed(3)
+        block = MoEFeedForward(_cfg(*sets).model)
+        for p in block.parameters():
+            torch.nn.init.normal_(p, std=0.2)
+        block.loss_scale = 0.5
+        out = block(x)
+        (out * g).sum().backward()
+        outs[name], grads[name] = out.detach(), block.router.gate.weight.grad.clone()
+        if name == "on":
+            block.zero_grad()
+            flat = x.reshape(-1, 64)
+            logits = flat @ block.router.gate.weight.T
+            chosen = (logits.softmax(-1) + block.router.expert_bias).topk(2).indices
+            counts = torch.bincount(chosen.flatten(), minlength=8)
+            extra = 0.5 * (0.1 * switch_aux_loss(logits, chosen, counts, "softmax") + 0.01 * router_z_loss(logits))
+            block.aux_coeff = block.z_coeff = 0.0  # the losses added by hand instead
+            ((block(x) * g).sum() + extra).backward()
+            want = block.router.gate.weight.grad
+    assert torch.equal(outs["off"], outs["on"])
+    assert not torch.allclose(grads["off"], grads["on"])
+    torch.testing.assert_close(grads["on"], want, rtol=1e-5, atol=1e-7)
+
+
+def test_the_selection_bias_moves_load_toward_balance_and_stays_centred():
+    """A router that sends most tokens to two experts: 200 updates at rate 1e-3 from its own counts
+    bring the busiest expert's load from over 3x the mean to under 1.1x, the biases summing to 0."""
+    torch.manual_seed(4)
+    block = MoEFeedForward(_cfg().model)
+    with torch.no_grad():
+        block.router.gate.weight.normal_(std=0.05)
+        block.router.gate.weight[:2] += 0.02  # experts 0 and 1 score high for most tokens
+    x = torch.randn(512, 64).abs()
+
+    def load() -> float:
+        with torch.no_grad():
+            block(x)
+        counts = block.last.counts.float()
+        return float(counts.max() / counts.mean())
+
+    before = load()
+    for _ in range(200):
+        load()
+        update_expert_bias(block.router, block.last.counts, 1e-3)
+    after = load()
+    assert before > 3 and after < 1.1, (before, after)
+    assert abs(float(block.router.expert_bias.sum())) < 1e-5
+
+
+def test_parameter_counts_match_the_model_and_active_counts_k_experts():
+    cfg = _cfg(
+        "model.n_layers=4",
+        "model.moe_shared_experts=1",
+        "model.moe_shared_expert_gate=true",
+        "model.moe_first_dense_layers=1",
+        "model.moe_every_n_layers=2",
+    ).model
+    assert cfg.moe_layers == [2]  # after one dense layer, every second layer
+    model = build_model(cfg, 32, 0)
+    counts = param_count(cfg)
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    expert = 3 * 64 * 32
+    assert counts["total"] - counts["active"] == (8 - 2) * expert  # one MoE layer: six experts a token skips
+    dense = param_count(load_config(None, [*SHAPE, "model.n_layers=4"]).model)
+    assert dense["active"] == dense["total"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "says"),
+    [
+        (["model.moe_top_k=9"], "model.moe_top_k=9 is more than model.moe_experts=8"),
+        (["model.n_layers=2", "model.moe_first_dense_layers=2"], "no layer is MoE"),
+        (["parallel.tp=2"], "not with parallel.tp=2"),
+        (["model.mup=true"], "model.mup = true with a mixture of experts"),
+    ],
+)
+def test_a_config_moe_cannot_run_is_refused_with_the_fix(sets, says):
+    with pytest.raises(ConfigError, match=says):
+        _cfg(*sets)
+
+
+def test_a_tiny_moe_trains_in_process_and_its_steps_report_routing(make_cfg):
+    """20 steps of a 2-layer MoE (the second layer MoE) with both balancing losses and the bias update,
+    two micro-batches a step: the loss falls; every step's tokens per expert add up to k per token;
+    the bias moved; the aux loss and load are reported."""
+    from raysc.data.prepare import prepare_data
+    from raysc.train.trainer import Trainer
+
+    cfg = make_cfg(
+        *MOE,
+        "model.moe_first_dense_layers=1",
+        "model.moe_aux_loss_coeff=0.01",
+        "model.moe_z_loss_coeff=0.001",
+        "model.moe_bias_update_rate=0.001",
+        "train.micro_batch=4",
+    )
+    packed, _, _ = prepare_data(cfg)
+    t = Trainer(cfg, packed.train, measure_peak=False)
+    ms = [t.train_step() for _ in range(20)]
+    assert ms[-1]["loss"] < ms[0]["loss"] - 0.5
+    tokens = cfg.train.global_batch * cfg.train.seq_len
+    for m in ms:
+        assert list(m["moe_tokens"]) == ["1"] and sum(m["moe_tokens"]["1"]) == tokens * 2
+        assert m["moe_load_max"] >= 1.0 and m["moe_aux_loss"] >= 1.0 - 1e-6
+    bias = t.model.layers["1"].mlp.router.expert_bias
+    assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6
+
+
+def test_an_moe_fleet_under_fsdp_stops_on_a_router_collapse_with_a_checkpoint(ray_session, make_cfg):
+    """`raysc train`'s path on Ray: a dp_shard=2 MoE run whose supervisor is told to stop on a router
+    collapse, with a bound (0.3 of the worst load, a 4-step window) that a tiny untrained router
+    meets: the collapse is an event naming the layer, the run stops at a step boundary and saves it,
+    and the checkpoint holds the experts' 3-D weights and the routers' selection biases."""
+    from raysc.export.restore import load_run
+    from raysc.fleet.driver import train
+    from raysc.fleet.errors import RunStopped
+    from raysc.fleet.records import read_jsonl
+
+    cfg = make_cfg(
+        *MOE,
+        "model.moe_first_dense_layers=1",
+        "model.moe_bias_update_rate=0.001",
+        "parallel.dp_shard=2",
+        "train.steps=40",
+        "supervisor.router_window=4",
+        "supervisor.router_collapse_load=0.3",
+        "supervisor.router_collapse=stop",
+    )
+    with pytest.raises(RunStopped) as stopped:
+        train(cfg, progress=False)
+    summary = stopped.value.summary
+    events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
+    [collapse] = [e for e in events if e["kind"] == "router_collapse"]
+    assert collapse["layer"] == 1 and collapse["action"] == "stop" and collapse["step"] >= 4
+    [stop] = [e for e in events if e["kind"] == "stop_requested"]
+    assert stop["reason"] == "router collapse in layer 1"
+    assert summary["stopped"] == stop["reason"] and collapse["step"] <= summary["step"] < 40, summary
+    assert summary["checkpoint_step"] == summary["step"]  # saved where it stopped
+    run = load_run(cfg.run_dir)
+    moe = run.model.layers["1"].mlp
+    assert tuple(moe.experts.w_gate.shape) == (8, 32, 64)
+    bias = moe.router.expert_bias
+    assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6  # the trained bias, not a fresh zero
