@@ -50,15 +50,6 @@ def mutate_words(text: str, frac: float, rng) -> str:
 # starvation, not a fault, is what cut the 8-rank layout off at pytest's 300 s in the landing CIs of
 # sessions 29-32. On a user's training nodes nothing at niceness 0 competes (docs/operations.md).
 os.environ.setdefault("RAY_worker_niceness", "0")
-# libgomp (torch's OpenMP) lets a thread that ends a parallel region spin for the next one. On a dedicated
-# core that saves a wake-up; here the two lanes keep both cores busy, so a process with 2 intra-op threads
-# (pytest's in-process training at torch's default, ranks with cpus_per_worker=2, vLLM, llama.cpp) burns
-# its spins against the other lane's work. Measured on 2 cores beside one busy process: the demo-config
-# stability test took 77 s of CPU (65 s wall) with libgomp's default, 29 s (32 s wall) with PASSIVE. Read
-# when libgomp loads (``import torch``): this module imports no torch before it, and every process the
-# suite starts (Ray's workers, the clusters, subprocesses) inherits it. Not raysc's default: a training
-# node's cores are its own, where spinning is the faster choice (raysc.train.cpu_threads).
-os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Ray's log monitor looks for new log files 10 times a second until
 # there are 1,000 of them (then every 0.5 s); a session's hundreds of worker logs made that 2.4% of a
 # core per node, against 1.1% at 0.5 s (measured with 207 files). New workers' output reaches drivers
