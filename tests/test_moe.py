@@ -204,6 +204,7 @@ def test_parameter_counts_match_the_model_and_active_counts_k_experts():
         (["model.n_layers=2", "model.moe_first_dense_layers=2"], "no layer is MoE"),
         (["parallel.tp=2"], "not with parallel.tp=2"),
         (["model.mup=true"], "model.mup = true with a mixture of experts"),
+        (['model.init_from="/some/hf/dir"'], "reading Hugging Face MoE checkpoints .* is not built yet"),
     ],
 )
 def test_a_config_moe_cannot_run_is_refused_with_the_fix(sets, says):
