@@ -20,8 +20,6 @@ GPU_DESELECTED = pytest.StashKey[int]()
 # clusters most (they wait on nodes, raylets, jobs), which the other lane fills. The lanes are named
 # here, not derived from the fixtures, because xdist's controller schedules by test id without
 # collecting (and pytest 9 ignores the id suffix that xdist's own ``--dist loadgroup`` relies on).
-# test_stability.py (no Ray) moved to the session's lane in session 42: at ba05fb2 the own-clusters lane
-# was the longer one, 1,303 s against 1,268 s.
 OWN_CLUSTERS_LANE = {
     "test_multinode.py",
     "test_elastic.py",
@@ -33,6 +31,7 @@ OWN_CLUSTERS_LANE = {
     "test_families.py",
     "test_startup_memory.py",
     "test_scaling.py",
+    "test_stability.py",
     "test_materialise.py",
 }
 
