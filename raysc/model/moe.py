@@ -59,8 +59,13 @@ class _AttachLoss(torch.autograd.Function):
         return grad, torch.full(ctx.loss_shape, ctx.scale, dtype=ctx.loss_dtype, device=grad.device), None
 
 
+def route_scores(logits: torch.Tensor, score_func: str) -> torch.Tensor:
+    """The router's per-expert scores from its logits: softmax over the experts, or each one's sigmoid."""
+    return logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
+
+
 class Router(nn.Module):
-    """Top-k token-choice routing: (weights (T, k) fp32, experts (T, k), logits (T, E) fp32)."""
+    """Top-k token-choice routing: (weights (T, k) fp32, experts (T, k), logits (T, E) fp32, scores (T, E))."""
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -70,14 +75,14 @@ class Router(nn.Module):
         self.gate = nn.Linear(cfg.dim, cfg.moe_experts, bias=False)
         self.register_buffer("expert_bias", torch.zeros(cfg.moe_experts, dtype=torch.float32))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         logits = F.linear(x.float(), self.gate.weight.float())
-        scores = logits.softmax(-1) if self.score_func == "softmax" else logits.sigmoid()
+        scores = route_scores(logits, self.score_func)
         _, experts = torch.topk(scores + self.expert_bias, self.top_k, dim=-1)
         weights = scores.gather(-1, experts)
         if self.norm_topk:
             weights = weights / weights.sum(-1, keepdim=True)
-        return weights, experts, logits
+        return weights, experts, logits, scores
 
 
 class GroupedExperts(nn.Module):
@@ -107,17 +112,14 @@ def expert_loop(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) 
     return torch.cat(outs)
 
 
-def switch_aux_loss(logits: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, score_func: str) -> torch.Tensor:
+def switch_aux_loss(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The switch-transformer load-balancing loss of one layer, Megatron-core's form:
     ``E / (k·T²) · Σ_i P_i · c_i`` with ``P_i`` the sum over tokens of expert i's routing probability
-    and ``c_i`` its token count; 1.0 when the load is uniform. (transformers' ``load_balancing_loss_func``
-    counts ``c_i / T`` summing to k and pools the layers: k times this per layer.)"""
+    (``probs``: (T, E), each row summing to 1) and ``c_i`` its token count; 1.0 when the load is uniform.
+    (transformers' ``load_balancing_loss_func`` counts ``c_i / T`` summing to k and pools the layers: k
+    times this per layer.)"""
     tokens, k = experts.shape
-    n = logits.shape[-1]
-    probs = logits.softmax(-1) if score_func == "softmax" else logits.sigmoid()
-    if score_func != "softmax":
-        probs = probs / probs.sum(-1, keepdim=True)
-    return n / (k * tokens * tokens) * (probs.sum(0) * counts.to(probs.dtype)).sum()
+    return probs.shape[-1] / (k * tokens * tokens) * (probs.sum(0) * counts.to(probs.dtype)).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -144,7 +146,7 @@ class MoEFeedForward(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         flat = x.reshape(-1, shape[-1])
-        weights, experts, logits = self.router(flat)
+        weights, experts, logits, scores = self.router(flat)
         chosen = experts.flatten()
         counts = torch.bincount(chosen, minlength=self.num_experts)
         order = chosen.argsort(stable=True)
@@ -157,7 +159,9 @@ class MoEFeedForward(nn.Module):
             if self.shared_gate is not None:
                 shared = shared * torch.sigmoid(self.shared_gate(flat))
             out = out + shared
-        aux = switch_aux_loss(logits, experts, counts, self.score_func)
+        # the router's scores as probabilities (sigmoid scores normalised over the experts, as Megatron-core)
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
+        aux = switch_aux_loss(probs, experts, counts)
         z = router_z_loss(logits)
         self.last = RouterStats(counts.detach(), aux.detach(), z.detach())
         if self.training and torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):

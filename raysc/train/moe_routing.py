@@ -45,8 +45,8 @@ class MoERouting:
     def reset(self) -> None:
         """Forget what the step under way gathered (a step undone, or finished)."""
         self._counts: dict[str, torch.Tensor] = {}
-        self._aux: list[float] = []
-        self._z: list[float] = []
+        self._aux: list[torch.Tensor] = []
+        self._z: list[torch.Tensor] = []
         self._summed: torch.Tensor | None = None
 
     def after_micro_batch(self) -> None:
@@ -57,8 +57,8 @@ class MoERouting:
                 continue
             prev = self._counts.get(layer)
             self._counts[layer] = stats.counts if prev is None else prev + stats.counts
-            self._aux.append(float(stats.aux_loss))
-            self._z.append(float(stats.z_loss))
+            self._aux.append(stats.aux_loss)  # tensors: read once, in ``finish`` (no device sync per micro-batch)
+            self._z.append(stats.z_loss)
 
     def reduce(self) -> None:
         """Sum the step's counts over every rank (each rank routed its own tokens); every rank then holds
@@ -83,8 +83,8 @@ class MoERouting:
                 update_expert_bias(self.layers[layer].router, counts, self.bias_rate)
         mean = summed.mean(dim=1).clamp(min=1e-9)
         metrics = {
-            "moe_aux_loss": sum(self._aux) / len(self._aux),
-            "moe_z_loss": sum(self._z) / len(self._z),
+            "moe_aux_loss": float(torch.stack(self._aux).mean()),
+            "moe_z_loss": float(torch.stack(self._z).mean()),
             "moe_load_max": float((summed.max(dim=1).values / mean).max()),
             "moe_dead_experts": int((summed == 0).sum()),
             "moe_tokens": {layer: [int(c) for c in counts.tolist()] for layer, counts in zip(layers, summed)},
