@@ -18,9 +18,10 @@ from raysc.fleet.watch import Watch
 class _Uploader:
     """A worker's checkpoint calls: an upload that is done (``files``) or still running."""
 
-    def __init__(self, rank: int, done: bool, busy_answers: int = 0) -> None:
+    def __init__(self, rank: int, done: bool, busy_answers: int = 0, wait_s: float = 0.0) -> None:
         self.rank, self.done = rank, done
         self.busy_answers = busy_answers  # the first calls answer "still uploading", then as ``done`` says
+        self.wait_s = wait_s  # how long save_wait takes to answer
 
     def save_pending(self) -> bool:
         if self.busy_answers:
@@ -32,6 +33,9 @@ class _Uploader:
         return {"loader": {}, "detector": {}, "held_s": 0.0}
 
     def save_wait(self) -> dict:
+        import time
+
+        time.sleep(self.wait_s)
         return {"rank": self.rank, "ok": True, "files": [], "retries": []}
 
     def die(self) -> None:
@@ -75,6 +79,34 @@ def test_a_rank_dead_during_an_upload_is_a_typed_failure_and_its_save_is_abandon
     ckpt.salvage(timeout_s=2.0)
     assert ckpt.inflight is None and events[-1]["kind"] == "checkpoint_save_abandoned"
     assert ckpt.store.steps() == []
+
+
+def test_a_rank_dead_while_the_save_is_awaited_leaves_the_save_to_salvage(ray_session, make_cfg):
+    """The supervisor waits for the save in flight (the next checkpoint step, a stop, a sync save) and
+    rank 1 died during it. ``finish`` let go of the save before the wait: the RunFailed left nothing in
+    flight, so salvage recorded neither a commit nor an abandon, and the restart went back a checkpoint
+    with no event saying why (a CI quarantine drill, 2026-12-06). Now the save stays in flight and
+    salvage abandons it."""
+    workers = [_Uploader.remote(0, done=False), _Uploader.remote(1, done=False)]
+    ckpt, events = _coordinator(make_cfg(), workers)
+    _kill(workers[1])
+    with pytest.raises(RunFailed) as err:
+        ckpt.finish()
+    assert err.value.failure.kind is FailureKind.DIED and err.value.failure.rank == 1
+    assert ckpt.inflight is not None and ckpt.inflight["step"] == 4
+    ckpt.salvage(timeout_s=2.0)
+    assert ckpt.inflight is None and events[-1]["kind"] == "checkpoint_save_abandoned" and events[-1]["step"] == 4
+    assert ckpt.store.steps() == []
+
+
+def test_a_save_awaited_while_the_watch_polls_is_committed_once(ray_session, make_cfg):
+    """``finish`` holds the save in flight while it waits, and the watch polls during every wait: the
+    poll must not commit that save under it (two checkpoint_saved events, two retention passes)."""
+    workers = [_Uploader.remote(r, done=True, wait_s=1.5) for r in range(2)]  # longer than the watch's 1 s tick
+    ckpt, events = _coordinator(make_cfg(), workers)
+    ckpt.finish()
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_saved"] == [4] and ckpt.store.steps() == [4]
+    assert ckpt.inflight is None
 
 
 def test_a_save_every_rank_uploaded_is_committed_though_a_rank_died_after(ray_session, make_cfg):

@@ -159,11 +159,21 @@ class SaveInFlight:
         )
 
     def finish(self) -> None:
-        """Wait for the save in flight; commit it if every rank uploaded, else record the failure."""
+        """Wait for the save in flight; commit it if every rank uploaded, else record the failure.
+
+        The save stays in flight until every rank has answered: a rank that dies meanwhile raises
+        ``RunFailed`` with the save still held, so the healer's ``salvage`` commits or abandons it
+        (and records which), never forgets it."""
         if self.inflight is None:
             return
-        job, self.inflight = self.inflight, None
-        results = self.wait([w.save_wait.remote() for w in self.workers], f"checkpoint upload of step {job['step']}")
+        job, polling, self._polling = self.inflight, self._polling, True  # no poll commits it meanwhile
+        try:
+            results = self.wait(
+                [w.save_wait.remote() for w in self.workers], f"checkpoint upload of step {job['step']}"
+            )
+        finally:
+            self._polling = polling
+        self.inflight = None
         self._commit(job, results)
 
     def _commit(self, job: dict, results: list[dict], hot: bool = True) -> None:
