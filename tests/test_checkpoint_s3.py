@@ -192,8 +192,13 @@ def test_save_killed_halfway_is_never_loaded(ray_session, s3_server, make_cfg):
         train(make_cfg(*args, 'supervisor.inject="kill_save@10"', "supervisor.max_restarts=0"), progress=False)
     cfg = make_cfg(*args)
     store = CheckpointStore(cfg.checkpoint_uri, cfg.checkpoint.storage_options)
-    assert store.storage.fs.ls(f"{bucket}/run/step_00000010")  # some files of step 10 were uploaded...
-    assert store.read_manifest(10) is None and store.steps() == [5]  # ...but it was never committed
+    # the failing run abandons the save in flight: its uploaded files deleted, never committed
+    abandoned = [e for e in read_jsonl(Path(cfg.run_dir) / "events.jsonl") if e["kind"] == "checkpoint_save_abandoned"]
+    assert [e["step"] for e in abandoned] == [10] and abandoned[0]["freed_bytes"] > 0, abandoned
+    assert store.read_manifest(10) is None and store.steps() == [5]
+    # a supervisor that died with its rank (a lost head node) abandons nothing: its upload's files stay
+    store.storage.fs.pipe(f"{bucket}/run/step_00000010/__0_0.distcp", b"half an upload")
+    assert store.read_manifest(10) is None and store.steps() == [5]  # never committed, never listed
     summary = train(cfg, resume=True, progress=False)
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     assert [e["step"] for e in events if e["kind"] == "resumed"] == [5]
