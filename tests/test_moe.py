@@ -205,6 +205,14 @@ def test_parameter_counts_match_the_model_and_active_counts_k_experts():
         (["parallel.tp=2"], "not with parallel.tp=2"),
         (["model.mup=true"], "model.mup = true with a mixture of experts"),
         (['model.init_from="/some/hf/dir"'], "reading Hugging Face MoE checkpoints .* is not built yet"),
+        (["parallel.dp_shard=4", "parallel.ep=3"], "parallel.ep=3 does not divide parallel.dp_shard=4"),
+        (["parallel.dp_shard=6", "parallel.ep=3"], "parallel.ep=3 does not divide model.moe_experts=8"),
+        (["parallel.dp_replicate=2", "parallel.ep=2"], "parallel.ep=2 does not divide parallel.dp_shard=1"),
+        (
+            ["parallel.dp_shard=2", "parallel.ep=2", "parallel.elastic=true", 'parallel.elastic_dim="dp_shard"'],
+            "resize dp_replicate instead",
+        ),
+        (["model.moe_experts=0", "parallel.dp_shard=2", "parallel.ep=2"], "model.moe_experts = 0 \\(a dense model\\)"),
     ],
 )
 def test_a_config_moe_cannot_run_is_refused_with_the_fix(sets, says):

@@ -128,7 +128,18 @@ MOE = [
     "model.moe_bias_update_rate=0.001",
     "train.micro_batch=4",
 ]
-MOE_CASES = [("dp_shard=2", MOE), ("dp_replicate=2", MOE)]
+# expert parallelism (milestone 3) carved from dp_shard: one EP group; EP with FSDP over the other group
+# (efsdp=2); EP inside replicas (HSDP); one expert per rank. On 4 ranks one process takes the ranks'
+# quarters of the batch as its micro-batches, for the same reason.
+MOE4 = [*MOE[:-1], "train.micro_batch=2"]
+MOE_CASES = [
+    ("dp_shard=2", MOE),
+    ("dp_replicate=2", MOE),
+    ("dp_shard=2,ep=2", MOE),
+    ("dp_shard=4,ep=2", MOE4),
+    ("dp_replicate=2,dp_shard=2,ep=2", MOE4),
+    ("dp_shard=4,ep=4", MOE4),
+]
 STEPS = 10
 
 
@@ -152,11 +163,12 @@ def check_built(layout: str, run_dir: str) -> None:
     check_built_parts(layout, events[0]["built"])
 
 
-def check_built_parts(layout: str, built: dict) -> None:
-    """What rank 0 built (``raysc.parallel.describe.describe_shard``) is what ``layout`` implies."""
+def check_built_parts(layout: str, built: dict, extra: list[str] = ()) -> None:
+    """What rank 0 built (``raysc.parallel.describe.describe_shard``) is what ``layout`` (with the
+    ``extra`` overrides of its case) implies."""
     from raysc.config import load_config
 
-    par = load_config(None, [*PARITY, *layout_overrides(layout)]).parallel
+    par = load_config(None, [*PARITY, *extra, *layout_overrides(layout)]).parallel
     virtual = par.pp_virtual_stages if par.pp > 1 else 1
     assert built["schedule"] == (SCHEDULE_CLASS[par.pp_schedule] if par.pp > 1 else None), built
     assert built["stages"] == [k * par.pp for k in range(virtual)] and built["num_stages"] == par.pp * virtual
@@ -167,6 +179,10 @@ def check_built_parts(layout: str, built: dict) -> None:
     assert ("tp:R" in norm) == par.sequence_parallel, norm  # SP: norms are TP-replicated DTensors
     assert (built["attention"] == "ContextParallelAttention") == (par.cp > 1), built["attention"]
     assert built["recompute"] == (par.recompute == "full")
+    experts = built["placements"].get("experts.w_gate")
+    if experts is not None:  # a mixture of experts: split over the EP group, the rest of dp_shard shards them
+        assert ("ep:S(0)" in experts) == (par.ep > 1), experts
+        assert ("efsdp:" in experts) == (par.ep > 1), experts
 
 
 def _layout_rank(
@@ -216,6 +232,7 @@ def _layout_rank(
         got = [trainer.train_step() for _ in range(STEPS)]
         results[f"{layout} {' '.join(extra)}".strip()] = {
             "layout": layout,
+            "extra": list(extra),
             "built": describe_shard(trainer.shard, trainer.schedule),
             "steps": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in got],
             "ref": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in ref],
@@ -225,10 +242,10 @@ def _layout_rank(
         Path(out).write_text(json.dumps(results, default=str))
 
 
-def _world(layout: str) -> int:
+def _world(layout: str, extra: list[str] = ()) -> int:
     from raysc.config import load_config
 
-    return load_config(None, [*PARITY, *layout_overrides(layout)]).parallel.world_size
+    return load_config(None, [*PARITY, *extra, *layout_overrides(layout)]).parallel.world_size
 
 
 @pytest.mark.parametrize("world", [2, 4, 8])
@@ -247,7 +264,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
     cases += [(lay, MUP) for lay in MUP_LAYOUTS if _world(lay) == world]
     cases += [(lay, extra) for lay, extra in FAMILY_CASES if _world(lay) == world]
     cases += [(lay, extra) for lay, extra in DOC_CASES if _world(lay) == world]
-    cases += [(lay, extra) for lay, extra in MOE_CASES if _world(lay) == world]
+    cases += [(lay, extra) for lay, extra in MOE_CASES if _world(lay, extra) == world]
     assert cases
     for extra in {tuple(e) for _, e in cases}:
         prepare_data(load_config(None, [*overrides, *extra, f"train.steps={STEPS}"]))  # tokenize once, here
@@ -265,7 +282,7 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
                 "grad_norm",
             )
             assert got.get("moe_tokens") == want.get("moe_tokens"), (name, step, "tokens per expert")
-        check_built_parts(r["layout"], r["built"])
+        check_built_parts(r["layout"], r["built"], r["extra"])
 
 
 @pytest.mark.parametrize("layout", RAY_LAYOUTS)

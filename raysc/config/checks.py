@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from raysc.config.dims import MULTI_STAGE
 from raysc.config.faults import parse_faults
-from raysc.config.schema import Config
+from raysc.config.schema import Config, ModelConfig, ParallelConfig
 from raysc.config.syntax import parse_ngram_limits, parse_schedule
 
 
@@ -95,6 +95,11 @@ def check_moe(cfg: Config, origin: str) -> None:
     """[model] moe_*: top-k within the experts; at least one MoE layer; the layouts MoE runs in so far."""
     m, par = cfg.model, cfg.parallel
     if not m.moe_experts:
+        if par.ep > 1:
+            raise ConfigError(
+                f"{origin}: parallel.ep={par.ep} splits the routed experts of a mixture of experts, but "
+                f"model.moe_experts = 0 (a dense model); set parallel.ep = 1, or model.moe_experts > 0."
+            )
         return
     if m.moe_top_k > m.moe_experts:
         raise ConfigError(
@@ -122,9 +127,33 @@ def check_moe(cfg: Config, origin: str) -> None:
     if other:
         raise ConfigError(
             f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) trains with data parallelism "
-            f"(parallel.dp_shard, dp_replicate) so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}: "
-            f"expert parallelism and its composition with TP, PP and CP are the next step of issue 58 (docs/moe.md); "
-            f"set them to 1."
+            f"and expert parallelism (parallel.dp_shard, dp_replicate, ep) so far, not with "
+            f"{', '.join(f'parallel.{k}={v}' for k, v in other.items())}: composing MoE with TP, PP and CP is the "
+            f"next step of issue 58 (docs/moe.md); set them to 1."
+        )
+    check_ep(m, par, origin)
+
+
+def check_ep(m: ModelConfig, par: ParallelConfig, origin: str) -> None:
+    """parallel.ep: carved from dp_shard, dividing the experts; not the dim an elastic run resizes."""
+    if par.ep == 1:
+        return
+    if par.dp_shard % par.ep:
+        raise ConfigError(
+            f"{origin}: parallel.ep={par.ep} does not divide parallel.dp_shard={par.dp_shard}: expert-parallel "
+            f"groups are carved from the FSDP ranks (docs/moe.md); make dp_shard a multiple of ep."
+        )
+    if m.moe_experts % par.ep:
+        raise ConfigError(
+            f"{origin}: parallel.ep={par.ep} does not divide model.moe_experts={m.moe_experts}: every rank of an "
+            f"expert-parallel group holds the same number of experts; choose ep among the divisors of "
+            f"{m.moe_experts}."
+        )
+    if par.elastic and par.elastic_dim == "dp_shard":
+        raise ConfigError(
+            f"{origin}: parallel.elastic with parallel.elastic_dim = 'dp_shard' and parallel.ep={par.ep}: "
+            f"resizing dp_shard would split the expert-parallel groups; resize dp_replicate instead "
+            f"(parallel.elastic_dim = 'dp_replicate')."
         )
 
 

@@ -20,6 +20,13 @@ class ParallelConfig:
     tp: int = opt(1, "tensor-parallel degree", min=1)
     pp: int = opt(1, "pipeline-parallel degree", min=1)
     cp: int = opt(1, "context-parallel degree", min=1)
+    ep: int = opt(
+        1,
+        "expert-parallel degree (a mixture of experts): each group of ep consecutive dp_shard ranks "
+        "splits the routed experts between them and sends every token to its experts' ranks by "
+        "all-to-all; carved from dp_shard (ep divides dp_shard and model.moe_experts), so it adds no rank",
+        min=1,
+    )
     sequence_parallel: bool = opt(False, "shard norms and activations along the sequence inside TP groups")
     recompute: str = opt(
         "none",

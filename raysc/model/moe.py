@@ -96,10 +96,18 @@ class GroupedExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """``x`` (R, D): tokens sorted by expert, ``counts[e]`` of them for expert ``e``; -> (R, D)."""
-        offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        gate = torch._grouped_mm(x, self.w_gate.to(x.dtype).transpose(-2, -1), offs=offs)
-        up = torch._grouped_mm(x, self.w_up.to(x.dtype).transpose(-2, -1), offs=offs)
-        return torch._grouped_mm(F.silu(gate) * up, self.w_down.to(x.dtype).transpose(-2, -1), offs=offs)
+        return grouped_swiglu(x, counts, self.w_gate, self.w_up, self.w_down)
+
+
+def grouped_swiglu(
+    x: torch.Tensor, counts: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor
+) -> torch.Tensor:
+    """SwiGLU experts over tokens sorted by expert (``counts[e]`` rows for expert ``e``), one grouped GEMM
+    per projection; the weights are (E, F, D), (E, F, D), (E, D, F)."""
+    offs = torch.cumsum(counts, 0, dtype=torch.int32)
+    gate = torch._grouped_mm(x, w_gate.to(x.dtype).transpose(-2, -1), offs=offs)
+    up = torch._grouped_mm(x, w_up.to(x.dtype).transpose(-2, -1), offs=offs)
+    return torch._grouped_mm(F.silu(gate) * up, w_down.to(x.dtype).transpose(-2, -1), offs=offs)
 
 
 def expert_loop(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

@@ -7,14 +7,20 @@ each local gradient's squared norm (the unpadded local shard of a DTensor) is ad
 the entry of its placement kind — the set of named mesh dims it is sharded over
 (``()`` for a plain or fully replicated tensor). The entries form one small vector; for
 each mesh dim in a fixed (sorted) order one ``all_reduce`` over that dim's group sums
-the entries sharded over it, with the other entries zeroed on every rank but the
-group's first, so they pass through exactly (replicated copies count once). The vector's
-sum is then summed over the pipeline group. Every rank gets the same global norm and
+the entries sharded over it, and every other entry keeps its own value (replicated copies
+count once). The vector's sum is then summed over the pipeline group.
+
+The other entries are kept as they are, not passed through the reduction as the group's
+first rank's value: under expert parallelism two kinds overlap (the experts are sharded
+over ``efsdp`` × ``ep``, which split ``dp_shard``, while the dense weights are sharded
+over ``dp_shard_cp``), and the ranks of the ``dp_shard_cp`` group hold different experts.
+Passing the expert entry through that group as its first rank's value counted that
+rank's experts ``ep`` times and the others' never (a grad norm 1.7e-4 off at ep=2). Every rank gets the same global norm and
 applies the same clip factor as single-process training. A gradient with a ``Partial``
 placement (a pending sum, not a shard) is reduced on its own with ``full_tensor``.
 
-The ranks of one mesh-dim group hold the same parameters (they differ only in that
-coordinate), so they build the same vector and issue the same reductions in the same order.
+Every rank holds parameters of the same kinds (the same keys), so all ranks build vectors of
+the same shape and issue the same reductions in the same order.
 """
 
 from __future__ import annotations
@@ -58,11 +64,10 @@ def global_grad_norm(params: list[torch.Tensor], pp_group: dist.ProcessGroup | N
     if keys:
         vec = torch.stack([sums[k] for k in keys])
         for name in sorted(groups):
-            group = groups[name]
-            if dist.get_group_rank(group, dist.get_rank()) != 0:
-                keep = torch.tensor([name in k for k in keys], device=device)
-                vec = torch.where(keep, vec, torch.zeros_like(vec))  # an inf stays inf, not 0·inf
-            dist.all_reduce(vec, group=group)
+            sharded = torch.tensor([name in k for k in keys], device=device)
+            part = torch.where(sharded, vec, torch.zeros_like(vec))  # an inf stays inf, not 0·inf
+            dist.all_reduce(part, group=groups[name])
+            vec = torch.where(sharded, part, vec)
         total += vec.sum()
     if pp_group is not None:
         dist.all_reduce(total, group=pp_group)

@@ -3,7 +3,8 @@
 The config says which layout was asked for; this says what the rank holds after the plans
 ran: its pipeline stages and the schedule object driving them, the DTensor placement of two
 weights of its first block (a column-parallel projection and a norm: sharded by TP/FSDP, and
-replicated over the TP mesh only under sequence parallelism), the attention kernel (context
+replicated over the TP mesh only under sequence parallelism) and of its first experts (over the
+``ep`` mesh under expert parallelism), the attention kernel (context
 parallelism swaps it) and whether the blocks recompute their forward. A plan that silently
 did nothing shows up here even when the numbers still match single-process training.
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from raysc.model.moe import GroupedExperts
 from raysc.parallel.parallelize import ModelShard
 from raysc.parallel.recompute import is_recomputed
 
@@ -41,4 +43,8 @@ def describe_shard(shard: ModelShard, schedule: object | None) -> dict:
         kernel = block.attn.core_attention
         out["attention"] = getattr(kernel, "__name__", type(kernel).__name__)
         out["recompute"] = is_recomputed(block)
+    blocks = [b for part in shard.parts for b in part.layers.values()]
+    experts = next((m for b in blocks for m in b.modules() if isinstance(m, GroupedExperts)), None)
+    if experts is not None:  # a mixture of experts: sharded over the EP mesh under expert parallelism
+        out["placements"]["experts.w_gate"] = placement(experts.w_gate)
     return out

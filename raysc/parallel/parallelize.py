@@ -1,4 +1,4 @@
-"""Build this rank's share of the model: pipeline split, then CP, TP/SP, recompute and FSDP on each stage.
+"""Build this rank's share of the model: pipeline split, then CP, TP/SP, EP, recompute and FSDP on each stage.
 
 The model is built on the meta device and the plans are applied there, so no rank
 ever holds the full model; ``materialise`` then allocates only this rank's tensors
@@ -22,6 +22,7 @@ from raysc.model.hf_checkpoint import HFCheckpoint
 from raysc.model.hf_fetch import init_dir
 from raysc.model.llama import Llama
 from raysc.parallel.cp import apply_cp
+from raysc.parallel.expert_parallel import apply_ep, expert_meshes
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
 from raysc.parallel.materialise import init_order, materialise
 from raysc.parallel.pp import build_stages
@@ -77,7 +78,7 @@ def build_model_shard(
 def _plan_meta(
     full: Llama, cfg: Config, dims: ParallelDims, rank: int, mesh, device: torch.device, bf16: bool
 ) -> tuple[list[nn.Module], list[int], int]:
-    """Apply the pipeline split, CP, TP/SP, recompute and FSDP to the meta model ``full``."""
+    """Apply the pipeline split, CP, TP/SP, EP, recompute and FSDP to the meta model ``full``."""
     if dims.world_size == 1:
         apply_recompute(full, cfg.parallel.recompute)
         return [full], [0], 1
@@ -88,12 +89,16 @@ def _plan_meta(
     else:
         parts, ids = [full], [0]
     dp_mesh = fsdp_mesh(mesh, dims)
+    ep = cfg.parallel.ep
+    ep_mesh, experts_mesh = expert_meshes(mesh, dims, ep) if ep > 1 else (None, None)
     for part in parts:
         if dims.cp > 1:
             apply_cp(part, mesh["cp"].get_group(), c["cp"], dims.cp, cfg.train.seq_len, device)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], cfg.parallel.sequence_parallel)
+        if ep_mesh is not None:
+            apply_ep(part, ep_mesh)
         apply_recompute(part, cfg.parallel.recompute)  # inside FSDP's per-block wrapping, as torchtitan orders it
         if dp_mesh is not None:
-            apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1)
+            apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh)
     return parts, ids, dims.pp * virtual
