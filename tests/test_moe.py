@@ -247,11 +247,13 @@ def test_a_tiny_moe_trains_in_process_and_its_steps_report_routing(make_cfg):
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6
 
 
-def test_an_moe_fleet_under_fsdp_stops_on_a_router_collapse_with_a_checkpoint(ray_session, make_cfg):
-    """`raysc train`'s path on Ray: a dp_shard=2 MoE run whose supervisor is told to stop on a router
-    collapse, with a bound (0.3 of the worst load, a 4-step window) that a tiny untrained router
-    meets: the collapse is an event naming the layer, the run stops at a step boundary and saves it,
-    and the checkpoint holds the experts' 3-D weights and the routers' selection biases."""
+def test_an_moe_fleet_under_expert_parallelism_stops_on_a_router_collapse_with_a_checkpoint(ray_session, make_cfg):
+    """`raysc train`'s path on Ray: a dp_shard=2, ep=2 MoE run (each worker holds half the experts)
+    whose supervisor is told to stop on a router collapse, with a bound (0.3 of the worst load, a 4-step
+    window) that a tiny untrained router meets: the collapse is an event naming the layer, the run
+    stops at a step boundary and saves it, and the checkpoint, read back by one process, holds every
+    expert's 3-D weights (each worker's half, none left at its fresh draw) and the routers' selection
+    biases. (The EP numbers against one process: test_parallel's MOE_CASES.)"""
     from raysc.export.restore import load_run
     from raysc.fleet.driver import train
     from raysc.fleet.errors import RunStopped
@@ -262,6 +264,7 @@ def test_an_moe_fleet_under_fsdp_stops_on_a_router_collapse_with_a_checkpoint(ra
         "model.moe_first_dense_layers=1",
         "model.moe_bias_update_rate=0.001",
         "parallel.dp_shard=2",
+        "parallel.ep=2",
         "train.steps=40",
         "supervisor.router_window=4",
         "supervisor.router_collapse_load=0.3",
@@ -277,8 +280,12 @@ def test_an_moe_fleet_under_fsdp_stops_on_a_router_collapse_with_a_checkpoint(ra
     assert stop["reason"] == "router collapse in layer 1"
     assert summary["stopped"] == stop["reason"] and collapse["step"] <= summary["step"] < 40, summary
     assert summary["checkpoint_step"] == summary["step"]  # saved where it stopped
+    [layout] = [e for e in events if e["kind"] == "layout"]
+    assert layout["ep"] == 2 and "ep:S(0)" in layout["built"]["placements"]["experts.w_gate"], layout
     run = load_run(cfg.run_dir)
     moe = run.model.layers["1"].mlp
     assert tuple(moe.experts.w_gate.shape) == (8, 32, 64)
+    fresh = build_model(run.cfg.model, run.cfg.rope_len, run.cfg.train.seed).layers["1"].mlp.experts.w_gate
+    assert all(not torch.equal(moe.experts.w_gate[e], fresh[e]) for e in range(8))  # both halves trained
     bias = moe.router.expert_bias
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6  # the trained bias, not a fresh zero

@@ -201,11 +201,12 @@ class Fleet:
             threads=infos[0].threads,
             peak_flops=infos[0].peak_flops,
         )
-        dims = self.cfg.parallel.dims
+        dims, ep = self.cfg.parallel.dims, self.cfg.parallel.ep
         self.event(
             EventKind.LAYOUT,
             layout=dims.describe(),
             world_size=dims.world_size,
+            **({"ep": ep} if ep > 1 else {}),  # expert-parallel groups, carved from dp_shard
             node_ids=[i.node_id for i in infos],
             built=infos[0].built,
             table="\n" + rank_table(dims, [i.node for i in infos]),
