@@ -15,8 +15,12 @@ Four measurements, one process, the same torch thread count throughout (``BENCH_
    with the switch auxiliary loss (0.01, the shipped config's), and with DeepSeek-V3's selection bias
    (rate 1e-3, no auxiliary loss): the mean over the last 50 steps of the busiest expert's load over
    the mean (worst layer; 1.0 is perfect), dead experts, and the final loss.
-4. Expert parallelism (ep=1 against ep=2, the all-to-all's share of a step) is not measured: ``parallel.ep``
-   is not built yet (docs/moe.md); the JSON says so.
+4. **Expert parallelism**: tiny-moe on two gloo ranks (``dp_shard=2``, one torch thread each, forked
+   from this process), ``ep=1`` (each rank holds every expert, FSDP-sharded) against ``ep=2`` (each holds
+   four and tokens travel by all-to-all): training tokens/s from step 10 on, the runs alternated, the
+   median of ``BENCH_EP_REPS`` (default 3); and the all-to-all's share of an ``ep=2`` step, from torch's
+   profiler on rank 0 (the self CPU time of the all-to-all and wait ops, forward and backward, over
+   the wall time of ``BENCH_EP_STEPS`` profiled steps).
 
 Prints JSON on its last line.
 """
@@ -45,6 +49,9 @@ THREADS = int(os.environ.get("BENCH_THREADS", "2"))
 REPS = int(os.environ.get("BENCH_REPS", "5"))
 TPS_STEPS = int(os.environ.get("BENCH_STEPS", "40"))
 BALANCE_STEPS = int(os.environ.get("BENCH_BALANCE_STEPS", "200"))
+EP_REPS = int(os.environ.get("BENCH_EP_REPS", "3"))
+EP_STEPS = int(os.environ.get("BENCH_EP_STEPS", "30"))
+COMM_OPS = ("all_to_all", "alltoall", "wait_tensor")
 SHIPPED = ROOT / "jobs/configs/tiny-moe.toml"
 
 
@@ -134,6 +141,59 @@ def balance(tmp: str) -> dict:
     return out
 
 
+def _ep_rank(rank: int, port: int, ep: int, tmp: str, out: str) -> None:
+    """One of two gloo ranks training tiny-moe at dp_shard=2 and ``ep``; rank 0 writes its figures."""
+    import torch.distributed as dist
+    from torch.profiler import ProfilerActivity, profile
+
+    from raysc.parallel.dims import build_mesh
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    steps = 10 + EP_STEPS * 2
+    cfg = _config(tmp, f"train.steps={steps}", "parallel.dp_shard=2", f"parallel.ep={ep}")
+    rows = prepare_data(cfg)[0].train
+    t = Trainer(cfg, rows, rank=rank, mesh=build_mesh(cfg.parallel.dims, "cpu"), measure_peak=False)
+    ms = [t.train_step() for _ in range(10 + EP_STEPS)]
+    warm = ms[9:]
+    tps = (warm[-1]["tokens"] - warm[0]["tokens"]) / (warm[-1]["time"] - warm[0]["time"])
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(EP_STEPS):
+            t.train_step()
+        wall = time.perf_counter() - t0
+    comm = sum(e.self_cpu_time_total for e in prof.key_averages() if any(k in e.key for k in COMM_OPS)) / 1e6
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps({"tokens_per_s": tps, "comm_share": comm / wall}))
+
+
+def expert_parallel(tmp: str) -> dict:
+    """tokens/s at ep=1 and ep=2 on two ranks, alternated; the all-to-all's share of an ep=2 step."""
+    import torch.multiprocessing as mp
+
+    from raysc.cluster.ports import free_port
+
+    prepare_data(_config(tmp))  # tokenized once, here
+    runs: dict[int, list[dict]] = {1: [], 2: []}
+    for _ in range(EP_REPS):
+        for ep in (1, 2):
+            out = Path(tmp) / f"ep{ep}.json"
+            mp.start_processes(_ep_rank, args=(free_port(), ep, tmp, str(out)), nprocs=2, start_method="fork")
+            runs[ep].append(json.loads(out.read_text()))
+            print(f"ep={ep}", runs[ep][-1], flush=True)
+    one = statistics.median(r["tokens_per_s"] for r in runs[1])
+    two = statistics.median(r["tokens_per_s"] for r in runs[2])
+    return {
+        "ranks": 2,
+        "ep1_tokens_per_s": round(one),
+        "ep2_tokens_per_s": round(two),
+        "ep2_over_ep1": round(two / one, 3),
+        "ep2_all_to_all_share": round(statistics.median(r["comm_share"] for r in runs[2]), 3),
+        "ep1_comm_ops_share": round(statistics.median(r["comm_share"] for r in runs[1]), 3),
+    }
+
+
 def main() -> None:
     torch.set_num_threads(THREADS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -143,7 +203,7 @@ def main() -> None:
             "grouped_gemm": grouped_vs_loop(),
             "moe_vs_dense": moe_vs_dense(tmp),
             "balance": balance(tmp),
-            "expert_parallel": "not measured: parallel.ep is not built yet (docs/moe.md)",
+            "expert_parallel": expert_parallel(tmp),
         }
     print(json.dumps(result))
 

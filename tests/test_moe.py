@@ -253,26 +253,30 @@ def test_an_moe_fleet_under_expert_parallelism_stops_on_a_router_collapse_with_a
     window) that a tiny untrained router meets: the collapse is an event naming the layer, the run
     stops at a step boundary and saves it, and the checkpoint, read back by one process, holds every
     expert's 3-D weights (each worker's half, none left at its fresh draw) and the routers' selection
-    biases. (The EP numbers against one process: test_parallel's MOE_CASES.)"""
+    biases. A rank killed while its peer waits in the all-to-all is healed bit-exact. (The EP numbers
+    against one process: test_parallel's MOE_CASES.)"""
     from raysc.export.restore import load_run
     from raysc.fleet.driver import train
     from raysc.fleet.errors import RunStopped
     from raysc.fleet.records import read_jsonl
 
-    cfg = make_cfg(
+    sets = [
         *MOE,
         "model.moe_first_dense_layers=1",
         "model.moe_bias_update_rate=0.001",
         "parallel.dp_shard=2",
         "parallel.ep=2",
         "train.steps=40",
+        "checkpoint.every_steps=2",
         "supervisor.router_window=4",
         "supervisor.router_collapse_load=0.3",
         "supervisor.router_collapse=stop",
-    )
+    ]
+    cfg = make_cfg(*sets)
     with pytest.raises(RunStopped) as stopped:
         train(cfg, progress=False)
     summary = stopped.value.summary
+
     events = read_jsonl(Path(cfg.run_dir) / "events.jsonl")
     [collapse] = [e for e in events if e["kind"] == "router_collapse"]
     assert collapse["layer"] == 1 and collapse["action"] == "stop" and collapse["step"] >= 4
@@ -287,5 +291,19 @@ def test_an_moe_fleet_under_expert_parallelism_stops_on_a_router_collapse_with_a
     assert tuple(moe.experts.w_gate.shape) == (8, 32, 64)
     fresh = build_model(run.cfg.model, run.cfg.rope_len, run.cfg.train.seed).layers["1"].mlp.experts.w_gate
     assert all(not torch.equal(moe.experts.w_gate[e], fresh[e]) for e in range(8))  # both halves trained
+
+    # the same run with rank 1 SIGKILLed as its backward starts: rank 0's first exchange with it is the
+    # MoE layer's all-to-all (the dense weights' reduce-scatters come after it), so rank 0 is inside the
+    # all-to-all when its peer dies. Detected (not a hang), healed from the checkpoint, and the run stops at
+    # the same collapse with the same parameters, bit for bit
+    faulty = make_cfg(*sets, 'supervisor.inject="kill@3:1/backward"', run="faulty")
+    with pytest.raises(RunStopped) as again:
+        train(faulty, progress=False)
+    healed = read_jsonl(Path(faulty.run_dir) / "events.jsonl")
+    assert [e["rank"] for e in healed if e["kind"] == "worker_died"] == [1]
+    assert [e["healed_by"] for e in healed if e["kind"] == "recovered"] == ["checkpoint"]
+    assert again.value.summary["step"] == summary["step"] and again.value.summary["stopped"] == summary["stopped"]
+    trained = dict(run.model.named_parameters())
+    assert all(torch.equal(p, trained[k]) for k, p in load_run(faulty.run_dir).model.named_parameters())
     bias = moe.router.expert_bias
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6  # the trained bias, not a fresh zero

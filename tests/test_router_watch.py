@@ -29,8 +29,17 @@ def test_a_collapse_is_named_once_after_a_full_window_and_again_only_after_recov
     assert [e["layer"] for s in range(13, 17) for e in watch.observe(s, collapsed)] == [1]
     # the busiest expert at 3.2x the mean every step (the worst for 8 experts top-2 is 4), nobody dead
     skewed = {"2": [400, 200, 100, 100, 100, 50, 49, 1]}
-    watch.reset()
     assert [e["layer"] for s in range(4) for e in watch.observe(s, skewed)] == [2]
+    # a fleet healed back to step 4 keeps the window's steps up to 4: the collapse is named at the same
+    # step as without the restart (7, its window 4..7); not at 5 (the lost steps counted twice), nor at 8
+    # (a window started afresh)
+    fresh = RouterWatch(window=4, collapse_load=0.6, top_k=2)
+    for step in range(1, 7):
+        assert not fresh.observe(step, healthy if step < 4 else collapsed)
+    fresh.rewind(4)  # steps 5 and 6 are lost: they run again
+    assert not fresh.observe(5, collapsed) and not fresh.observe(6, collapsed)
+    [again] = fresh.observe(7, collapsed)
+    assert again["step"] == 7 and again["layer"] == 1
 
 
 def _train(cfg, steps: int, collapse: bool) -> list[dict]:

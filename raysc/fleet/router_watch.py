@@ -15,7 +15,8 @@ It says so once per layer (a ``router_collapse`` event naming the layer, the dea
 experts, their share of the tokens), again only after the layer was healthy for a window, and does what
 ``supervisor.router_collapse`` asks: ``warn`` (the event alone) or ``stop`` (save and stop, as
 ``raysc stop`` does). Only full windows count: a run's first steps, when a router has not learned
-anything yet, are no verdict; neither are the first steps after a restart.
+anything yet, are no verdict. A restart or a peer heal going on from step ``s`` keeps the window's
+steps up to ``s`` (``rewind``): the healed run is the same computation, and is judged the same.
 """
 
 from __future__ import annotations
@@ -35,10 +36,15 @@ class RouterWatch:
         self._flagged: set[str] = set()
         self._lock = threading.Lock()  # steps arrive on the supervisor's report thread, restarts on its run thread
 
-    def reset(self) -> None:
-        """Forget the window (a restart: the steps after it start a new one)."""
+    def rewind(self, step: int) -> None:
+        """A fleet that goes on from ``step`` (a restart from its checkpoint, a peer heal): forget the
+        steps after it, which will run again; keep those up to it, which were the same steps. So a healed
+        run judges the same windows and acts at the same step as the uninterrupted run (a restart that
+        forgot the whole window stopped a collapsing run at step 6 instead of 4)."""
         with self._lock:
-            self._seen.clear()
+            for seen in self._seen.values():
+                while seen and seen[-1][0] > step:
+                    seen.pop()
 
     def observe(self, step: int, tokens: dict[str, list[int]]) -> list[dict]:
         """One step's tokens per expert per layer; the collapses found (event fields), each once."""
@@ -49,10 +55,10 @@ class RouterWatch:
         found = []
         for layer, counts in tokens.items():
             seen = self._seen.setdefault(layer, deque(maxlen=self.window))
-            seen.append(np.asarray(counts, dtype=np.float64))
+            seen.append((step, np.asarray(counts, dtype=np.float64)))
             if len(seen) < self.window:
                 continue
-            verdict = self._verdict(np.stack(seen))
+            verdict = self._verdict(np.stack([c for _, c in seen]))
             if verdict is None:
                 self._flagged.discard(layer)  # healthy for a whole window: a new collapse is news again
             elif layer not in self._flagged:

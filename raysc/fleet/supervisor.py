@@ -269,7 +269,7 @@ class Supervisor:
             target = min(target, step + 1)
         if fresh:  # kept after the chunk: rank 0's report of the step may arrive after it returns
             self._warmup_step = step + 1
-            self.router_watch.reset()  # a new fleet's steps start a new routing window
+            self.router_watch.rewind(step)  # the steps after ``step`` run again
         self.stats.touch()
         self.fleet.train_calls = [w.train.remote(target) for w in workers]
         results = self.watch.wait(
