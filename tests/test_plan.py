@@ -133,6 +133,28 @@ def test_invalid_layouts_are_rejected_with_the_reason():
     assert all(r["memory"]["total"] <= 0.0002e9 for r in tight["ranked"])
 
 
+def test_a_mixture_of_experts_is_planned_only_in_the_layouts_it_runs():
+    """The planner checks a candidate as a run's config is checked: an MoE (TP, PP and CP refused by
+    ``check_moe`` so far) gets data-parallel layouts only, never one that `raysc train` then refuses."""
+    cfg = load_config(
+        None,
+        [
+            "model.vocab_size=512",
+            "model.dim=64",
+            "model.n_layers=4",
+            "model.n_heads=4",
+            "model.n_kv_heads=2",
+            "model.moe_experts=8",
+            "model.moe_top_k=2",
+            "train.seq_len=64",
+            "train.global_batch=16",
+        ],
+    )
+    result = plan(cfg, Cluster(gpus=8, gpus_per_node=8, gpu_mem_gb=80))
+    assert result["ranked"] and all(r["layout"].tp == r["layout"].pp == r["layout"].cp == 1 for r in result["ranked"])
+    assert any("a mixture of experts" in k and "not with parallel.tp" in k for k in result["rejected"])
+
+
 def test_estimates_follow_the_formulas():
     cfg = load_config(
         None,

@@ -3,7 +3,8 @@ estimate the rest, rank them, and the simple heuristic to compare against.
 
 A candidate is checked by the same code that checks a run's config
 (``raysc.config.checks.check_layout``: head/vocab/FFN divisibility by tp, layers by pp ×
-virtual stages, sequence by 2·cp, micro-batches by dp …), then against the cluster (a TP
+virtual stages, sequence by 2·cp, micro-batches by dp …; ``check_moe``: the layouts a mixture of
+experts runs in, data parallelism so far), then against the cluster (a TP
 group must sit inside one node, the world must equal the GPU count) and memory (the estimate
 must fit ``gpu_mem_gb × (1 − headroom) − overhead``). Valid layouts are ranked by estimated
 tokens/s, then by memory.
@@ -16,7 +17,7 @@ import itertools
 import re
 from collections import Counter
 
-from raysc.config.checks import ConfigError, check_layout
+from raysc.config.checks import ConfigError, check_layout, check_moe
 from raysc.config.dims import PP_SCHEDULES
 from raysc.config.schema import Config
 from raysc.model.flops import param_count
@@ -57,7 +58,9 @@ def check(cfg: Config, lay: Layout, cluster: Cluster, dtype: str) -> tuple[str |
     if gb % lay.dp or (gb // lay.dp) % lay.micro_batch:
         return "global batch not divisible by dp × micro_batch", None
     try:
-        check_layout(layout_config(cfg, lay), "layout")
+        laid = layout_config(cfg, lay)
+        check_layout(laid, "layout")
+        check_moe(laid, "layout")  # a mixture of experts runs only the layouts built for it (docs/moe.md)
     except ConfigError as e:  # counted by kind: the numbers differ from candidate to candidate
         return re.sub(r"=[^\s,]+", "", str(e).split(": ", 1)[1].split(";")[0]).strip(" ."), None
     mem = estimate_memory(cfg.model, cfg.train.seq_len, gb, lay, dtype, cluster.device)
