@@ -307,3 +307,87 @@ def test_an_moe_fleet_under_expert_parallelism_stops_on_a_router_collapse_with_a
     assert all(torch.equal(p, trained[k]) for k, p in load_run(faulty.run_dir).model.named_parameters())
     bias = moe.router.expert_bias
     assert bias.abs().sum() > 0 and abs(float(bias.sum())) < 1e-6  # the trained bias, not a fresh zero
+
+
+def _reshard_rank(rank: int, port: int, cache_dir: str, work: str, out: str) -> None:
+    """One of two gloo ranks: tiny MoE at dp_shard=2, ep=2 for 3 steps, checkpointed as a worker does
+    (DCP shards and the rank's extra state), then 3 more steps; the checkpoint loaded at dp_shard=2, ep=1
+    for the same 3 steps; rank 0 then loads it into one process and runs them too."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from raysc.checkpoint.staging import load_local, stage_shards
+    from raysc.data.prepare import prepare_data
+    from raysc.parallel.dims import build_mesh
+    from raysc.train.trainer import Trainer
+    from test_parallel import MOE as PARITY_MOE
+    from test_parallel import PARITY
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+    )
+    common = [*PARITY, *PARITY_MOE, f'data.cache_dir="{cache_dir}"', "train.steps=6"]
+    packed = prepare_data(load_config(None, common))[0]
+
+    def trainer(*layout: str) -> Trainer:
+        cfg = load_config(None, [*common, *layout])
+        mesh = build_mesh(cfg.parallel.dims, "cpu") if cfg.parallel.world_size > 1 else None
+        return Trainer(cfg, packed.train, packed.val, rank=rank if mesh else 0, mesh=mesh, measure_peak=False)
+
+    def full(t: Trainer) -> dict[str, torch.Tensor]:  # every parameter gathered (a collective under a mesh)
+        state = t.shard.state_module().named_parameters()
+        return {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in state}
+
+    def steps(t: Trainer) -> list[dict]:
+        return [
+            {k: m[k] for k in ("step", "loss", "grad_norm", "moe_tokens")} for m in (t.train_step() for _ in range(3))
+        ]
+
+    ep2 = trainer("parallel.dp_shard=2", "parallel.ep=2")
+    for _ in range(3):
+        ep2.train_step()
+    ckpt = Path(work) / "step_3"
+    stage_shards(ckpt, ep2.shard.state_module(), ep2.optimizer, ep2.extra_state(), rank)
+    saved = full(ep2)
+    results = {"ep2": steps(ep2)}
+    ep1 = trainer("parallel.dp_shard=2")
+    ep1.load_extra_state(load_local(ckpt, ep1.shard.state_module(), ep1.optimizer, rank, step=3))
+    loaded = full(ep1)
+    results["ep1_params_equal"] = all(torch.equal(saved[k], loaded[k]) for k in saved)
+    results["ep1"] = steps(ep1)
+    dist.destroy_process_group()
+    if rank == 0:
+        one = trainer()
+        one.load_extra_state(load_local(ckpt, one.shard.state_module(), one.optimizer, 0, step=3))
+        results["one_params_equal"] = all(torch.equal(saved[k], p.detach()) for k, p in full(one).items())
+        results["one"] = steps(one)
+        Path(out).write_text(json.dumps(results))
+
+
+def test_an_ep2_checkpoint_resumes_at_ep1_and_on_one_process(cache_dir, tmp_path):
+    """Reshard across expert-parallel sizes: a checkpoint of a dp_shard=2, ep=2 run (each rank wrote its
+    half of the experts) loads at ep=1 (each rank's FSDP shard of all experts) and into one process with
+    every parameter equal to the saved run's, gathered; the next 3 steps' losses and grad norms match the
+    uninterrupted ep=2 run's within 1e-5 and their tokens per expert are equal. (The fleet's own
+    checkpoint path at ep=2: test_an_moe_fleet_under_expert_parallelism_... .)"""
+    import json
+
+    from forked import run_forked
+    from raysc.cluster.ports import free_port
+    from raysc.data.prepare import prepare_data
+    from test_parallel import MOE as PARITY_MOE
+    from test_parallel import PARITY
+
+    prepare_data(load_config(None, [*PARITY, *PARITY_MOE, f'data.cache_dir="{cache_dir}"', "train.steps=6"]))
+    out = tmp_path / "results.json"
+    run_forked(_reshard_rank, (free_port(), cache_dir, str(tmp_path), str(out)), nprocs=2)
+    r = json.loads(out.read_text())
+    assert r["ep1_params_equal"] and r["one_params_equal"]
+    for name in ("ep1", "one"):
+        for got, want in zip(r[name], r["ep2"], strict=True):
+            assert got["step"] == want["step"] and got["moe_tokens"] == want["moe_tokens"], (name, got["step"])
+            assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
+            assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (name, got["step"])
