@@ -126,10 +126,9 @@ def check_moe(cfg: Config, origin: str) -> None:
     other = {k: getattr(par, k) for k in ("tp", "pp", "cp") if getattr(par, k) > 1}
     if other:
         raise ConfigError(
-            f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) trains with data parallelism "
-            f"and expert parallelism (parallel.dp_shard, dp_replicate, ep) so far, not with "
-            f"{', '.join(f'parallel.{k}={v}' for k, v in other.items())}: composing MoE with TP, PP and CP is the "
-            f"next step of issue 58 (docs/moe.md); set them to 1."
+            f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) runs with parallel.dp_shard, "
+            f"dp_replicate and ep so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}; "
+            f"set them to 1 (composing MoE with TP, PP and CP is the next step of issue 58, docs/moe.md)."
         )
     check_ep(m, par, origin)
 
