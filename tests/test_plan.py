@@ -16,6 +16,8 @@ from raysc.plan.memory import estimate_memory
 from raysc.plan.perf import bubble_fraction, estimate_step
 from raysc.plan.search import heuristic_layout, plan
 
+ROOT = Path(__file__).resolve().parents[1]
+
 # published shapes; GPU counts: GPT-3 175B as Narayanan et al. 2021 (Megatron-LM, SC21) size its
 # end-to-end estimate (1,024 A100 80 GB), Llama 3 405B as Meta did (16,384 H100, 16M-token batches of
 # 8K sequences); Llama 3 70B's count is not published: 2,048 H100 assumed. GPT-3's vocabulary is
@@ -153,6 +155,27 @@ def test_a_mixture_of_experts_is_planned_only_in_the_layouts_it_runs():
     result = plan(cfg, Cluster(gpus=8, gpus_per_node=8, gpu_mem_gb=80))
     assert result["ranked"] and all(r["layout"].tp == r["layout"].pp == r["layout"].cp == 1 for r in result["ranked"])
     assert any("a mixture of experts" in k and "not with parallel.tp" in k for k in result["rejected"])
+
+
+def test_the_planner_weighs_expert_parallelism_for_the_qwen3_moe_config():
+    """jobs/configs/qwen3-moe-30b-a3b.toml on 64 GPUs: EP layouts are candidates; under EP a block
+    gathers only its own experts (less memory than FSDP alone at the same degrees), the all-to-all is
+    four exchanges per MoE layer and micro-batch of the routed rows leaving the rank, and the best
+    layout is the shipped config's own."""
+    from raysc.plan.memory import expert_params_per_layer
+
+    cfg = load_config(ROOT / "jobs/configs/qwen3-moe-30b-a3b.toml")
+    cluster = Cluster(gpus=64, gpus_per_node=8, gpu_mem_gb=80)
+    m, s, gb = cfg.model, cfg.train.seq_len, cfg.train.global_batch_sequences
+    fsdp, ep8 = Layout(dp_shard=64, micro_batch=1), Layout(dp_shard=64, ep=8, micro_batch=1)
+    saved = estimate_memory(m, s, gb, fsdp)["unsharded"] - estimate_memory(m, s, gb, ep8)["unsharded"]
+    assert saved == pytest.approx((2 * 2 + 4) * expert_params_per_layer(m) * 7 / 8)  # bf16 x2 + fp32 grads
+    est = estimate_step(m, s, gb, ep8, cluster)
+    rows = s * 1 * m.moe_top_k * m.dim * 2 * 7 / 8
+    assert est["ep_comm_s"] == pytest.approx(48 * (gb // 64) * 4 * rows / (cluster.intra_gbps * 1e9))
+    assert estimate_step(m, s, gb, fsdp, cluster)["ep_comm_s"] == 0
+    best = plan(cfg, cluster)["ranked"][0]["layout"]
+    assert best.ep > 1 and best == Layout.from_config(cfg), best.describe()
 
 
 def test_estimates_follow_the_formulas():

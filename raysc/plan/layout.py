@@ -47,6 +47,7 @@ class Layout:
     tp: int = 1
     pp: int = 1
     cp: int = 1
+    ep: int = 1  # expert-parallel groups carved from dp_shard (a mixture of experts)
     sequence_parallel: bool = False
     pp_schedule: str = "1f1b"
     pp_virtual_stages: int = 1
@@ -60,6 +61,7 @@ class Layout:
         micro = par.micro_batch(t.global_batch_sequences, t.micro_batch)
         return cls(
             **par.dims.as_dict(),
+            ep=par.ep,
             sequence_parallel=par.sequence_parallel,
             pp_schedule=par.pp_schedule,
             pp_virtual_stages=par.pp_virtual_stages,
@@ -109,7 +111,7 @@ class Layout:
         parts = [
             f"{f.name}={getattr(self, f.name)}"
             for f in fields(self)
-            if f.name in DIM_NAMES and getattr(self, f.name) > 1
+            if (f.name in DIM_NAMES or f.name == "ep") and getattr(self, f.name) > 1
         ]  # in field order
         if self.sequence_parallel:
             parts.append("sp")

@@ -20,7 +20,12 @@ Transformer Models"), recounted for raysc's Llama block — measured with
   and the out-projection input, ``5·sba`` with ``a = n_heads·head_dim`` (``h`` unless
   ``model.head_dim`` widens the heads; Qwen3's q/k norms' few saved tensors are not counted); the SwiGLU gate, its SiLU, the up projection and
   their product, ``4·sbf``. Fused attention stores no ``s×s`` scores, so Korthikanti's
-  ``5as²b`` term (the one selective recomputation removes) is absent.
+  ``5as²b`` term (the one selective recomputation removes) is absent. An MoE layer saves the SwiGLU
+  terms for each of a token's ``k`` routed experts and each shared one (``4·sb(k + shared)F``), its
+  routed rows in and out (``2·sbkh``) and its router's fp32 logits, scores and weights (``3·sbE``);
+  with MoE layers among dense ones, the mean over the layers. Expert parallelism leaves this as it is
+  (a rank computes ``sbk`` routed rows on average, balanced) and shrinks FSDP's gathered block: a
+  block gathers its own ``E/ep`` experts, not all ``E``.
 - ``recompute = full`` keeps only each block's input (÷ tp under sequence parallelism); the
   peak adds the larger of one block's recomputed activations and the loss head (the head's
   tensors are freed before the first block recomputes).
@@ -74,9 +79,26 @@ def startup_memory(m: ModelConfig, seq_len: int, lay: Layout, device: str = "cud
     }
 
 
+def ffn_width(m: ModelConfig) -> float:
+    """Values per token a layer's feed-forward saves for backward, the mean over the layers: a dense
+    SwiGLU's gate, SiLU, up and product (``4f``); an MoE layer's for each of its ``k`` routed experts and
+    each shared one (``4F``) plus the routed rows in and out (``2h`` per routed copy)."""
+    n_moe = len(m.moe_layers)
+    dense = 4 * m.hidden_ffn_dim
+    if not n_moe:
+        return dense
+    moe = 4 * (m.moe_top_k + m.moe_shared_experts) * m.moe_hidden_dim + 2 * m.moe_top_k * m.dim
+    return ((m.n_layers - n_moe) * dense + n_moe * moe) / m.n_layers
+
+
+def expert_params_per_layer(m: ModelConfig) -> float:
+    """Routed-expert parameters of a layer, the mean over the layers (0 for a dense model)."""
+    return len(m.moe_layers) * m.moe_experts * 3 * m.dim * m.moe_hidden_dim / m.n_layers
+
+
 def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_bytes: int) -> float:
     """Bytes one block saves for backward for one micro-batch, without recomputation."""
-    t, h, f = lay.tp, m.dim, m.hidden_ffn_dim
+    t, h = lay.tp, m.dim
     sbh = s * b * h
     upcast = 0 if act_bytes == 4 else 2 * sbh * (4 - act_bytes)  # RMSNorm's x.float() in each norm
     if lay.sequence_parallel and t > 1:
@@ -85,8 +107,10 @@ def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_
         outside = 6 * sbh * act_bytes + upcast
     # q, k, v (k/v repeated to every query head), the attention output and the out-projection input are
     # n_heads·head_dim wide: dim, unless model.head_dim says otherwise (Qwen3's heads are wider)
-    inside = (5 * s * b * m.n_heads * m.head_dim + 4 * s * b * f) / t * act_bytes
-    return outside + inside + 2 * s * b * 4  # + the norms' fp32 rsqrt per token
+    inside = (5 * s * b * m.n_heads * m.head_dim + s * b * ffn_width(m)) / t * act_bytes
+    # a router's fp32 logits, scores and top-k weights per token (the mean over the layers)
+    router = 3 * s * b * m.moe_experts * 4 * len(m.moe_layers) / m.n_layers
+    return outside + inside + router + 2 * s * b * 4  # + the norms' fp32 rsqrt per token
 
 
 def inflight(lay: Layout, microbatches: int, stage: int) -> float:
@@ -128,8 +152,9 @@ def estimate_memory(
         local = params / t
         state = {"weights": 4 * local / fs, "grads": 4 * local / fs, "optimizer": 8 * local / fs}
         root = ((vocab_head if first else 0) + (0 if m.tie_embeddings or not last else vocab_head)) / t
-        if fsdp:
-            unsharded = act * root + 2 * act * pc["per_layer"] / t + 4 * pc["per_layer"] / t
+        if fsdp:  # under EP a block gathers only its own experts (1/ep of them)
+            gathered = pc["per_layer"] - expert_params_per_layer(m) * (1 - 1 / lay.ep)
+            unsharded = act * root + 2 * act * gathered / t + 4 * gathered / t
         else:
             unsharded = (act * local) if act == 2 else 0.0  # autocast's cached bf16 weight copies
         n_held = inflight(lay, micro, stage)

@@ -12,6 +12,11 @@
 - Data parallelism: the gradient all-reduce (fp32, ``2(d−1)/d``) or, with FSDP, a reduce-scatter
   of gradients plus two all-gathers of bf16 weights (forward and backward); overlapped with the
   backward pass (two thirds of the compute), only the excess is exposed.
+- Expert parallelism: per MoE layer and micro-batch, four all-to-alls (dispatch and combine,
+  forward and backward; six with full recomputation) of the ``s·b·k`` routed rows of ``h``
+  values, ``(ep−1)/ep`` of them leaving the rank, over the links of the EP group (``tp·cp·ep``
+  consecutive ranks); exposed, as TP's. FSDP then gathers and reduces the routed experts over
+  ``dp_shard·cp/ep`` ranks instead of ``dp_shard·cp``.
 - Pipeline: bubble ``(p−1)/(m+p−1)`` for GPipe and 1F1B, divided by ``v`` for interleaved
   1F1B, and a third of the 1F1B bubble for zero-bubble schedules (Qi et al. 2023, ZB-H1);
   stage-to-stage sends of ``s·b·h`` per micro-batch.
@@ -22,6 +27,7 @@ from __future__ import annotations
 from raysc.config.schema import ModelConfig
 from raysc.model.flops import flops_per_token, param_count
 from raysc.plan.layout import Cluster, Layout
+from raysc.plan.memory import expert_params_per_layer
 
 
 def bubble_fraction(lay: Layout, microbatches: int) -> float:
@@ -67,13 +73,22 @@ def estimate_step(
     if lay.cp > 1:
         kv = 2 * s * lay.micro_batch * m.n_kv_heads * m.head_dim * act / lay.tp
         cp_comm = 0.5 * 3 * (lay.cp - 1) * kv * layers_per_stage * micro / _bw(lay.tp * lay.cp, cluster)
+    ep_comm = 0.0
+    n_moe = len(m.moe_layers) / lay.pp
+    if lay.ep > 1 and n_moe:
+        rows = s * lay.micro_batch * m.moe_top_k * m.dim * act * (lay.ep - 1) / lay.ep
+        exchanges = 6 if lay.recompute == "full" else 4
+        ep_comm = n_moe * micro * exchanges * rows / _bw(lay.tp * lay.cp * lay.ep, cluster)
     pc = param_count(m)
     local_params = pc["total"] / (lay.tp * lay.pp)
+    experts = expert_params_per_layer(m) * m.n_layers / (lay.tp * lay.pp)
     dp_comm = 0.0
     fs = lay.dp_shard * lay.cp
     if fs > 1:  # FSDP over dp_shard × cp: reduce-scatter fp32 grads, all-gather bf16 weights twice
         span = lay.tp * fs
-        dp_comm += (fs - 1) / fs * local_params * (4 + 2 * act) / _bw(span, cluster)
+        efs = fs // lay.ep  # the routed experts: over the ranks of the other EP groups
+        dense = (local_params - experts) * (fs - 1) / fs
+        dp_comm += (dense + experts * (efs - 1) / efs) * (4 + 2 * act) / _bw(span, cluster)
     if lay.dp_replicate > 1:
         span = lay.tp * fs * lay.dp_replicate
         dp_comm += 2 * (lay.dp_replicate - 1) / lay.dp_replicate * local_params / fs * 4 / _bw(span, cluster)
@@ -84,7 +99,7 @@ def estimate_step(
             2 * micro * sbh_bytes / (lay.tp if lay.sequence_parallel else 1) / _bw(n, cluster)
         )  # stages sit in different nodes once the cluster has several
     bubble = bubble_fraction(lay, micro)
-    busy = compute + tp_comm + cp_comm + pp_comm
+    busy = compute + tp_comm + cp_comm + pp_comm + ep_comm
     step = busy / (1 - bubble) + exposed_dp
     tps = tokens / step
     mfu = model_flops / step / (n * cluster.peak_tflops * 1e12)
@@ -96,6 +111,7 @@ def estimate_step(
         "dp_comm_s": dp_comm,
         "dp_exposed_s": exposed_dp,
         "pp_comm_s": pp_comm,
+        "ep_comm_s": ep_comm,
         "bubble": bubble,
         "tokens_per_s": tps,
         "mfu": mfu,

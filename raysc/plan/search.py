@@ -38,6 +38,7 @@ def layout_config(cfg: Config, lay: Layout) -> Config:
     par = dataclasses.replace(
         cfg.parallel,
         **lay.dims.as_dict(),
+        ep=lay.ep,
         sequence_parallel=lay.sequence_parallel,
         pp_schedule=lay.pp_schedule,
         pp_virtual_stages=lay.pp_virtual_stages,
@@ -82,8 +83,10 @@ def candidates(cfg: Config, cluster: Cluster):
             schedules = (
                 [("1f1b", 1)] if pp == 1 else [(name, 2 if s.multi_stage else 1) for name, s in PP_SCHEDULES.items()]
             )
-            for mb, (sched, v), sp, rc in itertools.product(
-                micros, schedules, (False, True) if tp > 1 else (False,), ("none", "full")
+            experts = cfg.model.moe_experts
+            eps = [e for e in divisors(dp_shard) if experts % e == 0] if experts else [1]
+            for mb, (sched, v), sp, rc, ep in itertools.product(
+                micros, schedules, (False, True) if tp > 1 else (False,), ("none", "full"), eps
             ):
                 yield Layout(
                     dp_replicate=dp // dp_shard,
@@ -91,6 +94,7 @@ def candidates(cfg: Config, cluster: Cluster):
                     tp=tp,
                     pp=pp,
                     cp=cp,
+                    ep=ep,
                     sequence_parallel=sp,
                     pp_schedule=sched,
                     pp_virtual_stages=v,
@@ -108,6 +112,7 @@ def why_not_higher(est: dict, lay: Layout) -> str:
         "CP comm": est["cp_comm_s"] / step,
         "DP exposed": est["dp_exposed_s"] / step,
         "PP send": est["pp_comm_s"] / step,
+        "EP all-to-all": est["ep_comm_s"] / step,
     }
     if lay.recompute == "full":
         parts["recompute"] = 0.25  # one extra forward: a quarter of the work done
