@@ -93,11 +93,15 @@ def grouped_vs_loop() -> dict:
     }
 
 
-def _tps(cfg, rows) -> float:
-    t = Trainer(cfg, rows, measure_peak=False)
-    ms = [t.train_step() for _ in range(TPS_STEPS)]
+def _rate(ms: list[dict]) -> float:
+    """Training tokens/s of the steps ``ms`` from step 10 on (the first ones warm up)."""
     warm = ms[9:]
     return (warm[-1]["tokens"] - warm[0]["tokens"]) / (warm[-1]["time"] - warm[0]["time"])
+
+
+def _tps(cfg, rows) -> float:
+    t = Trainer(cfg, rows, measure_peak=False)
+    return _rate([t.train_step() for _ in range(TPS_STEPS)])
 
 
 def moe_vs_dense(tmp: str) -> dict:
@@ -154,9 +158,7 @@ def _ep_rank(rank: int, port: int, ep: int, tmp: str, out: str) -> None:
     cfg = _config(tmp, f"train.steps={steps}", "parallel.dp_shard=2", f"parallel.ep={ep}")
     rows = prepare_data(cfg)[0].train
     t = Trainer(cfg, rows, rank=rank, mesh=build_mesh(cfg.parallel.dims, "cpu"), measure_peak=False)
-    ms = [t.train_step() for _ in range(10 + EP_STEPS)]
-    warm = ms[9:]
-    tps = (warm[-1]["tokens"] - warm[0]["tokens"]) / (warm[-1]["time"] - warm[0]["time"])
+    tps = _rate([t.train_step() for _ in range(10 + EP_STEPS)])
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         t0 = time.perf_counter()
         for _ in range(EP_STEPS):

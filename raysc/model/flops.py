@@ -37,6 +37,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
         "non_embedding": total - embedding,
         "per_layer": per_layer if not n_moe else layers / cfg.n_layers,  # a layer's (the mean, with MoE layers)
         "active": total + n_moe * (moe_active - moe_mlp),  # a token's parameters (= total when dense)
+        "routed_experts": n_moe * cfg.moe_experts * expert,  # what expert parallelism splits (all layers)
     }
 
 

@@ -15,8 +15,10 @@ first rank's value: under expert parallelism two kinds overlap (the experts are 
 over ``efsdp`` × ``ep``, which split ``dp_shard``, while the dense weights are sharded
 over ``dp_shard_cp``), and the ranks of the ``dp_shard_cp`` group hold different experts.
 Passing the expert entry through that group as its first rank's value counted that
-rank's experts ``ep`` times and the others' never (a grad norm 1.7e-4 off at ep=2). Every rank gets the same global norm and
-applies the same clip factor as single-process training. A gradient with a ``Partial``
+rank's experts ``ep`` times and the others' never (a grad norm 1.7e-4 off at ep=2).
+
+Every rank gets the same global norm and applies the same clip factor as single-process
+training. A gradient with a ``Partial``
 placement (a pending sum, not a shard) is reduced on its own with ``full_tensor``.
 
 Every rank holds parameters of the same kinds (the same keys), so all ranks build vectors of

@@ -96,7 +96,7 @@ class ExpertParallelExperts(GroupedExperts):
         order = expert_major(received)
         weights = [_ScaleGrad.apply(_local(getattr(self, n)), 1.0 / ep) for n in EXPERT_WEIGHTS]
         out = grouped_swiglu(rows[order], received.sum(0), *weights)
-        back = out[torch.argsort(order)]
+        back = out.new_empty(out.shape).index_copy(0, order, out)  # arrival order again
         return all_to_all_single_autograd(back, send, recv, group)
 
 

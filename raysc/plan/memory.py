@@ -93,7 +93,7 @@ def ffn_width(m: ModelConfig) -> float:
 
 def expert_params_per_layer(m: ModelConfig) -> float:
     """Routed-expert parameters of a layer, the mean over the layers (0 for a dense model)."""
-    return len(m.moe_layers) * m.moe_experts * 3 * m.dim * m.moe_hidden_dim / m.n_layers
+    return param_count(m)["routed_experts"] / m.n_layers
 
 
 def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_bytes: int) -> float:

@@ -27,7 +27,6 @@ from __future__ import annotations
 from raysc.config.schema import ModelConfig
 from raysc.model.flops import flops_per_token, param_count
 from raysc.plan.layout import Cluster, Layout
-from raysc.plan.memory import expert_params_per_layer
 
 
 def bubble_fraction(lay: Layout, microbatches: int) -> float:
@@ -81,7 +80,7 @@ def estimate_step(
         ep_comm = n_moe * micro * exchanges * rows / _bw(lay.tp * lay.cp * lay.ep, cluster)
     pc = param_count(m)
     local_params = pc["total"] / (lay.tp * lay.pp)
-    experts = expert_params_per_layer(m) * m.n_layers / (lay.tp * lay.pp)
+    experts = pc["routed_experts"] / (lay.tp * lay.pp)
     dp_comm = 0.0
     fs = lay.dp_shard * lay.cp
     if fs > 1:  # FSDP over dp_shard × cp: reduce-scatter fp32 grads, all-gather bf16 weights twice
