@@ -130,7 +130,10 @@ MOE = [
 ]
 # expert parallelism (milestone 3) carved from dp_shard: one EP group; EP with FSDP over the other group
 # (efsdp=2); EP inside replicas (HSDP); one expert per rank. On 4 ranks one process takes the ranks'
-# quarters of the batch as its micro-batches, for the same reason.
+# quarters of the batch as its micro-batches, for the same reason. CP (the balancing loss over the
+# whole micro-batch: its statistics summed over the CP group) alone and under EP; PP with two chunks a
+# rank (each stage's layers in the step's table) and under EP. A pipeline's micro-batches are the same
+# as one process's (train.micro_batch agrees with them).
 MOE4 = [*MOE[:-1], "train.micro_batch=2"]
 MOE_CASES = [
     ("dp_shard=2", MOE),
@@ -139,8 +142,13 @@ MOE_CASES = [
     ("dp_shard=4,ep=2", MOE4),
     ("dp_replicate=2,dp_shard=2,ep=2", MOE4),
     ("dp_shard=4,ep=4", MOE4),
+    ("cp=2", MOE),
+    ("dp_shard=2,cp=2,ep=2", MOE4),
+    ("pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2", MOE),
+    ("pp=2,dp_shard=2,ep=2", MOE4),
 ]
 STEPS = 10
+COMPARED = ("loss", "grad_norm", "moe_tokens", "moe_aux_loss", "moe_z_loss")
 
 
 @pytest.fixture(scope="module")
@@ -182,7 +190,8 @@ def check_built_parts(layout: str, built: dict, extra: list[str] = ()) -> None:
     experts = built["placements"].get("experts.w_gate")
     if experts is not None:  # a mixture of experts: split over the EP group, the rest of dp_shard shards them
         assert ("ep:S(0)" in experts) == (par.ep > 1), experts
-        assert ("efsdp:" in experts) == (par.ep > 1), experts
+        assert ("efsdp" in experts) == (par.ep > 1), experts
+        assert ("efsdp_cp:" in experts) == (par.ep > 1 and par.cp > 1), experts  # CP ranks hold the same experts
 
 
 def _layout_rank(
@@ -234,8 +243,8 @@ def _layout_rank(
             "layout": layout,
             "extra": list(extra),
             "built": describe_shard(trainer.shard, trainer.schedule),
-            "steps": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in got],
-            "ref": [{k: m[k] for k in ("loss", "grad_norm", "moe_tokens") if k in m} for m in ref],
+            "steps": [{k: m[k] for k in COMPARED if k in m} for m in got],
+            "ref": [{k: m[k] for k in COMPARED if k in m} for m in ref],
         }
     dist.destroy_process_group()
     if rank == 0:
@@ -282,6 +291,9 @@ def test_every_layout_matches_one_process(world, cache_dir, tmp_path):
                 "grad_norm",
             )
             assert got.get("moe_tokens") == want.get("moe_tokens"), (name, step, "tokens per expert")
+            for key in ("moe_aux_loss", "moe_z_loss"):  # the mean over every micro-batch of every rank
+                if key in want:
+                    assert got.get(key) == pytest.approx(want[key], rel=1e-5), (name, step, key)
         check_built_parts(r["layout"], r["built"], r["extra"])
 
 

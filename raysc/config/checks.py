@@ -123,12 +123,12 @@ def check_moe(cfg: Config, origin: str) -> None:
             f"{origin}: model.mup = true with a mixture of experts is not supported (μP's rules are for raysc's "
             f"dense Llama, docs/scaling.md); set model.mup = false."
         )
-    other = {k: getattr(par, k) for k in ("tp", "pp", "cp") if getattr(par, k) > 1}
+    other = {k: getattr(par, k) for k in ("tp",) if getattr(par, k) > 1}
     if other:
         raise ConfigError(
             f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) runs with parallel.dp_shard, "
-            f"dp_replicate and ep so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}; "
-            f"set them to 1 (composing MoE with TP, PP and CP is the next step of issue 58, docs/moe.md)."
+            f"dp_replicate, pp, cp and ep so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}; "
+            f"set them to 1 (composing MoE with TP is the next step of issue 58, docs/moe.md)."
         )
     check_ep(m, par, origin)
 
@@ -236,8 +236,6 @@ def check_layout(cfg: Config, origin: str) -> None:
             f"{origin}: model.tie_embeddings cannot be used with parallel.pp={par.pp} "
             f"(the embedding and output live on different stages); set it to false."
         )
-    if t.micro_batch:
-        raise ConfigError(f"{origin}: with pipeline parallelism set parallel.pp_microbatches, not train.micro_batch.")
     if par.pp_schedule in MULTI_STAGE and v < 2:
         raise ConfigError(f"{origin}: parallel.pp_schedule='{par.pp_schedule}' needs parallel.pp_virtual_stages >= 2.")
     micro = par.pp_microbatches or par.pp
@@ -247,6 +245,13 @@ def check_layout(cfg: Config, origin: str) -> None:
             f"{origin}: the global batch of {t.global_batch_sequences} sequences is not divisible by "
             f"dp×microbatches={par.dp}×{micro}; each data-parallel rank's {local} sequences must "
             f"split into parallel.pp_microbatches={micro} equal microbatches."
+        )
+    if t.micro_batch and t.micro_batch * micro != local:
+        raise ConfigError(
+            f"{origin}: train.micro_batch={t.micro_batch} disagrees with the pipeline's microbatches: each "
+            f"data-parallel rank's {local} sequences split into parallel.pp_microbatches={micro} microbatches "
+            f"of {local // micro}; with pipeline parallelism set parallel.pp_microbatches and leave "
+            f"train.micro_batch at 0."
         )
     if par.pp_schedule != "gpipe" and micro < par.pp:
         raise ConfigError(

@@ -15,16 +15,20 @@ it after each step from the step's load, ``update_expert_bias``).
 Load-balancing losses reach the gradients without touching the reported loss: each block attaches its
 switch auxiliary loss and router z-loss to its output (``_AttachLoss``: the identity forward, the losses'
 gradient added in backward, as Megatron-core's ``MoEAuxLossAutoScaler``), so they work the same under
-gradient accumulation and, later, on pipeline stages that never see the final loss. ``loss_scale`` is
-what the trainer divides a micro-batch's loss by.
+gradient accumulation and on pipeline stages that never see the final loss. ``loss_scale`` is what the
+trainer divides a micro-batch's loss by (1 under a pipeline schedule, which scales the gradients itself).
 
-Every forward leaves its per-expert token counts and loss values in ``last`` (``RouterStats``), which
-the trainer reads after each micro-batch. The module knows nothing about parallelism (expert parallelism
-is applied from outside).
+Every forward leaves its per-expert token counts and loss values in ``last`` (``RouterStats``), and
+every training forward (not a recomputation under activation checkpointing) adds them to ``history``,
+which the trainer takes after each step: a pipeline schedule runs a stage's micro-batches in its own
+order. The module knows nothing about parallelism: expert parallelism
+is applied from outside, and so is ``token_sum``, the sum over the ranks that hold the other tokens of a
+micro-batch (context parallelism), with which the balancing loss stays the whole micro-batch's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -120,14 +124,28 @@ def expert_loop(experts: GroupedExperts, x: torch.Tensor, counts: torch.Tensor) 
     return torch.cat(outs)
 
 
-def switch_aux_loss(probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+def switch_aux_loss(
+    probs: torch.Tensor,
+    experts: torch.Tensor,
+    counts: torch.Tensor,
+    total_counts: torch.Tensor | None = None,
+    total_tokens: int | None = None,
+) -> torch.Tensor:
     """The switch-transformer load-balancing loss of one layer, Megatron-core's form:
     ``E / (k·T²) · Σ_i P_i · c_i`` with ``P_i`` the sum over tokens of expert i's routing probability
     (``probs``: (T, E), each row summing to 1) and ``c_i`` its token count; 1.0 when the load is uniform.
     (transformers' ``load_balancing_loss_func`` counts ``c_i / T`` summing to k and pools the layers: k
-    times this per layer.)"""
+    times this per layer.)
+
+    When a micro-batch's tokens are split over ranks (context parallelism), the loss is the whole
+    micro-batch's: ``total_counts`` and ``total_tokens`` are its counts and size, ``probs`` this rank's
+    rows. The value returned is then ``T / T_r`` times this rank's share of ``Σ_i P_i · c_i`` (its
+    gradient is this rank's part of the loss's, scaled as the rank's mean cross-entropy is: averaged
+    over the ranks, as their gradients are, it is the whole loss)."""
     tokens, k = experts.shape
-    return probs.shape[-1] / (k * tokens * tokens) * (probs.sum(0) * counts.to(probs.dtype)).sum()
+    total_counts = counts if total_counts is None else total_counts
+    total_tokens = tokens if total_tokens is None else total_tokens
+    return probs.shape[-1] / (k * tokens * total_tokens) * (probs.sum(0) * total_counts.to(probs.dtype)).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -149,7 +167,11 @@ class MoEFeedForward(nn.Module):
         self.shared = FeedForward(cfg.dim, shared) if shared else None
         self.shared_gate = nn.Linear(cfg.dim, 1, bias=False) if shared and cfg.moe_shared_expert_gate else None
         self.loss_scale = 1.0  # the trainer's: 1 / the micro-batches a step's loss is averaged over
-        self.last: RouterStats | None = None
+        # set from outside when a micro-batch's tokens are split over ranks (context parallelism): sums a
+        # tensor over those ranks, so that the balancing loss is the whole micro-batch's
+        self.token_sum: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.last: RouterStats | None = None  # the latest forward's
+        self.history: list[RouterStats] = []  # every training forward's since the trainer last took them
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -169,12 +191,40 @@ class MoEFeedForward(nn.Module):
             out = out + shared
         # the router's scores as probabilities (sigmoid scores normalised over the experts, as Megatron-core)
         probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)
-        aux = switch_aux_loss(probs, experts, counts)
-        z = router_z_loss(logits)
-        self.last = RouterStats(counts.detach(), aux.detach(), z.detach())
+        if self.token_sum is None:
+            aux = switch_aux_loss(probs, experts, counts)
+            z = router_z_loss(logits)
+            self.last = RouterStats(counts.detach(), aux.detach(), z.detach())
+        else:
+            aux, z = self._split_losses(probs, experts, counts, logits)
+        # with gradients (not a pipeline stage's shape inference), outside backward: activation checkpointing runs
+        # the forward again inside it (torch's own test of
+        # "inside a backward pass", as torch.utils.checkpoint uses it)
+        if self.training and torch.is_grad_enabled() and torch._C._current_graph_task_id() == -1:
+            self.history.append(self.last)
         if self.training and torch.is_grad_enabled() and (self.aux_coeff or self.z_coeff):
             out = _AttachLoss.apply(out, self.aux_coeff * aux + self.z_coeff * z, self.loss_scale)
         return out.view(shape)
+
+    def _split_losses(
+        self, probs: torch.Tensor, experts: torch.Tensor, counts: torch.Tensor, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The losses to attach when this rank holds part of the micro-batch's tokens (``token_sum``):
+        the aux loss from the whole micro-batch's counts (``switch_aux_loss``) and this rank's mean
+        z-loss (scaled as its cross-entropy is); ``last`` holds the whole micro-batch's values."""
+        lse_sq = torch.logsumexp(logits, dim=-1).square()
+        tokens = probs.shape[0]
+        experts_n = counts.numel()
+        local = [probs.sum(0).detach(), counts, lse_sq.sum().detach().view(1), counts.new_tensor([tokens])]
+        total = self.token_sum(torch.cat([t.double() for t in local]))  # P_i, c_i, Σ lse², T of the micro-batch
+        total_counts = total[experts_n : 2 * experts_n].round().long()
+        total_tokens = int(total[-1])
+        aux = switch_aux_loss(probs, experts, counts, total_counts, total_tokens)
+        k = experts.shape[1]
+        whole_aux = experts_n / (k * total_tokens * total_tokens) * (total[:experts_n] * total_counts).sum()
+        whole_z = total[-2] / total_tokens
+        self.last = RouterStats(counts.detach(), whole_aux.float(), whole_z.float())
+        return aux, lse_sq.mean()
 
 
 @torch.no_grad()

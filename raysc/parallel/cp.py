@@ -13,14 +13,22 @@ every local query attends to the keys at positions ≤ its own. The result is
 identical to full attention. Rotary embeddings use each token's absolute
 position (``Llama.positions``). With document masking the model builds the block-causal mask of
 its local queries over the whole row (``raysc.model.documents``) and the kernel uses it instead.
+
+A mixture of experts routes each token where it is; its load-balancing loss is over the whole
+micro-batch, so each MoE block's ``token_sum`` sums its routing statistics over the CP group
+(``raysc.model.moe``).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from raysc.model.moe import MoEFeedForward
 
 
 class _GatherChunks(torch.autograd.Function):
@@ -108,3 +116,13 @@ def apply_cp(
     for block in model.layers.values():
         block.attn.core_attention = kernel
     model.positions = local_positions(seq_len, cp_rank, cp).to(device)
+    for module in model.modules():
+        if isinstance(module, MoEFeedForward):
+            module.token_sum = functools.partial(_sum_over, group=group)
+
+
+def _sum_over(t: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """``t`` summed over ``group`` (a new tensor; no gradient flows through it)."""
+    total = t.detach().clone()
+    dist.all_reduce(total, group=group)
+    return total

@@ -1,12 +1,12 @@
 """Expert parallelism (``parallel.ep``): the routed experts of each MoE block split over ``ep`` ranks,
 tokens sent to their experts' ranks and back by all-to-all.
 
-EP is carved from ``dp_shard`` (torchtitan's rule, with TP, PP and CP not yet composed with MoE): the
-dense mesh's ``dp_shard`` dim is unflattened into ``(efsdp, ep)``, ``ep`` varying fastest, so an EP
+EP is carved from ``dp_shard`` (torchtitan carves it from ``dp_shard × cp``; raysc keeps the CP ranks of
+a sequence outside the EP group): the dense mesh's ``dp_shard`` dim is unflattened into ``(efsdp, ep)``, ``ep`` varying fastest, so an EP
 group is ``ep`` consecutive FSDP ranks (one node, as a TP group, when the bundles are packed node by
 node). The expert weights (E, F, D) become DTensors ``Shard(0)`` on ``ep``: rank ``i`` of a group
-holds experts ``[i·E/ep, (i+1)·E/ep)``, and FSDP shards them further over ``efsdp`` (and replicates
-them over ``dp_replicate``), as their own FSDP unit (``apply_fsdp``'s ``experts_mesh``). Checkpoints see
+holds experts ``[i·E/ep, (i+1)·E/ep)``, and FSDP shards them further over ``efsdp`` (times ``cp``: the
+ranks of a sequence hold the same weights, as for the dense ones) and replicates them over ``dp_replicate``, as their own FSDP unit (``apply_fsdp``'s ``experts_mesh``). Checkpoints see
 the full (E, F, D) tensors, so DCP reshards them across EP sizes.
 
 The model's ``MoEFeedForward`` is unchanged: it routes, sorts its tokens by expert and calls its
@@ -46,10 +46,13 @@ EXPERT_WEIGHTS = ("w_gate", "w_up", "w_down")
 
 
 def expert_meshes(mesh: DeviceMesh, dims: ParallelDims, ep: int) -> tuple[DeviceMesh, DeviceMesh]:
-    """The ``ep`` mesh (the EP group) and the mesh the experts' FSDP runs over (``efsdp``, with
-    ``dp_replicate`` as HSDP's replicate dim when there are replicas), from the dense mesh ``mesh``."""
+    """The ``ep`` mesh (the EP group) and the mesh the experts' FSDP runs over (``efsdp``, times ``cp``
+    when the sequence is split: context-parallel ranks hold the same weights; with ``dp_replicate`` as
+    HSDP's replicate dim when there are replicas), from the dense mesh ``mesh``."""
     split = mesh._unflatten("dp_shard", (dims.dp_shard // ep, ep), ("efsdp", "ep"))
-    fsdp = split[("dp_replicate", "efsdp")] if dims.dp_replicate > 1 else split["efsdp"]
+    shard = split[("efsdp", "cp")]._flatten("efsdp_cp") if dims.cp > 1 else split["efsdp"]
+    # a flattened dim cannot be sliced together with others: HSDP's 2-D mesh is put together instead
+    fsdp = split._concatenate([split["dp_replicate"], shard]) if dims.dp_replicate > 1 else shard
     return split["ep"], fsdp
 
 

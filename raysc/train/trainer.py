@@ -126,7 +126,14 @@ class Trainer:
             self.n_micro = local // self.micro
             self.schedule = None
         # a mixture of experts' routing: counts, load-balancing losses, the selection bias (inactive when dense)
-        self.moe = MoERouting(self.model_parts, self.n_micro, cfg.model.moe_bias_update_rate, self.dims.world_size > 1)
+        self.moe = MoERouting(
+            self.model_parts,
+            cfg.model.moe_layers,
+            self.n_micro,
+            1.0 if self.schedule is not None else 1.0 / self.n_micro,  # a schedule scales the gradients itself
+            cfg.model.moe_bias_update_rate,
+            self.dims.world_size > 1,
+        )
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
         self.peak_flops = (
@@ -241,8 +248,6 @@ class Trainer:
             loss = self._loss(logits, yb)
             (loss / self.n_micro).backward()
             total += _local(loss.detach())
-            if self.moe.active:
-                self.moe.after_micro_batch()
         return total / self.n_micro
 
     def train_step(self) -> dict:
