@@ -202,7 +202,10 @@ def test_parameter_counts_match_the_model_and_active_counts_k_experts():
     [
         (["model.moe_top_k=9"], "model.moe_top_k=9 is more than model.moe_experts=8"),
         (["model.n_layers=2", "model.moe_first_dense_layers=2"], "no layer is MoE"),
-        (["parallel.tp=2"], "not with parallel.tp=2"),
+        (
+            ["parallel.tp=2", "model.moe_ffn_dim=33"],
+            "expert's hidden size \\(model.moe_ffn_dim\\)=33 is not divisible by",
+        ),
         (["model.mup=true"], "model.mup = true with a mixture of experts"),
         (['model.init_from="/some/hf/dir"'], "reading Hugging Face MoE checkpoints .* is not built yet"),
         (["parallel.dp_shard=4", "parallel.ep=3"], "parallel.ep=3 does not divide parallel.dp_shard=4"),

@@ -132,9 +132,13 @@ MOE = [
 # (efsdp=2); EP inside replicas (HSDP); one expert per rank. On 4 ranks one process takes the ranks'
 # quarters of the batch as its micro-batches, for the same reason. CP (the balancing loss over the
 # whole micro-batch: its statistics summed over the CP group) alone and under EP; PP with two chunks a
-# rank (each stage's layers in the step's table) and under EP. A pipeline's micro-batches are the same
-# as one process's (train.micro_batch agrees with them).
+# rank (each stage's layers in the step's table) and under EP, a pipeline's micro-batches the same as one
+# process's (train.micro_batch agrees with them); TP with sequence parallelism and a gated shared expert
+# (each expert's hidden dim split over the TP ranks), and TP under EP (experts on the (ep, tp) mesh).
+# That is every layout of {ep 1, 2, 4} x {FSDP, TP, PP, CP} (docs/parallelism.md's table); the ep=4 ones
+# with TP, PP or CP run on 8 ranks, dp=4, so their one process takes quarters of the batch too.
 MOE4 = [*MOE[:-1], "train.micro_batch=2"]
+MOE_SHARED = [*MOE, "model.moe_shared_experts=1", "model.moe_shared_expert_gate=true"]
 MOE_CASES = [
     ("dp_shard=2", MOE),
     ("dp_replicate=2", MOE),
@@ -146,6 +150,11 @@ MOE_CASES = [
     ("dp_shard=2,cp=2,ep=2", MOE4),
     ("pp=2,pp_schedule=interleaved_1f1b,pp_virtual_stages=2", MOE),
     ("pp=2,dp_shard=2,ep=2", MOE4),
+    ("tp=2,sequence_parallel=true", MOE_SHARED),
+    ("dp_shard=2,tp=2,ep=2", MOE4),
+    ("dp_shard=4,tp=2,ep=4", MOE4),
+    ("pp=2,dp_shard=4,ep=4,pp_schedule=gpipe,pp_microbatches=1", MOE4),
+    ("dp_shard=4,cp=2,ep=4", MOE4),
 ]
 STEPS = 10
 COMPARED = ("loss", "grad_norm", "moe_tokens", "moe_aux_loss", "moe_z_loss")
@@ -192,6 +201,7 @@ def check_built_parts(layout: str, built: dict, extra: list[str] = ()) -> None:
         assert ("ep:S(0)" in experts) == (par.ep > 1), experts
         assert ("efsdp" in experts) == (par.ep > 1), experts
         assert ("efsdp_cp:" in experts) == (par.ep > 1 and par.cp > 1), experts  # CP ranks hold the same experts
+        assert ("tp:S(1)" in experts) == (par.tp > 1), experts  # each expert's hidden dim split over TP
 
 
 def _layout_rank(

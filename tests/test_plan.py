@@ -136,26 +136,29 @@ def test_invalid_layouts_are_rejected_with_the_reason():
 
 
 def test_a_mixture_of_experts_is_planned_only_in_the_layouts_it_runs():
-    """The planner checks a candidate as a run's config is checked: an MoE (TP refused by ``check_moe``
-    so far) gets no TP layout, never one that `raysc train` then refuses; PP and CP layouts are planned."""
+    """The planner checks a candidate as a run's config is checked: an MoE gets TP, PP, CP and EP
+    layouts, and never one that `raysc train` then refuses (a TP degree that does not divide an
+    expert's hidden size)."""
     cfg = load_config(
         None,
         [
             "model.vocab_size=512",
             "model.dim=64",
             "model.n_layers=4",
-            "model.n_heads=4",
-            "model.n_kv_heads=2",
+            "model.n_heads=8",
+            "model.n_kv_heads=8",
             "model.moe_experts=8",
             "model.moe_top_k=2",
+            "model.moe_ffn_dim=36",
             "train.seq_len=64",
             "train.global_batch=16",
         ],
     )
+    ranked = [r["layout"] for r in plan(cfg, Cluster(gpus=8, gpus_per_node=8, gpu_mem_gb=80))["ranked"]]
+    assert all(any(getattr(lay, dim) > 1 for lay in ranked) for dim in ("tp", "pp", "cp", "ep"))
+    assert all(36 % lay.tp == 0 for lay in ranked), sorted({lay.tp for lay in ranked})
     result = plan(cfg, Cluster(gpus=8, gpus_per_node=8, gpu_mem_gb=80))
-    assert result["ranked"] and all(r["layout"].tp == 1 for r in result["ranked"])
-    assert any(r["layout"].pp > 1 for r in result["ranked"]) and any(r["layout"].cp > 1 for r in result["ranked"])
-    assert any("a mixture of experts" in k and "not with parallel.tp" in k for k in result["rejected"])
+    assert any("routed expert's hidden size" in k for k in result["rejected"]), result["rejected"]
 
 
 def test_the_planner_weighs_expert_parallelism_for_the_qwen3_moe_config():

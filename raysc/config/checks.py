@@ -92,7 +92,8 @@ def check_model(cfg: Config, origin: str) -> None:
 
 
 def check_moe(cfg: Config, origin: str) -> None:
-    """[model] moe_*: top-k within the experts; at least one MoE layer; the layouts MoE runs in so far."""
+    """[model] moe_*: top-k within the experts; at least one MoE layer; what MoE does not run with yet;
+    parallel.ep."""
     m, par = cfg.model, cfg.parallel
     if not m.moe_experts:
         if par.ep > 1:
@@ -122,13 +123,6 @@ def check_moe(cfg: Config, origin: str) -> None:
         raise ConfigError(
             f"{origin}: model.mup = true with a mixture of experts is not supported (μP's rules are for raysc's "
             f"dense Llama, docs/scaling.md); set model.mup = false."
-        )
-    other = {k: getattr(par, k) for k in ("tp",) if getattr(par, k) > 1}
-    if other:
-        raise ConfigError(
-            f"{origin}: a mixture of experts (model.moe_experts={m.moe_experts}) runs with parallel.dp_shard, "
-            f"dp_replicate, pp, cp and ep so far, not with {', '.join(f'parallel.{k}={v}' for k, v in other.items())}; "
-            f"set them to 1 (composing MoE with TP is the next step of issue 58, docs/moe.md)."
         )
     check_ep(m, par, origin)
 
@@ -205,6 +199,7 @@ def check_layout(cfg: Config, origin: str) -> None:
             ("model.n_kv_heads", m.n_kv_heads),
             ("model.vocab_size", m.vocab_size),
             ("the SwiGLU hidden size", m.hidden_ffn_dim),
+            *([("a routed expert's hidden size (model.moe_ffn_dim)", m.moe_hidden_dim)] if m.moe_experts else []),
         ):
             if n % par.tp:
                 raise ConfigError(

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from raysc.config.dims import ParallelDims
-from raysc.parallel.expert_parallel import ExpertParallelExperts
+from raysc.parallel.expert_parallel import ShardedExperts
 
 
 def fsdp_mesh(mesh: DeviceMesh, dims: ParallelDims) -> DeviceMesh | None:
@@ -43,7 +43,7 @@ def apply_fsdp(
     )
     for block in model.layers.values():
         if experts_mesh is not None:
-            for experts in [m for m in block.modules() if isinstance(m, ExpertParallelExperts)]:
+            for experts in [m for m in block.modules() if isinstance(m, ShardedExperts)]:
                 fully_shard(experts, mesh=experts_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
         fully_shard(block, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=mp, reshard_after_forward=reshard_after_forward)

@@ -22,7 +22,7 @@ from raysc.model.hf_checkpoint import HFCheckpoint
 from raysc.model.hf_fetch import init_dir
 from raysc.model.llama import Llama
 from raysc.parallel.cp import apply_cp
-from raysc.parallel.expert_parallel import apply_ep, expert_meshes
+from raysc.parallel.expert_parallel import expert_meshes, shard_experts
 from raysc.parallel.fsdp import apply_fsdp, fsdp_mesh
 from raysc.parallel.materialise import init_order, materialise
 from raysc.parallel.pp import build_stages
@@ -90,14 +90,17 @@ def _plan_meta(
         parts, ids = [full], [0]
     dp_mesh = fsdp_mesh(mesh, dims)
     ep = cfg.parallel.ep
-    ep_mesh, experts_mesh = expert_meshes(mesh, dims, ep) if ep > 1 else (None, None)
+    # the routed experts' DTensor mesh (ep, tp or both) and, under EP, the mesh of their own FSDP unit
+    experts_weights, experts_mesh = (mesh["tp"] if dims.tp > 1 else None), None
+    if ep > 1:
+        _, experts_weights, experts_mesh = expert_meshes(mesh, dims, ep)
     for part in parts:
         if dims.cp > 1:
             apply_cp(part, mesh["cp"].get_group(), c["cp"], dims.cp, cfg.train.seq_len, device)
         if dims.tp > 1:
             apply_tp(part, mesh["tp"], cfg.parallel.sequence_parallel)
-        if ep_mesh is not None:
-            apply_ep(part, ep_mesh)
+        if experts_weights is not None:
+            shard_experts(part, experts_weights, ep=ep > 1, tp=dims.tp > 1)
         apply_recompute(part, cfg.parallel.recompute)  # inside FSDP's per-block wrapping, as torchtitan orders it
         if dp_mesh is not None:
             apply_fsdp(part, dp_mesh, bf16, reshard_after_forward=dims.pp == 1, experts_mesh=experts_mesh)

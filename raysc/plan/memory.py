@@ -79,15 +79,16 @@ def startup_memory(m: ModelConfig, seq_len: int, lay: Layout, device: str = "cud
     }
 
 
-def ffn_width(m: ModelConfig) -> float:
-    """Values per token a layer's feed-forward saves for backward, the mean over the layers: a dense
-    SwiGLU's gate, SiLU, up and product (``4f``); an MoE layer's for each of its ``k`` routed experts and
-    each shared one (``4F``) plus the routed rows in and out (``2h`` per routed copy)."""
+def ffn_width(m: ModelConfig, tp: int = 1) -> float:
+    """Values per token a layer's feed-forward saves for backward on one of ``tp`` ranks, the mean over
+    the layers: a dense SwiGLU's gate, SiLU, up and product (``4f/tp``); an MoE layer's for each of its
+    ``k`` routed experts and each shared one (``4F/tp``: TP splits every expert's hidden dim) plus the
+    routed rows in and out (``2h`` per routed copy, whole on every TP rank)."""
     n_moe = len(m.moe_layers)
-    dense = 4 * m.hidden_ffn_dim
+    dense = 4 * m.hidden_ffn_dim / tp
     if not n_moe:
         return dense
-    moe = 4 * (m.moe_top_k + m.moe_shared_experts) * m.moe_hidden_dim + 2 * m.moe_top_k * m.dim
+    moe = 4 * (m.moe_top_k + m.moe_shared_experts) * m.moe_hidden_dim / tp + 2 * m.moe_top_k * m.dim
     return ((m.n_layers - n_moe) * dense + n_moe * moe) / m.n_layers
 
 
@@ -107,7 +108,7 @@ def activation_bytes_per_layer(m: ModelConfig, s: int, b: int, lay: Layout, act_
         outside = 6 * sbh * act_bytes + upcast
     # q, k, v (k/v repeated to every query head), the attention output and the out-projection input are
     # n_heads·head_dim wide: dim, unless model.head_dim says otherwise (Qwen3's heads are wider)
-    inside = (5 * s * b * m.n_heads * m.head_dim + s * b * ffn_width(m)) / t * act_bytes
+    inside = (5 * s * b * m.n_heads * m.head_dim / t + s * b * ffn_width(m, t)) * act_bytes
     # a router's fp32 logits, scores and top-k weights per token (the mean over the layers)
     router = 3 * s * b * m.moe_experts * 4 * len(m.moe_layers) / m.n_layers
     return outside + inside + router + 2 * s * b * 4  # + the norms' fp32 rsqrt per token

@@ -68,6 +68,9 @@ def estimate_step(
     if lay.tp > 1:
         per_op = 2 * (lay.tp - 1) / lay.tp * sbh_bytes / _bw(lay.tp, cluster)
         tp_comm = 4 * layers_per_stage * micro * per_op
+        # an MoE layer's routed experts sum k rows per token over the TP group, forward and backward,
+        # where a dense MLP sums one
+        tp_comm += 2 * (m.moe_top_k - 1) * len(m.moe_layers) / lay.pp * micro * per_op
     cp_comm = 0.0
     if lay.cp > 1:
         kv = 2 * s * lay.micro_batch * m.n_kv_heads * m.head_dim * act / lay.tp

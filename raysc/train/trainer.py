@@ -133,6 +133,7 @@ class Trainer:
             1.0 if self.schedule is not None else 1.0 / self.n_micro,  # a schedule scales the gradients itself
             cfg.model.moe_bias_update_rate,
             self.dims.world_size > 1,
+            copies=self.dims.tp,  # the ranks of a TP group route the same tokens
         )
         self.tokens_per_step = gb * cfg.train.seq_len
         self.flops_per_token = flops_per_token(cfg.model, cfg.train.seq_len)
