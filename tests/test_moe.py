@@ -313,9 +313,10 @@ def test_an_moe_fleet_under_expert_parallelism_stops_on_a_router_collapse_with_a
 
 
 def _reshard_rank(rank: int, port: int, cache_dir: str, work: str, out: str) -> None:
-    """One of two gloo ranks: tiny MoE at dp_shard=2, ep=2 for 3 steps, checkpointed as a worker does
-    (DCP shards and the rank's extra state), then 3 more steps; the checkpoint loaded at dp_shard=2, ep=1
-    for the same 3 steps; rank 0 then loads it into one process and runs them too."""
+    """One of four gloo ranks: tiny MoE at dp_shard=4, ep=4 for 3 steps, checkpointed as a worker does
+    (DCP shards and the rank's extra state), then 3 more steps; the checkpoint loaded at ep=2 and at ep=1
+    (dp_shard=4) for the same 3 steps; rank 0 then loads it into one process and runs them too. Each load
+    gathers every parameter and its AdamW moments to compare them with the saved run's."""
     import datetime
     import json
 
@@ -325,14 +326,13 @@ def _reshard_rank(rank: int, port: int, cache_dir: str, work: str, out: str) -> 
     from raysc.data.prepare import prepare_data
     from raysc.parallel.dims import build_mesh
     from raysc.train.trainer import Trainer
-    from test_parallel import MOE as PARITY_MOE
-    from test_parallel import PARITY
+    from test_parallel import MOE4, PARITY
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120)
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4, timeout=datetime.timedelta(seconds=120)
     )
-    common = [*PARITY, *PARITY_MOE, f'data.cache_dir="{cache_dir}"', "train.steps=6"]
+    common = [*PARITY, *MOE4, f'data.cache_dir="{cache_dir}"', "train.steps=6"]
     packed = prepare_data(load_config(None, common))[0]
 
     def trainer(*layout: str) -> Trainer:
@@ -340,57 +340,131 @@ def _reshard_rank(rank: int, port: int, cache_dir: str, work: str, out: str) -> 
         mesh = build_mesh(cfg.parallel.dims, "cpu") if cfg.parallel.world_size > 1 else None
         return Trainer(cfg, packed.train, packed.val, rank=rank if mesh else 0, mesh=mesh, measure_peak=False)
 
-    def full(t: Trainer) -> dict[str, torch.Tensor]:  # every parameter gathered (a collective under a mesh)
-        state = t.shard.state_module().named_parameters()
-        return {k: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone() for k, p in state}
+    def gathered(t: Trainer) -> dict[str, torch.Tensor]:
+        """Every parameter and its AdamW moments, whole (a collective under a mesh)."""
+        whole = {}
+        for name, p in t.shard.state_module().named_parameters():
+            state = t.optimizer.state[p]
+            for key, value in (("", p), *((f".{m}", state[m]) for m in ("exp_avg", "exp_avg_sq"))):
+                whole[name + key] = (value.full_tensor() if hasattr(value, "full_tensor") else value).detach().clone()
+        return whole
 
     def steps(t: Trainer) -> list[dict]:
         return [
             {k: m[k] for k in ("step", "loss", "grad_norm", "moe_tokens")} for m in (t.train_step() for _ in range(3))
         ]
 
-    ep2 = trainer("parallel.dp_shard=2", "parallel.ep=2")
+    def load(t: Trainer, ckpt: Path, as_rank: int) -> Trainer:
+        t.load_extra_state(load_local(ckpt, t.shard.state_module(), t.optimizer, as_rank, step=3))
+        return t
+
+    ep4 = trainer("parallel.dp_shard=4", "parallel.ep=4")
     for _ in range(3):
-        ep2.train_step()
+        ep4.train_step()
     ckpt = Path(work) / "step_3"
-    stage_shards(ckpt, ep2.shard.state_module(), ep2.optimizer, ep2.extra_state(), rank)
-    saved = full(ep2)
-    results = {"ep2": steps(ep2)}
-    ep1 = trainer("parallel.dp_shard=2")
-    ep1.load_extra_state(load_local(ckpt, ep1.shard.state_module(), ep1.optimizer, rank, step=3))
-    loaded = full(ep1)
-    results["ep1_params_equal"] = all(torch.equal(saved[k], loaded[k]) for k in saved)
-    results["ep1"] = steps(ep1)
+    stage_shards(ckpt, ep4.shard.state_module(), ep4.optimizer, ep4.extra_state(), rank)
+    saved = gathered(ep4)
+    results = {"ep4": steps(ep4)}
+    for name, layout in (("ep2", ("parallel.dp_shard=4", "parallel.ep=2")), ("ep1", ("parallel.dp_shard=4",))):
+        resumed = load(trainer(*layout), ckpt, rank)
+        loaded = gathered(resumed)
+        results[f"{name}_differ"] = sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))
+        results[name] = steps(resumed)
     dist.destroy_process_group()
     if rank == 0:
-        one = trainer()
-        one.load_extra_state(load_local(ckpt, one.shard.state_module(), one.optimizer, 0, step=3))
-        results["one_params_equal"] = all(torch.equal(saved[k], p.detach()) for k, p in full(one).items())
+        one = load(trainer(), ckpt, 0)
+        loaded = gathered(one)
+        results["one_differ"] = sorted(k for k in saved if not torch.equal(saved[k], loaded[k]))
         results["one"] = steps(one)
         Path(out).write_text(json.dumps(results))
 
 
-def test_an_ep2_checkpoint_resumes_at_ep1_and_on_one_process(cache_dir, tmp_path):
-    """Reshard across expert-parallel sizes: a checkpoint of a dp_shard=2, ep=2 run (each rank wrote its
-    half of the experts) loads at ep=1 (each rank's FSDP shard of all experts) and into one process with
-    every parameter equal to the saved run's, gathered; the next 3 steps' losses and grad norms match the
-    uninterrupted ep=2 run's within 1e-5 and their tokens per expert are equal. (The fleet's own
-    checkpoint path at ep=2: test_an_moe_fleet_under_expert_parallelism_... .)"""
+def test_an_ep4_checkpoint_resumes_at_ep2_ep1_and_on_one_process(cache_dir, tmp_path):
+    """Reshard across expert-parallel sizes: a checkpoint of a dp_shard=4, ep=4 run (each rank wrote its
+    quarter of the experts) loads at ep=2, at ep=1 (each rank's FSDP shard of all experts) and into one
+    process with every parameter and AdamW moment equal to the saved run's, gathered; the next 3 steps'
+    losses and grad norms match the uninterrupted ep=4 run's within 1e-5 and their tokens per expert are
+    equal. (The fleet's own checkpoint path at ep=2: test_an_moe_fleet_under_expert_parallelism_... .)"""
     import json
 
     from forked import run_forked
     from raysc.cluster.ports import free_port
     from raysc.data.prepare import prepare_data
-    from test_parallel import MOE as PARITY_MOE
-    from test_parallel import PARITY
+    from test_parallel import MOE4, PARITY
 
-    prepare_data(load_config(None, [*PARITY, *PARITY_MOE, f'data.cache_dir="{cache_dir}"', "train.steps=6"]))
+    prepare_data(load_config(None, [*PARITY, *MOE4, f'data.cache_dir="{cache_dir}"', "train.steps=6"]))
     out = tmp_path / "results.json"
-    run_forked(_reshard_rank, (free_port(), cache_dir, str(tmp_path), str(out)), nprocs=2)
+    run_forked(_reshard_rank, (free_port(), cache_dir, str(tmp_path), str(out)), nprocs=4)
     r = json.loads(out.read_text())
-    assert r["ep1_params_equal"] and r["one_params_equal"]
-    for name in ("ep1", "one"):
-        for got, want in zip(r[name], r["ep2"], strict=True):
+    for name in ("ep2", "ep1", "one"):
+        assert r[f"{name}_differ"] == [], (name, "differ after the load", r[f"{name}_differ"])
+        for got, want in zip(r[name], r["ep4"], strict=True):
             assert got["step"] == want["step"] and got["moe_tokens"] == want["moe_tokens"], (name, got["step"])
             assert got["loss"] == pytest.approx(want["loss"], rel=1e-5), (name, got["step"])
             assert got["grad_norm"] == pytest.approx(want["grad_norm"], rel=1e-4), (name, got["step"])
+
+
+def _all_to_all_probe_rank(rank: int, port: int, out: str) -> None:
+    """One of two gloo ranks: the pre-flight probe's rows with the world as the EP group."""
+    import datetime
+    import json
+
+    import torch.distributed as dist
+
+    from raysc.train.probe import group_bandwidth
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60)
+    )
+    rows = group_bandwidth(None, {}, 1 << 16, torch.device("cpu"), iters=2, ep_group=dist.group.WORLD)
+    dist.destroy_process_group()
+    if rank == 0:
+        Path(out).write_text(json.dumps(rows))
+
+
+def test_preflight_measures_the_ep_all_to_all_and_warns_when_an_ep_group_spans_nodes(tmp_path):
+    """Pre-flight knows EP: the probe times the EP group's all-to-all (forked gloo ranks), the profile
+    item expects that row, and the topology item warns, naming the fix, when an EP group's ranks sit on
+    two nodes (its all-to-all then runs at the inter-node bandwidth), and passes when each group is on one."""
+    import json
+
+    from forked import run_forked
+    from raysc.cluster.ports import free_port
+    from raysc.preflight.checklist import FAIL, PASS, WARN, Evidence, check_profile, check_topology
+
+    out = tmp_path / "rows.json"
+    run_forked(_all_to_all_probe_rank, (free_port(), str(out)), nprocs=2)
+    (row,) = json.loads(out.read_text())
+    assert row["group"] == "ep" and row["size"] == 2 and row["all_to_all_busbw_gbps"] > 0
+
+    cfg = _cfg("parallel.dp_shard=4", "parallel.ep=2")
+    dims = cfg.parallel.dims
+
+    def evidence(nodes: list[str], groups: list[str]) -> Evidence:
+        probe = [
+            {
+                "rank": r,
+                "coords": dims.coords(r),
+                "node_id": nodes[r],
+                "topology": {"device_type": "cpu"},
+                "bandwidth": [{"group": g, "size": 2, "bytes": 1, "all_reduce_busbw_gbps": 1.0} for g in groups],
+            }
+            for r in range(4)
+        ]
+        return Evidence(
+            summary={"probe": probe, "peak_memory_gb": [0.01] * 4},
+            events=[],
+            step_s=0.1,
+            store={},
+            estimate_bytes=1e7,
+        )
+
+    inside = evidence(["a", "a", "b", "b"], ["dp_shard", "ep"])  # EP groups {0, 1} and {2, 3}
+    assert check_topology(cfg, inside).status == PASS and check_topology(cfg, inside).evidence["ep_groups"] == 2
+    assert "every TP group and EP group inside one node" in check_topology(cfg, inside).summary
+    across = check_topology(cfg, evidence(["a", "b", "a", "b"], ["dp_shard", "ep"]))
+    assert across.status == WARN and across.evidence["ep_groups_across_nodes"] == 2
+    assert "expert-parallel group(s) span nodes" in across.summary and "lower parallel.ep" in across.summary
+    assert check_profile(cfg, inside).status != FAIL
+    missing = check_profile(cfg, evidence(["a", "a", "b", "b"], ["dp_shard"]))
+    assert missing.status == FAIL and "'ep'" in missing.summary

@@ -146,6 +146,39 @@ def test_a_peer_heal_says_why_it_does_not_apply(make_cfg):
     assert why(Failure(FailureKind.RAISED, 0, peer), "parallel.dp_replicate=2", calls=[1, 2]) is None  # probed too
 
 
+def test_a_heal_recovers_a_lost_rank_0s_metrics_once_and_never_a_survivors(make_cfg):
+    """The metrics of the steps before a heal are written once: a lost rank 0's are recovered from a
+    survivor, and its own last report, if it arrives after all, is dropped; a surviving rank 0's are
+    never recovered (its report may still be on its way: recovering it wrote step 13 twice in a CI run
+    of the phase drill below)."""
+    from raysc.fleet.peer_healing import PeerHealer
+    from raysc.fleet.stats import RunStats
+
+    stats, written = RunStats(total_steps=8), []
+
+    def report(batch: list[dict]) -> None:  # as Supervisor.report
+        batch = stats.unrecovered(batch)
+        if not batch:
+            return
+        stats.ingest(batch)
+        written.extend(m["step"] for m in batch)
+
+    def row(step: int) -> dict:
+        return {"step": step, "tokens_per_s": 1.0, "step_time": 0.1}
+
+    healer = PeerHealer(make_cfg("parallel.dp_replicate=2"), None, None, stats, None, None, report, None)
+    report([row(1), row(2)])
+    accounts = [{"step": 4, "recent": [row(2), row(3), row(4)]}]
+    healer._recover_reports(accounts, 4, lost={1})  # rank 0 survived: steps 3 and 4 are on their way
+    assert written == [1, 2]
+    report([row(3), row(4)])
+    healer._recover_reports([{"step": 6, "recent": [row(5), row(6)]}], 6, lost={0})  # rank 0 lost
+    assert written == [1, 2, 3, 4, 5, 6]
+    report([row(5), row(6)])  # the lost rank 0's own report of them, late
+    report([row(7)])
+    assert written == [1, 2, 3, 4, 5, 6, 7] and not stats.recovered
+
+
 PHASE_FAULTS = (
     "kill@2:1/data,kill@4:0/forward,kill@6:1/backward,kill@8:0/clip,kill@10:1/totals,kill@12:0/update,"
     "kill@14:1/end,hang@17:1/backward"

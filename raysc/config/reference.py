@@ -41,7 +41,8 @@ def render() -> str:
         "`train.seq_len`; the global batch divisible by the data-parallel size and the local batch by",
         '`train.micro_batch`; `train.dtype = "bf16"` only on `cuda`. Parallel layout rules (tp divides heads,',
         "KV heads, vocabulary and SwiGLU width; pp × virtual stages divides layers; 2·cp divides seq_len; the",
-        "local batch splits into `pp_microbatches`; schedule needs) are listed in docs/parallelism.md.",
+        "local batch splits into `pp_microbatches`, and `train.micro_batch`, when set under pp, agrees with",
+        "them; schedule needs) are listed in docs/parallelism.md.",
         "",
     ]
     for section in dataclasses.fields(Config):

@@ -105,6 +105,7 @@ class Healer:
         """Count a restart or rollback; past supervisor.max_restarts of them with no chunk of
         training completed in between, stop the run with ``err``."""
         self.stats.restarts += 1
+        self.stats.recovered.clear()  # the steps after the checkpoint run (and report) again
         self.stats.strikes += 1
         if self.stats.strikes > self.cfg.supervisor.max_restarts:
             self.event(EventKind.RESTARTS_EXHAUSTED, restarts=self.stats.strikes - 1, error=str(err))

@@ -127,7 +127,7 @@ class PeerHealer:
         if len(steps) != 1:
             raise PeerHealRefused(f"the survivors stopped at different steps {sorted(steps)}")
         step = steps.pop()
-        self._recover_reports(accounts, step)
+        self._recover_reports(accounts, step, lost)
         phases["decide"] = time.monotonic() - mark
         mark = time.monotonic()
         infos = self._regroup(new, lost, data)
@@ -247,12 +247,18 @@ class PeerHealer:
                 raise PeerHealRefused(f"a survivor's checkpoint upload did not end within {UPLOAD_WAIT_S:g}s")
             time.sleep(0.05)
 
-    def _recover_reports(self, accounts: list[dict], step: int) -> None:
-        """The metrics of steps up to ``step`` a lost rank 0 had not sent, from a survivor's recent ones."""
+    def _recover_reports(self, accounts: list[dict], step: int, lost: set[int]) -> None:
+        """The metrics of steps up to ``step`` a lost rank 0 had not sent, from a survivor's recent ones.
+        A surviving rank 0's own reports are on their way (Ray delivers a live actor's calls, in order):
+        recovering one still in flight wrote its step twice (a CI run of the phase drill). A lost rank 0's
+        last report may still arrive after its recovered copy: ``stats.recovered`` drops it then."""
+        if 0 not in lost:
+            return
         recent = max((a["recent"] for a in accounts), key=len)
         missing = [m for m in recent if m["step"] <= step and not self.stats.has_step(m["step"])]
         if missing:
             self.report(missing)
+            self.stats.recovered.update(m["step"] for m in missing)
 
     def _regroup(self, new: list, lost: set[int], data: dict) -> list:
         """Survivors re-form the process group in their processes; the replacements join it. The new

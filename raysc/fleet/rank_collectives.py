@@ -44,12 +44,15 @@ def probe(trainer: Trainer, rank: int, nbytes: int, training: threading.Lock) ->
     """Pre-flight measurements on this rank (collective: every rank must call it): bus bandwidth
     per parallel group and the node's topology (``raysc.train.probe``), the bandwidth measured under
     ``training`` (the rank's lock held while it trains)."""
+    from raysc.parallel.expert_parallel import ShardedExperts
     from raysc.train.probe import group_bandwidth, node_topology
 
     dims = trainer.dims
     sizes = dims.as_dict()
+    experts = [m for part in trainer.model_parts for m in part.modules() if isinstance(m, ShardedExperts)]
+    ep_group = experts[0].ep_group if experts else None  # every MoE layer's is the same group
     with training:
-        bandwidth = group_bandwidth(trainer.mesh, sizes, nbytes, trainer.device)
+        bandwidth = group_bandwidth(trainer.mesh, sizes, nbytes, trainer.device, ep_group=ep_group)
     return {
         "rank": rank,
         "coords": dims.coords(rank),

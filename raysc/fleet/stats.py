@@ -51,8 +51,18 @@ class RunStats:
     strikes: int = 0  # restarts and rollbacks since training last made progress
     memory: list[dict] | None = None  # per-rank peak memory (CUDA, or train.measure_memory)
     fault_step: int = 0  # the latest step an injected fault fired before
+    # steps whose metrics a peer heal recovered from a survivor for a lost rank 0: that rank's own report of
+    # them, if it was already on its way, is dropped (until a restart from a checkpoint runs them again)
+    recovered: set[int] = field(default_factory=set)
     _last_report: float = field(default_factory=time.monotonic)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def unrecovered(self, batch: list[dict]) -> list[dict]:
+        """``batch`` without the steps a peer heal already recovered (each dropped once)."""
+        with self._lock:
+            kept = [m for m in batch if m["step"] not in self.recovered]
+            self.recovered.difference_update(m["step"] for m in batch)
+            return kept
 
     def ingest(self, batch: list[dict]) -> None:
         """Rank 0's metrics of some steps (see ``TrainWorker.train``)."""

@@ -80,6 +80,9 @@ class Supervisor:
     def report(self, batch: list[dict]) -> None:
         """Per-step metrics from rank 0, a batch at a time (see ``TrainWorker.train``), in the order sent:
         on the shared threads two batches ran side by side, out of step order (TensorBoard showed 6, 7, 5)."""
+        batch = self.stats.unrecovered(batch)
+        if not batch:
+            return
         self.stats.ingest(batch)
         self.records.metrics_batch(batch)
         health = self.stats.health()

@@ -57,7 +57,7 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
             for k, v in row.items():
                 if k.endswith("_gbps"):
                     g[k] = round(min(g.get(k, math.inf), v), 4)  # the slowest rank's group bounds the step
-    expected = {n for n, s in cfg.parallel.dims.as_dict().items() if s > 1}
+    expected = {n for n, s in cfg.parallel.dims.as_dict().items() if s > 1} | ({"ep"} if cfg.parallel.ep > 1 else set())
     peaks = ev.summary.get("peak_memory_gb") or []
     est_gb = ev.estimate_bytes / 1e9
     evidence = {
@@ -90,26 +90,35 @@ def check_profile(cfg: Config, ev: Evidence) -> Item:
     )
 
 
+def _groups_across_nodes(probe: list[dict], key) -> tuple[int, int]:
+    """(groups, groups whose ranks sit on more than one node), the groups as ``key(coords)`` names them."""
+    groups: dict[tuple, set] = {}
+    for r in probe:
+        groups.setdefault(key(r["coords"]), set()).add(r["node_id"])
+    return len(groups), sum(len(nodes) > 1 for nodes in groups.values())
+
+
 def check_topology(cfg: Config, ev: Evidence) -> Item:
     probe = ev.summary.get("probe") or []
-    dims = cfg.parallel.dims
+    dims, ep = cfg.parallel.dims, cfg.parallel.ep
     nodes: dict[str, list[int]] = {}
     for r in probe:
         nodes.setdefault(r["node_id"], []).append(r["rank"])
-    tp_groups: dict[tuple, set] = {}
-    for r in probe:
-        key = tuple(v for k, v in sorted(r["coords"].items()) if k != "tp")
-        tp_groups.setdefault(key, set()).add(r["node_id"])
-    crossing = [k for k, v in tp_groups.items() if len(v) > 1]
+    tp_groups, crossing = _groups_across_nodes(probe, lambda c: tuple(v for k, v in sorted(c.items()) if k != "tp"))
     topo = [r["topology"] for r in probe]
     evidence = {
         "nodes": len(nodes),
         "ranks_per_node": {k[:12]: v for k, v in nodes.items()},
         "device": topo[0]["device_type"] if topo else None,
         "links": next((t.get("topo") for t in topo if t.get("topo")), None),
-        "tp_groups": len(tp_groups),
-        "tp_groups_across_nodes": len(crossing),
+        "tp_groups": tp_groups,
+        "tp_groups_across_nodes": crossing,
     }
+    if ep > 1:  # an EP group: ep consecutive dp_shard ranks, the other coordinates equal
+        ep_groups, ep_crossing = _groups_across_nodes(
+            probe, lambda c: tuple((k, v // ep if k == "dp_shard" else v) for k, v in sorted(c.items()))
+        )
+        evidence.update(ep_groups=ep_groups, ep_groups_across_nodes=ep_crossing)
     if not probe or len(probe) != dims.world_size:
         return Item(2, "topology", FAIL, f"{len(probe)} of {dims.world_size} ranks reported", evidence)
     if crossing:
@@ -117,17 +126,29 @@ def check_topology(cfg: Config, ev: Evidence) -> Item:
             2,
             "topology",
             FAIL,
-            f"{len(crossing)} TP group(s) span nodes: lower parallel.tp to the GPUs per node",
+            f"{crossing} TP group(s) span nodes: lower parallel.tp to the GPUs per node",
             evidence,
         )
     links = (
         "link topology reported (nvidia-smi topo -m)" if evidence["links"] else "the platform reports no link topology"
     )
+    if evidence.get("ep_groups_across_nodes"):
+        return Item(
+            2,
+            "topology",
+            WARN,
+            f"{evidence['ep_groups_across_nodes']} expert-parallel group(s) span nodes: their all-to-all, four "
+            f"per MoE layer and micro-batch, runs at the inter-node bandwidth; lower parallel.ep (or tp × cp) "
+            f"so that tp × cp × ep fits a node; {links}",
+            evidence,
+        )
     return Item(
         2,
         "topology",
         PASS if evidence["links"] or cfg.parallel.device == "cpu" else WARN,
-        f"{len(nodes)} node(s), {dims.world_size} rank(s), every TP group inside one node; {links}",
+        f"{len(nodes)} node(s), {dims.world_size} rank(s), every TP group"
+        + (" and EP group" if ep > 1 else "")
+        + f" inside one node; {links}",
         evidence,
     )
 

@@ -42,16 +42,31 @@ def _timed(fn, buf: torch.Tensor, iters: int) -> float:
     return statistics.median(times[1:])
 
 
-def group_bandwidth(mesh, sizes: dict[str, int], nbytes: int, device: torch.device, iters: int = 5) -> list[dict]:
-    """Bus bandwidth of all-reduce, all-gather, reduce-scatter (and P2P for pp) on each group."""
+def group_bandwidth(
+    mesh, sizes: dict[str, int], nbytes: int, device: torch.device, iters: int = 5, ep_group=None
+) -> list[dict]:
+    """Bus bandwidth of all-reduce, all-gather, reduce-scatter (and P2P for pp) on each group; with
+    ``ep_group`` (a mixture of experts' expert-parallel group), its all-to-all's too."""
     out = []
     for name in GROUP_ORDER:
         n = sizes.get(name, 1)
         if n < 2 or mesh is None:
             continue
-        row = _group_row(name, n, mesh[name].get_group(), nbytes, device, iters)
-        out.append({k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()})
-    return out
+        out.append(_group_row(name, n, mesh[name].get_group(), nbytes, device, iters))
+    if ep_group is not None:
+        out.append(_all_to_all_row(ep_group, nbytes, device, iters))
+    return [{k: round(v, 4) if isinstance(v, float) else v for k, v in row.items()} for row in out]
+
+
+def _all_to_all_row(group, nbytes: int, device: torch.device, iters: int) -> dict:
+    """The EP group's all-to-all (even splits, what a balanced router sends): nccl-tests' alltoall
+    bus bandwidth, ``algbw × (n−1)/n`` with ``S`` the bytes each rank sends in all."""
+    n = dist.get_world_size(group)
+    elems = max(n, nbytes // 4 // n * n)
+    buf = torch.ones(elems, dtype=torch.float32, device=device)
+    recv = torch.empty_like(buf)
+    t = _timed(lambda: dist.all_to_all_single(recv, buf, group=group), buf, iters)
+    return {"group": "ep", "size": n, "bytes": elems * 4, "all_to_all_busbw_gbps": elems * 4 / t * (n - 1) / n / 1e9}
 
 
 def _group_row(name: str, n: int, group, nbytes: int, device: torch.device, iters: int) -> dict:
