@@ -34,6 +34,21 @@ MODEL = [o for o in TINY if o.startswith("model.")] + ["train.seq_len=32", "trai
 MUP = ["model.mup=true", "model.mup_base_width=32"]  # m = 2, sqrt(head_dim 16) = 4: unfolding is exact
 ROWS = np.random.default_rng(1).integers(0, 512, size=(16, 33))
 LAYOUTS = ["dp_shard=2,tp=2", "pp=2,dp_shard=2"]
+# a tiny Qwen3's config.json keys (transformers' config classes), beside MODEL's shapes; test_moe_interop's
+# Qwen3-MoE adds its experts to them
+QWEN3_HF = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 160,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 1000000.0},
+    "use_sliding_window": False,
+}
 
 
 def _exported(out: Path, extra: list[str]) -> tuple[dict[str, torch.Tensor], Path]:
@@ -298,20 +313,7 @@ def test_qwen3_qk_norm_and_wide_heads_import_export_and_run_in_llama_cpp(tmp_pat
 
     from raysc.export.gguf import export_gguf
 
-    hf_cfg = transformers.Qwen3Config(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=160,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
-        use_sliding_window=False,
-    )
+    hf_cfg = transformers.Qwen3Config(**QWEN3_HF, head_dim=32)
     torch.manual_seed(0)
     hf = transformers.Qwen3ForCausalLM(hf_cfg).eval()
     with torch.no_grad():

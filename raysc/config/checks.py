@@ -113,12 +113,6 @@ def check_moe(cfg: Config, origin: str) -> None:
             f"{m.moe_first_dense_layers}, model.moe_every_n_layers={m.moe_every_n_layers}, model.n_layers="
             f"{m.n_layers}); lower the first two, or set model.moe_experts = 0 for a dense model."
         )
-    if m.init_from:
-        raise ConfigError(
-            f"{origin}: model.init_from with a mixture of experts (model.moe_experts={m.moe_experts}): reading "
-            f"Hugging Face MoE checkpoints (Qwen3-MoE, Mixtral, OLMoE, Qwen2-MoE) is not built yet (issue 59); "
-            f"leave model.init_from empty to train the MoE from scratch."
-        )
     if m.mup:
         raise ConfigError(
             f"{origin}: model.mup = true with a mixture of experts is not supported (μP's rules are for raysc's "

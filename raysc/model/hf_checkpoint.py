@@ -6,7 +6,10 @@ checkpoints use: ``config.json`` and ``model.safetensors``, or shards listed by
 ``config.json`` and every tensor's shape with the run's ``[model]`` config (``problems`` lists every
 difference, naming the tensor and both shapes; a missing or an unexpected tensor is one too), and
 ``read`` returns any block of a tensor through safetensors' ``get_slice``: the file is memory-mapped
-and only the requested rows are read, so a rank reading its shard never holds the full tensor.
+and only the requested rows are read, so a rank reading its shard never holds the full tensor. A
+mixture of experts' routed experts are read from one tensor per expert (stacked on the expert dim) or
+from transformers 5's fused tensors (a half of ``gate_up_proj`` for each of the gate and up weights):
+``Source`` says which, and either way a rank reads only its experts' rows.
 
 Under μP, export folds the logit multiplier 1/m into ``lm_head`` and the 1/head_dim attention scale
 into ``q_proj`` (``raysc.model.mup.fold_into_weights``); ``read`` multiplies them back out. That is
@@ -22,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -29,7 +33,7 @@ from safetensors import safe_open
 
 from raysc.config.schema import ModelConfig
 from raysc.hashing import file_sha256
-from raysc.model.hf_names import ARCHITECTURES, hf_name, raysc_name
+from raysc.model.hf_names import ARCHITECTURES, EXPERT_PROJ, FUSED_EXPERTS, expert_key, hf_name, raysc_name
 from raysc.model.llama import Llama
 
 WEIGHTS = "model.safetensors"
@@ -39,6 +43,17 @@ TOKENIZER = "tokenizer.json"
 CHUNK_ELEMS = 1 << 22  # values per block read: 16 MiB in fp32
 MAX_LISTED = 12  # problems shown in one error
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # recomputed buffers some older checkpoints carry
+
+
+@dataclass(frozen=True)
+class Source:
+    """Where one raysc parameter lies in the checkpoint: one tensor (with ``part``, its rows
+    ``[start, start + size)`` of dim 1: a fused ``gate_up_proj``'s half), or, ``stacked``, one tensor per
+    expert in expert order (the parameter's dim 0)."""
+
+    tensors: tuple[str, ...]
+    stacked: bool = False
+    part: tuple[int, int] | None = None
 
 
 class CheckpointMismatch(ValueError):
@@ -103,7 +118,7 @@ def family_settings(hf: dict) -> dict:
     theta, kind, rope = _rope(hf)
     out = {"rope_theta": float(theta)} if theta is not None else {}
     out["attention_bias"] = hf.get("model_type") == "qwen2" or bool(hf.get("attention_bias"))
-    out["qk_norm"] = hf.get("model_type") == "qwen3"
+    out["qk_norm"] = hf.get("model_type") in ("qwen3", "qwen3_moe")
     heads = hf.get("num_attention_heads")
     if hf.get("head_dim") and heads and hf["head_dim"] != hf.get("hidden_size", 0) // heads:
         out["attn_head_dim"] = hf["head_dim"]
@@ -139,16 +154,40 @@ class HFCheckpoint:
         self.hf_config: dict = json.loads((self.dir / CONFIG).read_text())
         self.files = weight_map(self.dir)
         self._open: dict[str, safe_open] = {}
-        self.names: dict[str, str] = {}  # raysc name -> HF name
+        self.sources: dict[str, Source] = {}  # raysc name -> where its values are
         self.unexpected: list[str] = []
+        self.layout_problems: list[str] = []  # experts missing from a per-expert layout, or in two layouts
+        per_expert: dict[str, dict[int, str]] = {}  # raysc expert weight -> {expert: HF name}
         for hf in self.files:
             ours = raysc_name(hf)
+            key = expert_key(hf) if ours is None else None
             if ours is not None:
-                self.names[ours] = hf
+                self.sources[ours] = Source((hf,))
+            elif key is not None and key[1] is None:
+                self._add_fused(key[0], key[2], hf)
+            elif key is not None:
+                per_expert.setdefault(f"layers.{key[0]}.mlp.experts.{key[2]}", {})[key[1]] = hf
             elif not hf.endswith(_IGNORED_SUFFIXES):
                 self.unexpected.append(hf)
+        for name, by_expert in per_expert.items():
+            ids = sorted(by_expert)  # numerically: expert 10 after expert 2
+            if ids != list(range(len(ids))):
+                missing = sorted(set(range(ids[-1] + 1)) - set(ids))
+                self.layout_problems.append(f"{name}: the checkpoint has no tensor for expert(s) {missing}")
+            if name in self.sources:
+                self.layout_problems.append(f"{name}: the checkpoint holds it both fused and per expert")
+            self.sources[name] = Source(tuple(by_expert[e] for e in ids), stacked=True)
+        self.names = {ours: src.tensors[0] for ours, src in self.sources.items()}  # the HF name messages show
         self.tied = bool(self.hf_config.get("tie_word_embeddings", False))
         self.scales = self._unfold_scales()
+
+    def _add_fused(self, layer: int, key: str, hf: str) -> None:
+        """The raysc expert weights a fused tensor holds: ``gate_up_proj``'s halves, or all of ``down_proj``."""
+        weights = FUSED_EXPERTS[key]
+        rows = self._slice(hf).get_shape()[1] // len(weights)
+        for i, w in enumerate(weights):
+            part = (i * rows, rows) if len(weights) > 1 else None
+            self.sources[f"layers.{layer}.mlp.experts.{w}"] = Source((hf,), part=part)
 
     def _unfold_scales(self) -> dict[str, float]:
         """Factors that undo ``fold_into_weights``: sqrt(head_dim) on wq, m on an untied output."""
@@ -165,14 +204,19 @@ class HFCheckpoint:
                 return f
         return 1.0
 
-    def _file(self, name: str):
-        file = self.files[self.names[name]]
+    def _slice(self, hf: str):
+        """safetensors' lazy view of the checkpoint tensor ``hf`` (headers only until indexed)."""
+        file = self.files[hf]
         if file not in self._open:
             self._open[file] = safe_open(str(self.dir / file), framework="pt")
-        return self._open[file]
+        return self._open[file].get_slice(hf)
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(self.names[name]).get_shape())
+        src = self.sources[name]
+        shape = list(self._slice(src.tensors[0]).get_shape())
+        if src.part is not None:
+            shape[1] = src.part[1]
+        return (len(src.tensors), *shape) if src.stacked else tuple(shape)
 
     def _config_problems(self) -> list[str]:
         c, hf = self.cfg, self.hf_config
@@ -190,13 +234,15 @@ class HFCheckpoint:
                 f"model.attention_bias = {str(c.attention_bias).lower()}; set "
                 f"model.attention_bias={str(biased).lower()}"
             )
-        qk_norm = model_type == "qwen3"  # Qwen3 always normalises q and k per head
+        qk_norm = model_type in ("qwen3", "qwen3_moe")  # Qwen3 always normalises q and k per head
         if qk_norm != c.qk_norm:
             out.append(
                 f"config.json: {'q/k norms' if qk_norm else 'no q/k norms'} ({model_type}) but "
                 f"model.qk_norm = {str(c.qk_norm).lower()}; set model.qk_norm={str(qk_norm).lower()}"
             )
-        if hf.get("use_sliding_window") or (model_type not in ("qwen2", "qwen3") and hf.get("sliding_window")):
+        if hf.get("use_sliding_window") or (
+            model_type not in ("qwen2", "qwen3", "qwen3_moe") and hf.get("sliding_window")
+        ):
             out.append(
                 f"config.json: sliding-window attention (sliding_window = {hf.get('sliding_window')}); "
                 f"raysc's attention is full causal attention"
@@ -208,7 +254,12 @@ class HFCheckpoint:
             "num_hidden_layers": (hf.get("num_hidden_layers"), c.n_layers, "model.n_layers"),
             "num_attention_heads": (heads, c.n_heads, "model.n_heads"),
             "num_key_value_heads": (hf.get("num_key_value_heads", heads), c.n_kv_heads, "model.n_kv_heads"),
-            "intermediate_size": (hf.get("intermediate_size"), c.hidden_ffn_dim, "model.ffn_dim"),
+            # an MoE's dense MLP size matters only where a layer is dense
+            "intermediate_size": (
+                hf.get("intermediate_size") if any(not c.is_moe_layer(i) for i in range(c.n_layers)) else None,
+                c.hidden_ffn_dim,
+                "model.ffn_dim",
+            ),
             "vocab_size": (hf.get("vocab_size"), c.vocab_size, "model.vocab_size"),
             "rms_norm_eps": (hf.get("rms_norm_eps"), c.norm_eps, "model.norm_eps"),
             "rope_theta": (theta, c.rope_theta, "model.rope_theta"),
@@ -247,6 +298,48 @@ class HFCheckpoint:
             out.append("config.json: mlp_bias is true; raysc's MLP has no biases")
         return out
 
+    def _moe_problems(self) -> list[str]:
+        """config.json's mixture of experts against ``[model]``'s (Qwen3-MoE's keys)."""
+        c, hf = self.cfg, self.hf_config
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0  # transformers 5 writes the latter
+        if bool(experts) != bool(c.moe_experts):
+            return [
+                f"config.json: {f'a mixture of {experts} experts' if experts else 'a dense model'} but "
+                f"model.moe_experts = {c.moe_experts}; set model.moe_experts={experts}"
+            ]
+        if not experts:
+            return []
+        out = []
+        want = {  # config.json key: (its value, ours, the raysc key)
+            "num_experts": (experts, c.moe_experts, "model.moe_experts"),  # or num_local_experts
+            "num_experts_per_tok": (hf.get("num_experts_per_tok"), c.moe_top_k, "model.moe_top_k"),
+            "moe_intermediate_size": (hf.get("moe_intermediate_size"), c.moe_hidden_dim, "model.moe_ffn_dim"),
+            "norm_topk_prob": (hf.get("norm_topk_prob"), c.moe_norm_topk_prob, "model.moe_norm_topk_prob"),
+            "decoder_sparse_step": (hf.get("decoder_sparse_step"), c.moe_every_n_layers, "model.moe_every_n_layers"),
+        }
+        for key, (theirs, ours, ours_key) in want.items():
+            if theirs is not None and theirs != ours:
+                value = str(theirs).lower() if isinstance(theirs, bool) else theirs
+                out.append(f"config.json: {key} = {theirs} but {ours_key} = {ours}; set {ours_key}={value}")
+        dense = sorted(hf.get("mlp_only_layers") or [])
+        if dense != list(range(len(dense))):
+            out.append(
+                f"config.json: mlp_only_layers = {dense}; raysc's dense layers of a mixture of experts are the "
+                f"first model.moe_first_dense_layers ones"
+            )
+        elif len(dense) != c.moe_first_dense_layers:
+            out.append(
+                f"config.json: mlp_only_layers = {dense} but model.moe_first_dense_layers = "
+                f"{c.moe_first_dense_layers}; set model.moe_first_dense_layers={len(dense)}"
+            )
+        if c.moe_shared_experts or c.moe_score_func != "softmax":
+            out.append(
+                f"config.json: {hf.get('model_type')} routes by softmax with no shared expert but model.moe_score_func"
+                f" = {c.moe_score_func!r}, model.moe_shared_experts = {c.moe_shared_experts}; set "
+                f"model.moe_score_func=softmax and model.moe_shared_experts=0"
+            )
+        return out
+
     def _mup_problems(self) -> list[str]:
         c = self.cfg
         if not c.mup:
@@ -272,7 +365,7 @@ class HFCheckpoint:
 
     def problems(self, expected: list[tuple[str, torch.Size, torch.dtype]]) -> list[str]:
         """Every difference between the checkpoint and the model of ``expected`` (``init_order``)."""
-        out = self._config_problems() + self._mup_problems()
+        out = self._config_problems() + self._moe_problems() + self._mup_problems() + self.layout_problems
         want = {name: tuple(shape) for name, shape, _ in expected}
         for name, shape in want.items():
             if name not in self.names:
@@ -282,9 +375,16 @@ class HFCheckpoint:
                     if (name == "output.weight" and self.tied)
                     else ""
                 )
-                out.append(f"missing tensor {hf_name(name)} ({name}): not in {where}{hint}")
+                out.append(f"missing tensor {_expected_hf_name(name)} ({name}): not in {where}{hint}")
                 continue
             got = self.shape(name)
+            src = self.sources[name]
+            if src.stacked:
+                odd = [
+                    t for t in src.tensors[1:] if self._slice(t).get_shape() != self._slice(src.tensors[0]).get_shape()
+                ]
+                if odd:
+                    out.append(f"{name}: expert tensors of different shapes ({src.tensors[0]} against {odd[0]})")
             if got != shape:
                 out.append(
                     f"tensor {self.names[name]} ({name}): checkpoint shape {list(got)}, the config's "
@@ -320,7 +420,14 @@ class HFCheckpoint:
         if 0 in shape:
             return torch.empty(shape, dtype=dtype)
         index = tuple(slice(o, o + s) for o, s in zip(offset, shape))
-        block = self._file(name).get_slice(self.names[name])[index].to(dtype)
+        src = self.sources[name]
+        if src.stacked:  # one tensor per expert: this block's experts, each sliced alike
+            block = torch.stack([self._slice(t)[index[1:]] for t in src.tensors[index[0]]]).to(dtype)
+        else:
+            if src.part is not None:
+                start = src.part[0]
+                index = (index[0], slice(index[1].start + start, index[1].stop + start), *index[2:])
+            block = self._slice(src.tensors[0])[index].to(dtype)
         scale = self._scale(name)
         return block if scale == 1.0 else block.mul_(scale)
 
@@ -332,6 +439,16 @@ class HFCheckpoint:
             n = min(rows, shape[0] - start)
             part = self.read(name, (offset[0] + start, *offset[1:]), (n, *shape[1:]), local.dtype)
             local[start : start + n].copy_(part)
+
+
+def _expected_hf_name(name: str) -> str:
+    """The checkpoint key a missing raysc parameter was looked for under (both layouts for experts)."""
+    parts = name.split(".")
+    if len(parts) == 5 and parts[2:4] == ["mlp", "experts"]:
+        fused = next(k for k, ws in FUSED_EXPERTS.items() if parts[4] in ws)
+        prefix = f"model.layers.{parts[1]}.mlp.experts"
+        return f"{prefix}.{{0..E-1}}.{EXPERT_PROJ[parts[4]]}.weight or {prefix}.{fused}"
+    return hf_name(name)
 
 
 def check_init_from(directory: str | Path, cfg: ModelConfig) -> dict:

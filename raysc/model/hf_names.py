@@ -1,5 +1,12 @@
 """Parameter names of the raysc Llama and of a Hugging Face ``LlamaForCausalLM`` (or
-``Qwen2ForCausalLM``, the same names plus q/k/v biases, or ``Qwen3ForCausalLM``, plus q/k norms), both ways.
+``Qwen2ForCausalLM``, the same names plus q/k/v biases, or ``Qwen3ForCausalLM``, plus q/k norms, or
+``Qwen3MoeForCausalLM``, plus a router and routed experts), both ways.
+
+Routed experts: raysc holds each MoE layer's experts as three 3-D weights (``mlp.experts.w_gate`` and
+``w_up`` (E, F, D), ``w_down`` (E, D, F)). Checkpoints hold them either per expert
+(``mlp.experts.{e}.gate_proj.weight`` (F, D), ..., what transformers 4 wrote and most published
+checkpoints have) or fused (transformers 5's ``mlp.experts.gate_up_proj`` (E, 2F, D), gate rows first,
+and ``mlp.experts.down_proj`` (E, D, F)); ``expert_key`` parses both.
 
 Export (``raysc.export.hf``) writes Hugging Face names; continued pre-training from a Hugging Face
 checkpoint (``raysc.model.hf_checkpoint``) reads them back. One table serves both directions, so the
@@ -20,6 +27,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
 }
 
 
@@ -43,6 +51,7 @@ LAYER_NAMES: dict[str, str] = {
     "mlp.w_gate.weight": "mlp.gate_proj.weight",
     "mlp.w_up.weight": "mlp.up_proj.weight",
     "mlp.w_down.weight": "mlp.down_proj.weight",
+    "mlp.router.gate.weight": "mlp.gate.weight",  # an MoE layer's router (Qwen3-MoE)
 }
 TOP_NAMES: dict[str, str] = {
     "embed.weight": "model.embed_tokens.weight",
@@ -72,6 +81,28 @@ def raysc_name(name: str) -> str | None:
         parts = name.split(".", 3)
         if len(parts) == 4 and parts[2].isdigit() and parts[3] in _FROM_HF_LAYER:
             return f"layers.{parts[2]}.{_FROM_HF_LAYER[parts[3]]}"
+    return None
+
+
+# a routed expert's projection in a per-expert checkpoint key, by raysc weight
+EXPERT_PROJ = {"w_gate": "gate_proj", "w_up": "up_proj", "w_down": "down_proj"}
+_FROM_EXPERT_PROJ = {v: k for k, v in EXPERT_PROJ.items()}
+# a fused checkpoint key -> the raysc weights it holds, in order along its dim 1
+FUSED_EXPERTS = {"gate_up_proj": ("w_gate", "w_up"), "down_proj": ("w_down",)}
+
+
+def expert_key(name: str) -> tuple[int, int | None, str] | None:
+    """(layer, expert, what) of a Hugging Face routed-expert tensor name: ``what`` a raysc weight
+    (``w_gate``, ``w_up``, ``w_down``) of expert ``expert`` for a per-expert key, or a fused key
+    (``gate_up_proj``, ``down_proj``) with expert None. None: not a routed expert's tensor."""
+    parts = name.split(".")
+    if len(parts) < 6 or parts[:2] != ["model", "layers"] or parts[3:5] != ["mlp", "experts"] or not parts[2].isdigit():
+        return None
+    layer, rest = int(parts[2]), parts[5:]
+    if len(rest) == 1 and rest[0] in FUSED_EXPERTS:
+        return layer, None, rest[0]
+    if len(rest) == 3 and rest[0].isdigit() and rest[1] in _FROM_EXPERT_PROJ and rest[2] == "weight":
+        return layer, int(rest[0]), _FROM_EXPERT_PROJ[rest[1]]
     return None
 
 
