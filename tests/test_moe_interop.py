@@ -143,3 +143,35 @@ def test_a_qwen3_moe_checkpoint_trains_under_expert_parallelism_as_on_one_proces
     out = tmp_path / "losses.json"
     run_forked(_ep_rank, (free_port(), str(per_expert), str(out)), nprocs=2)
     assert json.loads(out.read_text()) == pytest.approx(want, rel=1e-5)
+
+
+def test_a_qwen3_moe_exports_back_with_its_logits_and_refuses_what_it_cannot_hold(qwen3_moe, tmp_path):
+    """The imported model exported as ``Qwen3MoeForCausalLM`` (experts one tensor per expert): transformers
+    loads it with no missing or unexpected key and computes raysc's fp32 logits; a trained routing bias,
+    which Qwen3-MoE has no key for, is refused at export naming the setting, not dropped."""
+    import transformers
+
+    from raysc.export.hf import export_hf
+    from test_init_from import _tokenizer
+
+    _, fused, _ = qwen3_moe
+    ours = Trainer(load_config(None, [*QWEN3_MOE, f'model.init_from="{fused}"']), ROWS, measure_peak=False).model
+    ours.eval()
+    out = export_hf(ours, _tokenizer(tmp_path), tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architectures"], config["num_experts"], config["mlp_only_layers"]) == (
+        ["Qwen3MoeForCausalLM"],
+        EXPERTS,
+        [],
+    )
+    back, info = transformers.AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    ids = torch.from_numpy(ROWS[:2, :32])
+    with torch.no_grad():
+        mine, theirs = ours(ids), back.eval()(ids).logits
+    assert ((mine - theirs).abs().max() / theirs.abs().max()).item() <= 1e-5
+    with torch.no_grad():
+        ours.layers["1"].mlp.router.expert_bias[3] = 0.01
+    with pytest.raises(ValueError, match=r"a trained routing bias \(model.moe_bias_update_rate"):
+        export_hf(ours, _tokenizer(tmp_path), tmp_path / "biased")

@@ -32,7 +32,10 @@ ARCHITECTURES = {
 
 
 def model_type(cfg: ModelConfig) -> str:
-    """config.json's model_type for a raysc ``ModelConfig``: qwen3 (q/k norms), qwen2 (q/k/v biases) or llama."""
+    """config.json's model_type for a raysc ``ModelConfig``: qwen3_moe (a mixture of experts), qwen3 (q/k
+    norms), qwen2 (q/k/v biases) or llama."""
+    if cfg.moe_experts:
+        return "qwen3_moe"
     return "qwen3" if cfg.qk_norm else "qwen2" if cfg.attention_bias else "llama"
 
 

@@ -111,8 +111,10 @@ def export_run(run_dir: Path, step: int | None = None) -> ServedModel:
     if not reused:
         from raysc.export.hf import export_hf
         from raysc.export.restore import load_run
+        from raysc.model.hf_names import require_dense
 
         run = load_run(run_dir, step)
+        require_dense(run.model.cfg, "served (vLLM's MoE path is not verified here yet)")
         tmp = out.with_name(out.name + ".partial")
         export_hf(run.model, run.tokenizer_path, tmp)
         (tmp / EXPORT_RECORD).write_text(json.dumps(record, indent=2))
