@@ -145,7 +145,12 @@ def switch_aux_loss(
     tokens, k = experts.shape
     total_counts = counts if total_counts is None else total_counts
     total_tokens = tokens if total_tokens is None else total_tokens
-    return probs.shape[-1] / (k * tokens * total_tokens) * (probs.sum(0) * total_counts.to(probs.dtype)).sum()
+    return switch_from_sums(probs.sum(0), total_counts, k, tokens, total_tokens)
+
+
+def switch_from_sums(prob_sums: torch.Tensor, counts: torch.Tensor, k: int, tokens: int, total_tokens: int):
+    """``switch_aux_loss`` from its sums: ``E / (k·T_r·T) · Σ_i P_i · c_i`` (``T_r = T`` on one rank)."""
+    return prob_sums.shape[-1] / (k * tokens * total_tokens) * (prob_sums * counts.to(prob_sums.dtype)).sum()
 
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
@@ -220,8 +225,7 @@ class MoEFeedForward(nn.Module):
         total_counts = total[experts_n : 2 * experts_n].round().long()
         total_tokens = int(total[-1])
         aux = switch_aux_loss(probs, experts, counts, total_counts, total_tokens)
-        k = experts.shape[1]
-        whole_aux = experts_n / (k * total_tokens * total_tokens) * (total[:experts_n] * total_counts).sum()
+        whole_aux = switch_from_sums(total[:experts_n], total_counts, experts.shape[1], total_tokens, total_tokens)
         whole_z = total[-2] / total_tokens
         self.last = RouterStats(counts.detach(), whole_aux.float(), whole_z.float())
         return aux, lse_sq.mean()
